@@ -1,0 +1,179 @@
+# moed: build, test, run, install.
+#
+#   make            build build/moed, build/moectl, build/libmoe.{so,a}
+#   make test       unit and integration tests (tests/run.sh), summary last
+#   make run        the demo: daemon on a generated layer, a checked forward, a bench
+#   make bench      kernel benchmarks (GPU machine)
+#   make install    PREFIX=/usr/local DESTDIR=
+#   make deps       install the Debian build dependencies (apt-get, as root)
+#   SAN=1           build with AddressSanitizer and UndefinedBehaviorSanitizer
+#
+# The CUDA kernels are built when nvcc is found (NVCC=, else PATH, else
+# /usr/local/cuda/bin); without it the build is CPU-only and says so.
+
+BUILD   ?= build
+PREFIX  ?= /usr/local
+DESTDIR ?=
+VERSION := 0.1.0
+
+CC      ?= cc
+V       ?= 0
+ifeq ($(V),0)
+Q := @
+endif
+NVCC    ?= $(shell command -v nvcc 2>/dev/null || { test -x /usr/local/cuda/bin/nvcc && echo /usr/local/cuda/bin/nvcc; })
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+
+OPT     ?= -O2
+WARN    := -Wall -Wextra -Wno-unused-parameter -Wshadow -Wstrict-prototypes \
+           -Wmissing-prototypes -Werror=implicit-function-declaration -Wvla
+# -ffp-contract=off: the CPU kernels promise bit-identical results per token,
+# which fused multiply-adds chosen differently per code path would break.
+CFLAGS  ?= $(OPT) -g
+CFLAGS  += -std=c11 -D_GNU_SOURCE -fPIC -pthread -ffp-contract=off $(WARN) \
+           -I. -Ikernels -Iclient -I$(BUILD)/gen -MMD -MP \
+           -DMOE_VERSION=\"$(VERSION)\"
+LDFLAGS += -pthread
+LIBS    := -lzmq -lprotobuf-c -lsystemd -lcjson -linih -lm
+
+ifeq ($(SAN),1)
+SANFLAGS := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+CFLAGS   += $(SANFLAGS)
+LDFLAGS  += $(SANFLAGS)
+BUILD    := build-san
+endif
+
+DEB_PKGS := libzmq3-dev libprotobuf-c-dev protobuf-c-compiler libsystemd-dev \
+            libcjson-dev libinih-dev pkg-config
+
+# ---- sources ---------------------------------------------------------------
+PROTO_C   := $(BUILD)/gen/moe.pb-c.c
+PROTO_H   := $(BUILD)/gen/moe.pb-c.h
+KERN_SRC  := $(wildcard kernels/cpu/*.c)
+DAEMON_SRC := $(filter-out daemon/main.c,$(wildcard daemon/*.c))
+CLIENT_SRC := $(filter-out client/moectl%.c,$(wildcard client/*.c))
+MOECTL_SRC := $(wildcard client/moectl*.c)
+CUDA_SRC  := $(if $(NVCC),$(wildcard kernels/cuda/*.cu))
+
+obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
+PROTO_O   := $(BUILD)/obj/gen/moe.pb-c.o $(call obj,$(wildcard proto/*.c))
+KERN_O    := $(call obj,$(KERN_SRC))
+DAEMON_O  := $(call obj,$(DAEMON_SRC))
+CLIENT_O  := $(call obj,$(CLIENT_SRC))
+MOECTL_O  := $(call obj,$(MOECTL_SRC))
+CUDA_O    := $(patsubst %.cu,$(BUILD)/obj/%.o,$(CUDA_SRC))
+
+ifneq ($(NVCC),)
+CFLAGS     += -DMOE_HAVE_CUDA=1 -I$(CUDA_HOME)/include
+CUDA_LIBS  := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lstdc++ \
+              -Wl,-rpath,$(CUDA_HOME)/lib64
+NVCCFLAGS  ?= -O3 -std=c++17 -lineinfo -Xcompiler -fPIC \
+              -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_90,code=compute_90
+NVCCFLAGS  += -Ikernels
+endif
+
+UNIT_SRC  := $(wildcard tests/unit/test_*.c)
+ITEST_SRC := $(wildcard tests/integration/itest_*.c)
+UNIT_BIN  := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(UNIT_SRC))
+ITEST_BIN := $(patsubst tests/integration/%.c,$(BUILD)/tests/%,$(ITEST_SRC))
+
+BINS := $(BUILD)/moed $(BUILD)/moectl $(BUILD)/libmoe.so $(BUILD)/libmoe.a $(BUILD)/libmoe.pc
+
+.PHONY: all deps test run bench install clean cuda-note
+all: $(BINS) cuda-note
+
+cuda-note:
+ifeq ($(NVCC),)
+	@echo "note: nvcc not found; built CPU-only (the CUDA backend is not compiled)"
+endif
+
+# Installs what is missing, once per build tree; a machine that has it all
+# never needs root.
+deps: $(BUILD)/.deps
+$(BUILD)/.deps:
+	@mkdir -p $(BUILD)
+	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing build dependencies:" $$missing; \
+	  if [ "$$(id -u)" != 0 ]; then echo "make deps: run as root (apt-get) or install:" $$missing >&2; exit 1; fi; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	fi
+	@touch $@
+
+$(PROTO_C) $(PROTO_H): proto/moe.proto | $(BUILD)/.deps
+	@mkdir -p $(BUILD)/gen
+	@echo "  PROTOC  $<"
+	$(Q)protoc-c --proto_path=proto --c_out=$(BUILD)/gen proto/moe.proto
+
+$(BUILD)/obj/gen/%.o: $(BUILD)/gen/%.c
+	@mkdir -p $(dir $@)
+	@echo "  CC      $<"
+	$(Q)$(CC) $(CFLAGS) -Wno-missing-prototypes -c -o $@ $<
+
+$(BUILD)/obj/%.o: %.c $(PROTO_H) | $(BUILD)/.deps
+	@mkdir -p $(dir $@)
+	@echo "  CC      $<"
+	$(Q)$(CC) $(CFLAGS) -c -o $@ $<
+
+$(BUILD)/obj/%.o: %.cu kernels/moe_kernels.h
+	@mkdir -p $(dir $@)
+	@echo "  NVCC    $<"
+	$(Q)$(NVCC) $(NVCCFLAGS) -c -o $@ $<
+
+$(BUILD)/moed: $(BUILD)/obj/daemon/main.o $(DAEMON_O) $(KERN_O) $(CUDA_O) $(PROTO_O)
+	@echo "  LINK    $@"
+	$(Q)$(CC) $(LDFLAGS) -o $@ $^ $(LIBS) $(CUDA_LIBS)
+
+$(BUILD)/libmoe.a: $(CLIENT_O) $(PROTO_O)
+	@rm -f $@
+	@echo "  AR      $@"
+	$(Q)ar rcs $@ $^
+
+$(BUILD)/libmoe.so: $(CLIENT_O) $(PROTO_O)
+	@echo "  LINK    $@"
+	$(Q)$(CC) $(LDFLAGS) -shared -Wl,-soname,libmoe.so.0 -Wl,--version-script=client/libmoe.map -o $@ $^ -lzmq -lprotobuf-c
+
+$(BUILD)/libmoe.pc: client/libmoe.pc.in
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' $< > $@
+
+# moectl's --check reads the layer's weights with the daemon's own reader.
+MOECTL_DAEMON_O := $(call obj,daemon/safetensors.c daemon/layer_read.c daemon/util.c)
+$(BUILD)/moectl: $(MOECTL_O) $(MOECTL_DAEMON_O) $(BUILD)/libmoe.a $(KERN_O)
+	@echo "  LINK    $@"
+	$(Q)$(CC) $(LDFLAGS) -o $@ $(MOECTL_O) $(MOECTL_DAEMON_O) $(BUILD)/libmoe.a $(KERN_O) -lzmq -lprotobuf-c -lcjson -lm
+
+# Tests link every module but the two mains, so each can test any module.
+TEST_LINK := $(DAEMON_O) $(CLIENT_O) $(KERN_O) $(CUDA_O) $(PROTO_O)
+$(BUILD)/tests/%: tests/unit/%.c $(TEST_LINK) tests/harness.h $(PROTO_H)
+	@mkdir -p $(dir $@)
+	@echo "  TEST    $@"
+	$(Q)$(CC) $(CFLAGS) $(LDFLAGS) -o $@ $< $(TEST_LINK) $(LIBS) $(CUDA_LIBS)
+$(BUILD)/tests/%: tests/integration/%.c $(TEST_LINK) tests/harness.h $(PROTO_H)
+	@mkdir -p $(dir $@)
+	@echo "  TEST    $@"
+	$(Q)$(CC) $(CFLAGS) $(LDFLAGS) -o $@ $< $(TEST_LINK) $(LIBS) $(CUDA_LIBS)
+
+test: all $(UNIT_BIN) $(ITEST_BIN)
+	@BUILD=$(BUILD) tests/run.sh
+
+run: all
+	@BUILD=$(BUILD) tests/demo.sh
+
+bench: all
+	@$(MAKE) -C kernels/bench BUILD=$(abspath $(BUILD))
+
+install: all
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/sbin $(DESTDIR)$(PREFIX)/lib \
+	  $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig
+	install -m 0755 $(BUILD)/moed $(DESTDIR)$(PREFIX)/sbin/moed
+	install -m 0755 $(BUILD)/moectl $(DESTDIR)$(PREFIX)/bin/moectl
+	install -m 0644 $(BUILD)/libmoe.a $(DESTDIR)$(PREFIX)/lib/libmoe.a
+	install -m 0755 $(BUILD)/libmoe.so $(DESTDIR)$(PREFIX)/lib/libmoe.so.0
+	ln -sf libmoe.so.0 $(DESTDIR)$(PREFIX)/lib/libmoe.so
+	install -m 0644 client/moe.h $(DESTDIR)$(PREFIX)/include/moe.h
+	install -m 0644 $(BUILD)/libmoe.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/libmoe.pc
+
+clean:
+	rm -rf build build-san
+
+-include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)

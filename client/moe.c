@@ -1,0 +1,822 @@
+/*
+ * moe.c: libmoe. See moe.h for the API. Two sockets per client: the session
+ * socket (UNIX seqpacket: OpenSession, regions with their memfds) and a
+ * ZeroMQ DEALER for requests. Replies may come back in any order; a reply
+ * that arrives for another waiter is parked in the client's pending list.
+ *
+ * Library code does not log: errors are returned, with a message for
+ * moe_errmsg().
+ */
+#include "moe.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "moe.pb-c.h"
+#include "proto/status.h"
+
+struct moe_region {
+    uint64_t id;
+    int fd;
+    void *base;
+    size_t size;
+    struct moe_region *next;
+};
+
+struct pending {
+    uint64_t id;
+    Moe__Reply *reply;
+    struct pending *next;
+};
+
+struct moe_client {
+    pthread_mutex_t mu;
+    int sfd;
+    void *zctx;
+    void *zsock;
+    uint8_t token[16];
+    size_t token_len;
+    uint64_t session_id;
+    uint64_t next_id;
+    int timeout_ms;
+    struct moe_region *regions;
+    struct pending *pending;
+};
+
+struct moe_request {
+    uint64_t id;
+};
+
+static _Thread_local char moe_err_buf[512];
+
+const char *moe_errmsg(void)
+{
+    return moe_err_buf;
+}
+
+const char *moe_strerror(int err)
+{
+    return status_strerror(err);
+}
+
+static int seterr(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int seterr(int err, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(moe_err_buf, sizeof(moe_err_buf), fmt, ap);
+    va_end(ap);
+    return err;
+}
+
+static uint64_t mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* ---- session socket ---------------------------------------------------- */
+
+static int session_call(moe_client *c, Moe__SessionRequest *req, int fd,
+                        Moe__SessionReply **out)
+{
+    uint8_t buf[4096];
+    size_t n = moe__session_request__get_packed_size(req);
+    if (n > sizeof(buf))
+        return seterr(-EINVAL, "session message too large");
+    moe__session_request__pack(req, buf);
+    union {
+        char raw[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } cbuf;
+    struct iovec iov = {buf, n};
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
+    if (fd >= 0) {
+        memset(&cbuf, 0, sizeof(cbuf));
+        mh.msg_control = cbuf.raw;
+        mh.msg_controllen = sizeof(cbuf.raw);
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+    }
+    if (sendmsg(c->sfd, &mh, MSG_NOSIGNAL) < 0)
+        return seterr(errno == EPIPE ? -ECONNRESET : -errno, "cannot reach the daemon: %s",
+                      strerror(errno));
+    struct pollfd p = {c->sfd, POLLIN, 0};
+    int pr = poll(&p, 1, c->timeout_ms);
+    if (pr == 0)
+        return seterr(-ETIMEDOUT, "the daemon did not answer within %d ms", c->timeout_ms);
+    ssize_t r = recv(c->sfd, buf, sizeof(buf), 0);
+    if (r <= 0)
+        return seterr(-ECONNRESET, "the daemon closed the session");
+    Moe__SessionReply *rep = moe__session_reply__unpack(NULL, (size_t)r, buf);
+    if (!rep)
+        return seterr(-EPROTO, "malformed session reply");
+    if (rep->status != MOE__STATUS__STATUS_OK) {
+        int e = status_to_errno(rep->status);
+        seterr(e, "%s", rep->message && rep->message[0] ? rep->message : status_strerror(e));
+        moe__session_reply__free_unpacked(rep, NULL);
+        return e;
+    }
+    *out = rep;
+    return 0;
+}
+
+/* ---- connection -------------------------------------------------------- */
+
+static int default_runtime_dir(char *buf, size_t len)
+{
+    const char *env = getenv("MOED_RUNTIME_DIR");
+    if (env && env[0])
+        return snprintf(buf, len, "%s", env) < (int)len ? 0 : -ENAMETOOLONG;
+    if (geteuid() == 0)
+        return snprintf(buf, len, "/run/moed") < (int)len ? 0 : -ENAMETOOLONG;
+    env = getenv("XDG_RUNTIME_DIR");
+    if (env && env[0])
+        return snprintf(buf, len, "%s/moed", env) < (int)len ? 0 : -ENAMETOOLONG;
+    return snprintf(buf, len, "/tmp/moed-%u", (unsigned)geteuid()) < (int)len ? 0 : -ENAMETOOLONG;
+}
+
+void moe_set_timeout(moe_client *c, int timeout_ms)
+{
+    c->timeout_ms = timeout_ms;
+}
+
+int moe_connect(const char *runtime_dir, const char *client_name, moe_client **out)
+{
+    char dir[PATH_MAX];
+    *out = NULL;
+    moe_err_buf[0] = '\0';
+    if (runtime_dir)
+        snprintf(dir, sizeof(dir), "%s", runtime_dir);
+    else if (default_runtime_dir(dir, sizeof(dir)) < 0)
+        return seterr(-ENAMETOOLONG, "runtime directory path too long");
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    if (snprintf(sa.sun_path, sizeof(sa.sun_path), "%s/moed.sock", dir) >= (int)sizeof(sa.sun_path))
+        return seterr(-ENAMETOOLONG, "runtime directory path too long for a socket");
+    moe_client *c = calloc(1, sizeof(*c));
+    if (!c)
+        return seterr(-ENOMEM, "out of memory");
+    pthread_mutex_init(&c->mu, NULL);
+    c->timeout_ms = 60000;
+    c->sfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    int rc;
+    if (c->sfd < 0) {
+        rc = seterr(-errno, "socket: %s", strerror(errno));
+        goto fail;
+    }
+    if (connect(c->sfd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+        int e = errno;
+        rc = seterr(e == ENOENT || e == ECONNREFUSED ? -ECONNREFUSED : -e,
+                    "cannot connect to %s: %s%s", sa.sun_path, strerror(e),
+                    e == ENOENT || e == ECONNREFUSED ? " (is moed running?)" : "");
+        goto fail;
+    }
+    Moe__SessionRequest req = MOE__SESSION_REQUEST__INIT;
+    Moe__OpenSession open = MOE__OPEN_SESSION__INIT;
+    open.protocol_version = MOE_PROTOCOL_VERSION;
+    open.client_name = (char *)(client_name ? client_name : "");
+    req.body_case = MOE__SESSION_REQUEST__BODY_OPEN;
+    req.open = &open;
+    Moe__SessionReply *rep = NULL;
+    if ((rc = session_call(c, &req, -1, &rep)) < 0)
+        goto fail;
+    if (rep->token.len != sizeof(c->token) || !rep->request_endpoint) {
+        moe__session_reply__free_unpacked(rep, NULL);
+        rc = seterr(-EPROTO, "daemon sent no session token");
+        goto fail;
+    }
+    memcpy(c->token, rep->token.data, rep->token.len);
+    c->token_len = rep->token.len;
+    c->session_id = rep->session_id;
+    char endpoint[PATH_MAX + 16];
+    snprintf(endpoint, sizeof(endpoint), "%s", rep->request_endpoint);
+    moe__session_reply__free_unpacked(rep, NULL);
+
+    c->zctx = zmq_ctx_new();
+    c->zsock = c->zctx ? zmq_socket(c->zctx, ZMQ_DEALER) : NULL;
+    if (!c->zsock) {
+        rc = seterr(-ENOMEM, "cannot create a ZeroMQ socket");
+        goto fail;
+    }
+    int linger = 0;
+    zmq_setsockopt(c->zsock, ZMQ_LINGER, &linger, sizeof(linger));
+    if (zmq_connect(c->zsock, endpoint) < 0) {
+        rc = seterr(-zmq_errno(), "cannot connect to %s: %s", endpoint, zmq_strerror(zmq_errno()));
+        goto fail;
+    }
+    *out = c;
+    return 0;
+fail:
+    moe_disconnect(&c);
+    return rc;
+}
+
+static void region_unmap(struct moe_region *r)
+{
+    munmap(r->base, r->size);
+    close(r->fd);
+    free(r);
+}
+
+void moe_disconnect(moe_client **cp)
+{
+    moe_client *c = *cp;
+    *cp = NULL;
+    if (!c)
+        return;
+    if (c->zsock)
+        zmq_close(c->zsock);
+    if (c->zctx)
+        zmq_ctx_term(c->zctx);
+    if (c->sfd >= 0)
+        close(c->sfd);
+    while (c->regions) {
+        struct moe_region *r = c->regions;
+        c->regions = r->next;
+        region_unmap(r);
+    }
+    while (c->pending) {
+        struct pending *p = c->pending;
+        c->pending = p->next;
+        moe__reply__free_unpacked(p->reply, NULL);
+        free(p);
+    }
+    pthread_mutex_destroy(&c->mu);
+    free(c);
+}
+
+/* ---- request channel --------------------------------------------------- */
+
+/* Pack and send; caller holds c->mu. Fills req->id, req->token. */
+static int send_request(moe_client *c, Moe__Request *req)
+{
+    req->id = ++c->next_id;
+    req->token.data = c->token;
+    req->token.len = c->token_len;
+    size_t n = moe__request__get_packed_size(req);
+    zmq_msg_t msg;
+    if (zmq_msg_init_size(&msg, n) != 0)
+        return seterr(-ENOMEM, "out of memory");
+    moe__request__pack(req, zmq_msg_data(&msg));
+    if (zmq_msg_send(&msg, c->zsock, 0) < 0) {
+        int e = zmq_errno();
+        zmq_msg_close(&msg);
+        return seterr(-e, "cannot send to the daemon: %s", zmq_strerror(e));
+    }
+    return 0;
+}
+
+/* Take the reply for id from the pending list, or NULL. Caller holds mu. */
+static Moe__Reply *pending_take(moe_client *c, uint64_t id)
+{
+    for (struct pending **pp = &c->pending; *pp; pp = &(*pp)->next)
+        if ((*pp)->id == id) {
+            struct pending *p = *pp;
+            *pp = p->next;
+            Moe__Reply *r = p->reply;
+            free(p);
+            return r;
+        }
+    return NULL;
+}
+
+/* Receive whatever has arrived into the pending list; wait up to wait_ms
+ * for the first message. Caller holds mu. */
+static int receive_some(moe_client *c, int wait_ms)
+{
+    zmq_pollitem_t it = {c->zsock, 0, ZMQ_POLLIN, 0};
+    int pr = zmq_poll(&it, 1, wait_ms);
+    if (pr < 0)
+        return zmq_errno() == EINTR ? 0 : seterr(-zmq_errno(), "%s", zmq_strerror(zmq_errno()));
+    for (;;) {
+        zmq_msg_t msg;
+        zmq_msg_init(&msg);
+        if (zmq_msg_recv(&msg, c->zsock, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&msg);
+            return 0;
+        }
+        Moe__Reply *rep = moe__reply__unpack(NULL, zmq_msg_size(&msg), zmq_msg_data(&msg));
+        zmq_msg_close(&msg);
+        if (!rep)
+            continue; /* not ours to understand; nobody waits on it */
+        struct pending *p = malloc(sizeof(*p));
+        if (!p) {
+            moe__reply__free_unpacked(rep, NULL);
+            return seterr(-ENOMEM, "out of memory");
+        }
+        p->id = rep->id;
+        p->reply = rep;
+        p->next = c->pending;
+        c->pending = p;
+    }
+}
+
+/* Wait for the reply to id. timeout_ms < 0: forever. On success *out is the
+ * reply (caller frees) whatever its status. */
+static int wait_reply(moe_client *c, uint64_t id, int timeout_ms, Moe__Reply **out)
+{
+    uint64_t deadline = timeout_ms >= 0 ? mono_ms() + (uint64_t)timeout_ms : UINT64_MAX;
+    for (;;) {
+        pthread_mutex_lock(&c->mu);
+        Moe__Reply *rep = pending_take(c, id);
+        int rc = 0;
+        if (!rep) {
+            uint64_t now = mono_ms();
+            /* Short slices, so other threads can send while one waits. */
+            int slice = now >= deadline ? 0 : deadline - now > 10 ? 10 : (int)(deadline - now);
+            rc = receive_some(c, slice);
+            if (!rc)
+                rep = pending_take(c, id);
+        }
+        pthread_mutex_unlock(&c->mu);
+        if (rc)
+            return rc;
+        if (rep) {
+            *out = rep;
+            return 0;
+        }
+        if (mono_ms() >= deadline)
+            return seterr(-ETIMEDOUT, "no reply from the daemon within %d ms", timeout_ms);
+    }
+}
+
+/* A reply's status as an error code, with the daemon's message. */
+static int reply_status(const Moe__Reply *rep)
+{
+    if (rep->status == MOE__STATUS__STATUS_OK) {
+        moe_err_buf[0] = '\0';
+        return 0;
+    }
+    int e = status_to_errno(rep->status);
+    return seterr(e, "%s", rep->message && rep->message[0] ? rep->message : status_strerror(e));
+}
+
+/* Send req and wait for its reply (kept in *out on success if out != NULL). */
+static int call(moe_client *c, Moe__Request *req, Moe__Reply **out)
+{
+    pthread_mutex_lock(&c->mu);
+    int rc = send_request(c, req);
+    pthread_mutex_unlock(&c->mu);
+    if (rc)
+        return rc;
+    Moe__Reply *rep = NULL;
+    if ((rc = wait_reply(c, req->id, c->timeout_ms, &rep)) < 0)
+        return rc;
+    rc = reply_status(rep);
+    if (rc || !out)
+        moe__reply__free_unpacked(rep, NULL);
+    else
+        *out = rep;
+    return rc;
+}
+
+int moe_hello(moe_client *c, moe_server_info *info)
+{
+    Moe__Request req = MOE__REQUEST__INIT;
+    Moe__Hello h = MOE__HELLO__INIT;
+    h.protocol_version = MOE_PROTOCOL_VERSION;
+    req.body_case = MOE__REQUEST__BODY_HELLO;
+    req.hello = &h;
+    Moe__Reply *rep = NULL;
+    int rc = call(c, &req, &rep);
+    if (rc)
+        return rc;
+    if (info && rep->body_case == MOE__REPLY__BODY_HELLO) {
+        Moe__HelloReply *hr = rep->hello;
+        memset(info, 0, sizeof(*info));
+        info->protocol_version = hr->protocol_version;
+        snprintf(info->server_version, sizeof(info->server_version), "%s", hr->server_version);
+        snprintf(info->backend, sizeof(info->backend), "%s", hr->backend);
+        for (size_t i = 0; i < hr->n_devices && i < 8; i++) {
+            snprintf(info->devices[i].name, sizeof(info->devices[i].name), "%s", hr->devices[i]->name);
+            info->devices[i].memory_bytes = hr->devices[i]->memory_bytes;
+            info->devices[i].compute_units = hr->devices[i]->compute_units;
+            info->n_devices++;
+        }
+        info->max_message_bytes = hr->max_message_bytes;
+        info->max_batch_tokens = hr->max_batch_tokens;
+        size_t o = 0;
+        for (size_t i = 0; i < hr->n_capabilities && o < sizeof(info->capabilities); i++)
+            o += (size_t)snprintf(info->capabilities + o, sizeof(info->capabilities) - o, "%s%s",
+                                  i ? "," : "", hr->capabilities[i]);
+    }
+    moe__reply__free_unpacked(rep, NULL);
+    return 0;
+}
+
+/* ---- regions ----------------------------------------------------------- */
+
+int moe_region_create(moe_client *c, size_t size, const char *name, moe_region **out)
+{
+    *out = NULL;
+    if (size == 0)
+        return seterr(-EINVAL, "a region needs at least one byte");
+    moe_region *r = calloc(1, sizeof(*r));
+    if (!r)
+        return seterr(-ENOMEM, "out of memory");
+    r->fd = memfd_create(name && name[0] ? name : "moe-region", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (r->fd < 0) {
+        int e = -errno;
+        free(r);
+        return seterr(e, "memfd_create: %s", strerror(-e));
+    }
+    int rc = 0;
+    if (ftruncate(r->fd, (off_t)size) < 0 ||
+        fcntl(r->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) < 0) {
+        rc = seterr(-errno, "cannot size and seal the region: %s", strerror(errno));
+        close(r->fd);
+        free(r);
+        return rc;
+    }
+    r->base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, r->fd, 0);
+    if (r->base == MAP_FAILED) {
+        rc = seterr(-errno, "mmap: %s", strerror(errno));
+        close(r->fd);
+        free(r);
+        return rc;
+    }
+    r->size = size;
+    Moe__SessionRequest req = MOE__SESSION_REQUEST__INIT;
+    Moe__RegisterRegion reg = MOE__REGISTER_REGION__INIT;
+    reg.size = size;
+    reg.name = (char *)(name ? name : "");
+    req.body_case = MOE__SESSION_REQUEST__BODY_REGISTER_REGION;
+    req.register_region = &reg;
+    Moe__SessionReply *rep = NULL;
+    pthread_mutex_lock(&c->mu);
+    rc = session_call(c, &req, r->fd, &rep);
+    if (!rc) {
+        r->id = rep->region;
+        moe__session_reply__free_unpacked(rep, NULL);
+        r->next = c->regions;
+        c->regions = r;
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (rc) {
+        region_unmap(r);
+        return rc;
+    }
+    *out = r;
+    return 0;
+}
+
+int moe_region_free(moe_client *c, moe_region **rp)
+{
+    moe_region *r = *rp;
+    *rp = NULL;
+    if (!r)
+        return 0;
+    Moe__SessionRequest req = MOE__SESSION_REQUEST__INIT;
+    Moe__UnregisterRegion un = MOE__UNREGISTER_REGION__INIT;
+    un.region = r->id;
+    req.body_case = MOE__SESSION_REQUEST__BODY_UNREGISTER_REGION;
+    req.unregister_region = &un;
+    Moe__SessionReply *rep = NULL;
+    pthread_mutex_lock(&c->mu);
+    int rc = session_call(c, &req, -1, &rep);
+    if (!rc)
+        moe__session_reply__free_unpacked(rep, NULL);
+    for (moe_region **pp = &c->regions; *pp; pp = &(*pp)->next)
+        if (*pp == r) {
+            *pp = r->next;
+            break;
+        }
+    pthread_mutex_unlock(&c->mu);
+    region_unmap(r);
+    return rc;
+}
+
+void *moe_region_data(const moe_region *r)
+{
+    return r->base;
+}
+
+size_t moe_region_size(const moe_region *r)
+{
+    return r->size;
+}
+
+uint64_t moe_region_id(const moe_region *r)
+{
+    return r->id;
+}
+
+moe_tensor moe_tensor_2d(const moe_region *r, uint64_t offset, moe_dtype dt, uint64_t d0,
+                         uint64_t d1)
+{
+    return (moe_tensor){.region = r, .offset = offset, .dtype = dt, .ndim = 2, .shape = {d0, d1}};
+}
+
+moe_tensor moe_tensor_3d(const moe_region *r, uint64_t offset, moe_dtype dt, uint64_t d0,
+                         uint64_t d1, uint64_t d2)
+{
+    return (moe_tensor){.region = r, .offset = offset, .dtype = dt, .ndim = 3,
+                        .shape = {d0, d1, d2}};
+}
+
+size_t moe_dtype_size(moe_dtype dt)
+{
+    switch (dt) {
+    case MOE_DTYPE_BF16: case MOE_DTYPE_FP16: return 2;
+    case MOE_DTYPE_FP32: case MOE_DTYPE_INT32: return 4;
+    case MOE_DTYPE_INT64: return 8;
+    default: return 0;
+    }
+}
+
+uint64_t moe_tensor_bytes(const moe_tensor *t)
+{
+    if (!t->region || t->ndim < 1 || t->ndim > MOE_MAX_DIMS)
+        return 0;
+    uint64_t n = moe_dtype_size(t->dtype);
+    for (int i = 0; i < t->ndim; i++)
+        if (__builtin_mul_overflow(n, t->shape[i], &n))
+            return 0;
+    return n;
+}
+
+/* A wire Tensor for t, or NULL when t is absent. */
+static Moe__Tensor *wire_tensor(const moe_tensor *t, Moe__Tensor *w)
+{
+    if (!t->region)
+        return NULL;
+    moe__tensor__init(w);
+    w->region = t->region->id;
+    w->offset = t->offset;
+    w->dtype = (Moe__DType)t->dtype;
+    w->n_shape = t->ndim > 0 && t->ndim <= MOE_MAX_DIMS ? (size_t)t->ndim : 0;
+    w->shape = (uint64_t *)t->shape;
+    return w;
+}
+
+/* ---- layers ------------------------------------------------------------ */
+
+static void layer_info_from(const Moe__LayerInfo *li, moe_layer_info *o)
+{
+    memset(o, 0, sizeof(*o));
+    snprintf(o->name, sizeof(o->name), "%s", li->name ? li->name : "");
+    o->kind = (moe_layer_kind)li->kind;
+    o->dtype = (moe_dtype)li->dtype;
+    o->experts = li->experts;
+    o->topk = li->topk;
+    o->hidden = li->hidden;
+    o->intermediate = li->intermediate;
+    o->routing = (moe_routing)li->routing;
+    o->renormalize = li->renormalize;
+    o->groups = li->groups;
+    o->n = li->n;
+    o->k = li->k;
+    snprintf(o->source, sizeof(o->source), "%s", li->source ? li->source : "");
+    o->weight_bytes = li->weight_bytes;
+    o->requests = li->requests;
+    o->tokens = li->tokens;
+}
+
+int moe_layer_load(moe_client *c, const moe_layer_desc *d, moe_layer_info *info)
+{
+    Moe__Request req = MOE__REQUEST__INIT;
+    Moe__LoadLayer m = MOE__LOAD_LAYER__INIT;
+    Moe__Tensor t1, t3, t2;
+    m.name = (char *)(d->name ? d->name : "");
+    m.kind = (Moe__LayerKind)d->kind;
+    m.dtype = (Moe__DType)d->dtype;
+    m.experts = d->experts;
+    m.topk = d->topk;
+    m.hidden = d->hidden;
+    m.intermediate = d->intermediate;
+    m.routing = (Moe__Routing)d->routing;
+    m.renormalize = d->renormalize != 0;
+    m.groups = d->groups;
+    m.n = d->n;
+    m.k = d->k;
+    m.path = (char *)(d->path ? d->path : "");
+    m.prefix = (char *)(d->prefix ? d->prefix : "");
+    m.w1 = wire_tensor(&d->w1, &t1);
+    m.w3 = wire_tensor(&d->w3, &t3);
+    m.w2 = wire_tensor(&d->w2, &t2);
+    req.body_case = MOE__REQUEST__BODY_LOAD_LAYER;
+    req.load_layer = &m;
+    Moe__Reply *rep = NULL;
+    int rc = call(c, &req, &rep);
+    if (rc)
+        return rc;
+    if (info && rep->body_case == MOE__REPLY__BODY_LAYER)
+        layer_info_from(rep->layer, info);
+    moe__reply__free_unpacked(rep, NULL);
+    return 0;
+}
+
+int moe_layer_unload(moe_client *c, const char *name)
+{
+    Moe__Request req = MOE__REQUEST__INIT;
+    Moe__UnloadLayer m = MOE__UNLOAD_LAYER__INIT;
+    m.name = (char *)(name ? name : "");
+    req.body_case = MOE__REQUEST__BODY_UNLOAD_LAYER;
+    req.unload_layer = &m;
+    return call(c, &req, NULL);
+}
+
+int moe_layer_list(moe_client *c, moe_layer_info *out, int max)
+{
+    Moe__Request req = MOE__REQUEST__INIT;
+    Moe__ListLayers m = MOE__LIST_LAYERS__INIT;
+    req.body_case = MOE__REQUEST__BODY_LIST_LAYERS;
+    req.list_layers = &m;
+    Moe__Reply *rep = NULL;
+    int rc = call(c, &req, &rep);
+    if (rc)
+        return rc;
+    int n = 0;
+    if (rep->body_case == MOE__REPLY__BODY_LAYERS) {
+        n = (int)rep->layers->n_layers;
+        for (int i = 0; i < n && i < max; i++)
+            layer_info_from(rep->layers->layers[i], &out[i]);
+    }
+    moe__reply__free_unpacked(rep, NULL);
+    return n;
+}
+
+/* ---- compute ----------------------------------------------------------- */
+
+static void timings_from(const Moe__Reply *rep, moe_timings *t)
+{
+    if (!t)
+        return;
+    memset(t, 0, sizeof(*t));
+    if (rep->timings) {
+        t->queue_us = rep->timings->queue_us;
+        t->compute_us = rep->timings->compute_us;
+        t->batch_requests = rep->timings->batch_requests;
+        t->batch_tokens = rep->timings->batch_tokens;
+    }
+}
+
+static int submit(moe_client *c, Moe__Request *req, moe_request **out)
+{
+    *out = NULL;
+    moe_request *r = malloc(sizeof(*r));
+    if (!r)
+        return seterr(-ENOMEM, "out of memory");
+    pthread_mutex_lock(&c->mu);
+    int rc = send_request(c, req);
+    pthread_mutex_unlock(&c->mu);
+    if (rc) {
+        free(r);
+        return rc;
+    }
+    r->id = req->id;
+    *out = r;
+    return 0;
+}
+
+int moe_forward_submit(moe_client *c, const moe_forward_args *a, moe_request **out)
+{
+    Moe__Request req = MOE__REQUEST__INIT;
+    Moe__FusedMoe m = MOE__FUSED_MOE__INIT;
+    Moe__Tensor tx, tl, ti, tw, to;
+    m.layer = (char *)(a->layer ? a->layer : "");
+    m.x = wire_tensor(&a->x, &tx);
+    m.logits = wire_tensor(&a->logits, &tl);
+    m.topk_ids = wire_tensor(&a->topk_ids, &ti);
+    m.topk_weights = wire_tensor(&a->topk_weights, &tw);
+    m.out = wire_tensor(&a->out, &to);
+    req.timeout_us = a->timeout_us;
+    req.no_batch = a->no_batch != 0;
+    req.body_case = MOE__REQUEST__BODY_FUSED_MOE;
+    req.fused_moe = &m;
+    return submit(c, &req, out);
+}
+
+int moe_gemm_submit(moe_client *c, const moe_gemm_args *a, moe_request **out)
+{
+    Moe__Request req = MOE__REQUEST__INIT;
+    Moe__GroupedGemm m = MOE__GROUPED_GEMM__INIT;
+    Moe__Tensor ta, tc;
+    m.layer = (char *)(a->layer ? a->layer : "");
+    m.a = wire_tensor(&a->a, &ta);
+    m.c = wire_tensor(&a->c, &tc);
+    m.n_m_sizes = a->groups;
+    m.m_sizes = (uint64_t *)a->m_sizes;
+    req.timeout_us = a->timeout_us;
+    req.no_batch = a->no_batch != 0;
+    req.body_case = MOE__REQUEST__BODY_GROUPED_GEMM;
+    req.grouped_gemm = &m;
+    return submit(c, &req, out);
+}
+
+int moe_wait(moe_client *c, moe_request **rp, int timeout_ms, moe_timings *timings)
+{
+    moe_request *r = *rp;
+    if (!r)
+        return seterr(-EINVAL, "no request");
+    Moe__Reply *rep = NULL;
+    int rc = wait_reply(c, r->id, timeout_ms < 0 ? c->timeout_ms : timeout_ms, &rep);
+    if (rc == -ETIMEDOUT)
+        return rc; /* still the caller's: wait again or give up */
+    free(r);
+    *rp = NULL;
+    if (rc)
+        return rc;
+    timings_from(rep, timings);
+    rc = reply_status(rep);
+    moe__reply__free_unpacked(rep, NULL);
+    return rc;
+}
+
+int moe_poll(moe_client *c, moe_request *r)
+{
+    pthread_mutex_lock(&c->mu);
+    int rc = receive_some(c, 0);
+    bool found = false;
+    for (struct pending *p = c->pending; p && !found; p = p->next)
+        found = p->id == r->id;
+    pthread_mutex_unlock(&c->mu);
+    return rc ? rc : found;
+}
+
+int moe_forward(moe_client *c, const moe_forward_args *a, moe_timings *timings)
+{
+    moe_request *r;
+    int rc = moe_forward_submit(c, a, &r);
+    if (rc)
+        return rc;
+    rc = moe_wait(c, &r, -1, timings);
+    free(r); /* only on -ETIMEDOUT is it still here */
+    return rc;
+}
+
+int moe_gemm(moe_client *c, const moe_gemm_args *a, moe_timings *timings)
+{
+    moe_request *r;
+    int rc = moe_gemm_submit(c, a, &r);
+    if (rc)
+        return rc;
+    rc = moe_wait(c, &r, -1, timings);
+    free(r);
+    return rc;
+}
+
+/* ---- stats ------------------------------------------------------------- */
+
+int moe_stats_get(moe_client *c, moe_stats *o)
+{
+    Moe__Request req = MOE__REQUEST__INIT;
+    Moe__GetStats m = MOE__GET_STATS__INIT;
+    req.body_case = MOE__REQUEST__BODY_GET_STATS;
+    req.get_stats = &m;
+    Moe__Reply *rep = NULL;
+    int rc = call(c, &req, &rep);
+    if (rc)
+        return rc;
+    memset(o, 0, sizeof(*o));
+    if (rep->body_case == MOE__REPLY__BODY_STATS) {
+        const Moe__StatsReply *s = rep->stats;
+        o->uptime_us = s->uptime_us;
+        o->requests = s->requests;
+        o->errors = s->errors;
+        o->busy = s->busy;
+        o->expired = s->expired;
+        o->batches = s->batches;
+        o->tokens = s->tokens;
+        o->sessions = s->sessions;
+        o->regions = s->regions;
+        o->region_bytes = s->region_bytes;
+        o->queue_depth = s->queue_depth;
+        o->queue_wait_p50_us = s->queue_wait_p50_us;
+        o->queue_wait_p99_us = s->queue_wait_p99_us;
+        o->compute_p50_us = s->compute_p50_us;
+        o->compute_p99_us = s->compute_p99_us;
+        o->compute_us_total = s->compute_us_total;
+        for (size_t i = 0; i < s->n_batch_requests && i < MOE_STATS_BUCKETS; i++) {
+            o->batch_requests[i].le = s->batch_requests[i]->le;
+            o->batch_requests[i].count = s->batch_requests[i]->count;
+            o->n_batch_requests++;
+        }
+        for (size_t i = 0; i < s->n_batch_tokens && i < MOE_STATS_BUCKETS; i++) {
+            o->batch_tokens[i].le = s->batch_tokens[i]->le;
+            o->batch_tokens[i].count = s->batch_tokens[i]->count;
+            o->n_batch_tokens++;
+        }
+        snprintf(o->backend, sizeof(o->backend), "%s", s->backend ? s->backend : "");
+    }
+    moe__reply__free_unpacked(rep, NULL);
+    return 0;
+}

@@ -1,0 +1,97 @@
+/*
+ * moectl: the command-line client of moed.
+ *
+ *   moectl [-r DIR] ping [--count N]
+ *   moectl [-r DIR] info
+ *   moectl [-r DIR] layers
+ *   moectl [-r DIR] load NAME --file F [--prefix P] [--kind moe|gemm] [--topk K]
+ *                             [--experts E] [--hidden H] [--intermediate I]
+ *                             [--dtype bf16|fp16|fp32] [--routing softmax|sigmoid|given]
+ *                             [--no-renormalize]
+ *   moectl [-r DIR] unload NAME
+ *   moectl [-r DIR] forward --layer L (--tokens T | --input F) [--output F] [--check]
+ *                           [--seed S] [--repeat N]
+ *   moectl [-r DIR] gemm --layer L --rows M [--check] [--seed S]
+ *   moectl [-r DIR] stats [--json]
+ *   moectl [-r DIR] bench [--layer L] [--clients N] [--tokens T] [--seconds S] [--json]
+ *
+ * Exit status: 0 success, 1 a failed operation or a check past tolerance,
+ * 2 bad usage.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "client/moectl.h"
+#include "moe.h"
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: moectl [-r RUNTIME_DIR] COMMAND [options]\n\n"
+            "commands:\n"
+            "  ping [--count N]             round trips to the daemon, p50/p99 latency\n"
+            "  info                         daemon version, backend, devices, capabilities\n"
+            "  layers                       the loaded layers\n"
+            "  load NAME --file F [--prefix P] [--kind moe|gemm] [--topk K] [--experts E]\n"
+            "       [--hidden H] [--intermediate I] [--dtype D] [--routing R] [--no-renormalize]\n"
+            "                               load a layer from a safetensors file\n"
+            "  unload NAME                  unload a layer\n"
+            "  forward --layer L (--tokens T | --input F) [--output F] [--check] [--seed S]\n"
+            "                               one MoE forward pass on random or given inputs\n"
+            "  gemm --layer L --rows M [--check] [--seed S]\n"
+            "                               one grouped GEMM on random rows\n"
+            "  stats [--json]               the daemon's counters\n"
+            "  bench [--layer L] [--clients N] [--tokens T] [--seconds S] [--json]\n"
+            "                               N client processes sending requests back to back\n\n"
+            "The runtime directory defaults to $MOED_RUNTIME_DIR, /run/moed as root,\n"
+            "else $XDG_RUNTIME_DIR/moed.\n");
+}
+
+int main(int argc, char **argv)
+{
+    const char *rt = NULL;
+    int i = 1;
+    while (i < argc && argv[i][0] == '-') {
+        if ((!strcmp(argv[i], "-r") || !strcmp(argv[i], "--runtime-dir")) && i + 1 < argc) {
+            rt = argv[i + 1];
+            i += 2;
+        } else if (!strncmp(argv[i], "--runtime-dir=", 14)) {
+            rt = argv[i] + 14;
+            i++;
+        } else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
+            usage(stdout);
+            return 0;
+        } else if (!strcmp(argv[i], "-V") || !strcmp(argv[i], "--version")) {
+            printf("moectl %s\n", MOE_VERSION);
+            return 0;
+        } else {
+            fprintf(stderr, "moectl: unknown option %s\n", argv[i]);
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (i >= argc) {
+        usage(stderr);
+        return 2;
+    }
+    static const struct {
+        const char *name;
+        int (*fn)(const char *rt, int argc, char **argv);
+    } cmds[] = {
+        {"ping", cmd_ping},       {"info", cmd_info},     {"layers", cmd_layers},
+        {"load", cmd_load},       {"unload", cmd_unload}, {"forward", cmd_forward},
+        {"gemm", cmd_gemm},       {"stats", cmd_stats},   {"bench", cmd_bench},
+    };
+    for (size_t c = 0; c < sizeof(cmds) / sizeof(cmds[0]); c++)
+        if (!strcmp(argv[i], cmds[c].name)) {
+            optind = 1;
+            return cmds[c].fn(rt, argc - i, argv + i);
+        }
+    fprintf(stderr, "moectl: unknown command '%s'\n", argv[i]);
+    usage(stderr);
+    return 2;
+}

@@ -1,0 +1,34 @@
+/*
+ * moectl.h: the commands of moectl, one file each family:
+ * moectl_cmd.c (ping, info, layers, load, unload, stats), moectl_compute.c
+ * (forward, gemm: inputs, the reference check), moectl_bench.c (bench).
+ * Each takes the runtime directory (NULL: default) and its own argv, whose
+ * argv[0] is the command name, and returns the exit status.
+ */
+#ifndef MOECTL_H
+#define MOECTL_H
+
+#include "moe.h"
+
+int cmd_ping(const char *rt, int argc, char **argv);
+int cmd_info(const char *rt, int argc, char **argv);
+int cmd_layers(const char *rt, int argc, char **argv);
+int cmd_load(const char *rt, int argc, char **argv);
+int cmd_unload(const char *rt, int argc, char **argv);
+int cmd_forward(const char *rt, int argc, char **argv);
+int cmd_gemm(const char *rt, int argc, char **argv);
+int cmd_stats(const char *rt, int argc, char **argv);
+int cmd_bench(const char *rt, int argc, char **argv);
+
+/* Connect or print why not; NULL on failure. */
+moe_client *moectl_connect(const char *rt, const char *who);
+/* Print "moectl: what: <moe_errmsg() or moe_strerror(rc)>" and return 1. */
+int moectl_fail(const char *what, int rc);
+/* Find a layer by name; 0, or prints and returns 1. */
+int moectl_layer(moe_client *c, const char *name, moe_layer_info *out);
+/* Parse a non-negative integer option or exit 2. */
+unsigned long long moectl_num(const char *opt, const char *v);
+const char *moectl_dtype_name(moe_dtype dt);
+uint64_t moectl_now_us(void);
+
+#endif

@@ -1,0 +1,250 @@
+/*
+ * moectl_bench.c: `moectl bench`: N client processes, each with its own
+ * session and region, send FusedMoe requests back to back for S seconds.
+ * They start together (a barrier in shared memory) and record every
+ * request's latency there; the parent prints throughput, latency p50/p99/max
+ * and the mean batch size the daemon reported.
+ */
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <getopt.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "client/moectl.h"
+#include "kernels/moe_kernels.h"
+
+#define BENCH_MAX_SAMPLES (1u << 18)
+#define BENCH_MAX_CLIENTS 1024
+
+struct bench_slot {
+    uint64_t requests, errors, busy, batch_requests_sum;
+    int failed_connect;
+    char error[160];
+    uint32_t n;
+    uint32_t lat_us[BENCH_MAX_SAMPLES];
+};
+
+struct bench_shared {
+    atomic_int ready;
+    atomic_int go;
+    struct bench_slot slots[];
+};
+
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static void bench_child(const char *rt, const moe_layer_info *li, uint64_t tokens,
+                        double seconds, struct bench_shared *sh, int idx, int no_batch)
+{
+    struct bench_slot *sl = &sh->slots[idx];
+    moe_client *c = NULL;
+    moe_region *r = NULL;
+    int rc = moe_connect(rt, "moectl bench", &c);
+    size_t T = tokens, H = li->hidden, E = li->experts, K = li->topk;
+    size_t es = moe_dtype_size(li->dtype);
+    bool given = li->routing == MOE_ROUTING_GIVEN;
+    size_t r_off = (T * H * es + 63) & ~(size_t)63;
+    size_t w_off = r_off + ((given ? T * K * 4 : T * E * 4) + 63) / 64 * 64;
+    size_t o_off = w_off + (T * K * 4 + 63) / 64 * 64;
+    if (!rc)
+        rc = moe_region_create(c, o_off + T * H * es, "bench", &r);
+    if (rc) {
+        sl->failed_connect = 1;
+        snprintf(sl->error, sizeof(sl->error), "%s", moe_errmsg()[0] ? moe_errmsg() : moe_strerror(rc));
+        atomic_fetch_add(&sh->ready, 1);
+        moe_disconnect(&c);
+        _exit(1);
+    }
+    uint8_t *base = moe_region_data(r);
+    uint64_t seed = 0x9e3779b97f4a7c15ull * (uint64_t)(idx + 1);
+    float *tmp = malloc(T * (H > E ? H : E) * sizeof(float));
+    for (size_t i = 0; i < T * H; i++) {
+        seed ^= seed >> 12; seed ^= seed << 25; seed ^= seed >> 27;
+        tmp[i] = (float)((int64_t)(seed * 2685821657736338717ull) >> 40) / (float)(1 << 23);
+    }
+    moek_from_f32(li->dtype == MOE_DTYPE_BF16 ? MOEK_DTYPE_BF16 :
+                  li->dtype == MOE_DTYPE_FP16 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_FP32,
+                  tmp, base, T * H);
+    free(tmp);
+    moe_forward_args a = {.layer = li->name,
+                          .x = moe_tensor_2d(r, 0, li->dtype, T, H),
+                          .out = moe_tensor_2d(r, o_off, li->dtype, T, H),
+                          .no_batch = no_batch};
+    if (given) {
+        int32_t *ids = (int32_t *)(base + r_off);
+        float *w = (float *)(base + w_off);
+        for (size_t t = 0; t < T; t++)
+            for (size_t j = 0; j < K; j++) {
+                ids[t * K + j] = (int32_t)((t * 7 + j * 3 + (size_t)idx) % E);
+                w[t * K + j] = 1.0f / (float)K;
+            }
+        a.topk_ids = moe_tensor_2d(r, r_off, MOE_DTYPE_INT32, T, K);
+        a.topk_weights = moe_tensor_2d(r, w_off, MOE_DTYPE_FP32, T, K);
+    } else {
+        float *lg = (float *)(base + r_off);
+        for (size_t i = 0; i < T * E; i++)
+            lg[i] = (float)((i * 2654435761u + (size_t)idx * 97) % 1000) / 333.0f;
+        a.logits = moe_tensor_2d(r, r_off, MOE_DTYPE_FP32, T, E);
+    }
+    atomic_fetch_add(&sh->ready, 1);
+    while (!atomic_load(&sh->go))
+        usleep(200);
+    uint64_t end = moectl_now_us() + (uint64_t)(seconds * 1e6);
+    for (;;) {
+        uint64_t t0 = moectl_now_us();
+        if (t0 >= end)
+            break;
+        moe_timings tm;
+        rc = moe_forward(c, &a, &tm);
+        uint64_t dt = moectl_now_us() - t0;
+        if (rc == -EBUSY) {
+            sl->busy++;
+            continue;
+        }
+        if (rc) {
+            sl->errors++;
+            snprintf(sl->error, sizeof(sl->error), "%s", moe_errmsg());
+            continue;
+        }
+        sl->requests++;
+        sl->batch_requests_sum += tm.batch_requests;
+        if (sl->n < BENCH_MAX_SAMPLES)
+            sl->lat_us[sl->n++] = dt > UINT32_MAX ? UINT32_MAX : (uint32_t)dt;
+    }
+    moe_region_free(c, &r);
+    moe_disconnect(&c);
+    _exit(0);
+}
+
+int cmd_bench(const char *rt, int argc, char **argv)
+{
+    static const struct option o[] = {
+        {"layer", required_argument, NULL, 'l'},   {"clients", required_argument, NULL, 'c'},
+        {"tokens", required_argument, NULL, 't'},  {"seconds", required_argument, NULL, 's'},
+        {"json", no_argument, NULL, 'j'},          {"no-batch", no_argument, NULL, 'n'}, {0},
+    };
+    const char *layer = "demo";
+    unsigned long long clients = 4, tokens = 1;
+    double seconds = 2.0;
+    int json = 0, no_batch = 0, c;
+    while ((c = getopt_long(argc, argv, "", o, NULL)) != -1) {
+        switch (c) {
+        case 'l': layer = optarg; break;
+        case 'c': clients = moectl_num("--clients", optarg); break;
+        case 't': tokens = moectl_num("--tokens", optarg); break;
+        case 's': seconds = atof(optarg); break;
+        case 'j': json = 1; break;
+        case 'n': no_batch = 1; break;
+        default: return 2;
+        }
+    }
+    if (clients < 1 || clients > BENCH_MAX_CLIENTS || tokens < 1 || !(seconds > 0)) {
+        fprintf(stderr, "moectl: bench needs 1..%d clients, tokens >= 1, seconds > 0\n",
+                BENCH_MAX_CLIENTS);
+        return 2;
+    }
+    moe_client *cl = moectl_connect(rt, "moectl bench");
+    if (!cl)
+        return 1;
+    moe_layer_info li;
+    int bad = moectl_layer(cl, layer, &li);
+    moe_disconnect(&cl);
+    if (bad)
+        return 1;
+    if (li.kind != MOE_LAYER_MOE) {
+        fprintf(stderr, "moectl: bench drives MoE layers; '%s' is a GEMM layer\n", layer);
+        return 1;
+    }
+    size_t shsize = sizeof(struct bench_shared) + clients * sizeof(struct bench_slot);
+    struct bench_shared *sh = mmap(NULL, shsize, PROT_READ | PROT_WRITE,
+                                   MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (sh == MAP_FAILED) {
+        perror("moectl: mmap");
+        return 1;
+    }
+    pid_t *pids = calloc(clients, sizeof(*pids));
+    fflush(stdout);
+    for (unsigned long long i = 0; i < clients; i++) {
+        pids[i] = fork();
+        if (pids[i] == 0)
+            bench_child(rt, &li, tokens, seconds, sh, (int)i, no_batch);
+        if (pids[i] < 0) {
+            perror("moectl: fork");
+            clients = i;
+            break;
+        }
+    }
+    while (atomic_load(&sh->ready) < (int)clients)
+        usleep(1000);
+    uint64_t t0 = moectl_now_us();
+    atomic_store(&sh->go, 1);
+    int failed = 0;
+    for (unsigned long long i = 0; i < clients; i++) {
+        int st;
+        waitpid(pids[i], &st, 0);
+        failed += !(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    }
+    double wall = (double)(moectl_now_us() - t0) / 1e6;
+    uint64_t reqs = 0, errs = 0, busy = 0, bsum = 0, n = 0;
+    for (unsigned long long i = 0; i < clients; i++) {
+        reqs += sh->slots[i].requests;
+        errs += sh->slots[i].errors;
+        busy += sh->slots[i].busy;
+        bsum += sh->slots[i].batch_requests_sum;
+        n += sh->slots[i].n;
+        if (sh->slots[i].error[0] && (sh->slots[i].errors || sh->slots[i].failed_connect))
+            fprintf(stderr, "moectl: client %llu: %s\n", i, sh->slots[i].error);
+    }
+    uint32_t *all = malloc((n ? n : 1) * sizeof(*all));
+    size_t k = 0;
+    for (unsigned long long i = 0; i < clients; i++) {
+        memcpy(all + k, sh->slots[i].lat_us, sh->slots[i].n * sizeof(*all));
+        k += sh->slots[i].n;
+    }
+    qsort(all, n, sizeof(*all), cmp_u32);
+    uint32_t p50 = n ? all[n / 2] : 0, p99 = n ? all[(n * 99) / 100 < n ? (n * 99) / 100 : n - 1] : 0,
+             mx = n ? all[n - 1] : 0;
+    double rps = (double)reqs / seconds, tps = rps * (double)tokens;
+    double mean_batch = reqs ? (double)bsum / (double)reqs : 0;
+    if (json) {
+        cJSON *j = cJSON_CreateObject();
+        cJSON_AddStringToObject(j, "layer", layer);
+        cJSON_AddNumberToObject(j, "clients", (double)clients);
+        cJSON_AddNumberToObject(j, "tokens", (double)tokens);
+        cJSON_AddNumberToObject(j, "seconds", seconds);
+        cJSON_AddBoolToObject(j, "batching", !no_batch);
+        cJSON_AddNumberToObject(j, "requests", (double)reqs);
+        cJSON_AddNumberToObject(j, "errors", (double)errs);
+        cJSON_AddNumberToObject(j, "busy", (double)busy);
+        cJSON_AddNumberToObject(j, "requests_per_s", rps);
+        cJSON_AddNumberToObject(j, "tokens_per_s", tps);
+        cJSON_AddNumberToObject(j, "p50_us", p50);
+        cJSON_AddNumberToObject(j, "p99_us", p99);
+        cJSON_AddNumberToObject(j, "max_us", mx);
+        cJSON_AddNumberToObject(j, "mean_batch_requests", mean_batch);
+        char *txt = cJSON_PrintUnformatted(j);
+        printf("%s\n", txt);
+        free(txt);
+        cJSON_Delete(j);
+    } else {
+        printf("bench: layer %s, %llu clients x %llu tokens, %.1f s%s: %.0f requests/s, "
+               "%.0f tokens/s, latency p50 %u us p99 %u us max %u us, mean batch %.2f requests"
+               "%s%llu errors, %llu busy\n",
+               layer, clients, tokens, seconds, no_batch ? ", batching off" : "", rps, tps, p50, p99,
+               mx, mean_batch, ", ", (unsigned long long)errs, (unsigned long long)busy);
+    }
+    (void)wall;
+    free(all);
+    free(pids);
+    munmap(sh, shsize);
+    return (failed || errs || reqs == 0) ? 1 : 0;
+}

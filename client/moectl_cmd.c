@@ -1,0 +1,367 @@
+/*
+ * moectl_cmd.c: the small commands: ping, info, layers, load, unload, stats.
+ */
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "client/moectl.h"
+
+uint64_t moectl_now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+int moectl_fail(const char *what, int rc)
+{
+    const char *m = moe_errmsg();
+    fprintf(stderr, "moectl: %s: %s\n", what, m && m[0] ? m : moe_strerror(rc));
+    return 1;
+}
+
+moe_client *moectl_connect(const char *rt, const char *who)
+{
+    moe_client *c = NULL;
+    int rc = moe_connect(rt, who, &c);
+    if (rc < 0) {
+        moectl_fail("connect", rc);
+        return NULL;
+    }
+    return c;
+}
+
+unsigned long long moectl_num(const char *opt, const char *v)
+{
+    char *end;
+    errno = 0;
+    unsigned long long x = strtoull(v, &end, 0);
+    if (errno || !v[0] || *end || v[0] == '-') {
+        fprintf(stderr, "moectl: %s needs a non-negative number, not '%s'\n", opt, v);
+        exit(2);
+    }
+    return x;
+}
+
+const char *moectl_dtype_name(moe_dtype dt)
+{
+    switch (dt) {
+    case MOE_DTYPE_BF16: return "bf16";
+    case MOE_DTYPE_FP16: return "fp16";
+    case MOE_DTYPE_FP32: return "fp32";
+    case MOE_DTYPE_INT32: return "int32";
+    case MOE_DTYPE_INT64: return "int64";
+    default: return "?";
+    }
+}
+
+static const char *routing_name(moe_routing r)
+{
+    return r == MOE_ROUTING_SOFTMAX ? "softmax" : r == MOE_ROUTING_SIGMOID ? "sigmoid" : "given";
+}
+
+int moectl_layer(moe_client *c, const char *name, moe_layer_info *out)
+{
+    moe_layer_info infos[256];
+    int n = moe_layer_list(c, infos, 256);
+    if (n < 0)
+        return moectl_fail("list layers", n);
+    for (int i = 0; i < n && i < 256; i++)
+        if (!strcmp(infos[i].name, name)) {
+            *out = infos[i];
+            return 0;
+        }
+    fprintf(stderr, "moectl: no layer named '%s' (see 'moectl layers')\n", name);
+    return 1;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+int cmd_ping(const char *rt, int argc, char **argv)
+{
+    static const struct option o[] = {{"count", required_argument, NULL, 'n'}, {0}};
+    unsigned long long count = 1000;
+    int c;
+    while ((c = getopt_long(argc, argv, "n:", o, NULL)) != -1) {
+        if (c == 'n')
+            count = moectl_num("--count", optarg);
+        else
+            return 2;
+    }
+    if (count == 0)
+        count = 1;
+    moe_client *cl = moectl_connect(rt, "moectl ping");
+    if (!cl)
+        return 1;
+    uint64_t *lat = malloc(count * sizeof(*lat));
+    if (!lat)
+        return 1;
+    int rc = moe_hello(cl, NULL); /* warm-up */
+    for (unsigned long long i = 0; i < count && !rc; i++) {
+        uint64_t t0 = moectl_now_us();
+        rc = moe_hello(cl, NULL);
+        lat[i] = moectl_now_us() - t0;
+    }
+    if (rc) {
+        free(lat);
+        moe_disconnect(&cl);
+        return moectl_fail("ping", rc);
+    }
+    qsort(lat, count, sizeof(*lat), cmp_u64);
+    printf("ping: %llu round trips over the request socket: p50 %llu us, p99 %llu us, max %llu us\n",
+           count, (unsigned long long)lat[count / 2],
+           (unsigned long long)lat[(count * 99) / 100 < count ? (count * 99) / 100 : count - 1],
+           (unsigned long long)lat[count - 1]);
+    free(lat);
+    moe_disconnect(&cl);
+    return 0;
+}
+
+int cmd_info(const char *rt, int argc, char **argv)
+{
+    moe_client *cl = moectl_connect(rt, "moectl info");
+    if (!cl)
+        return 1;
+    moe_server_info info;
+    int rc = moe_hello(cl, &info);
+    moe_disconnect(&cl);
+    if (rc)
+        return moectl_fail("info", rc);
+    printf("moed %s, protocol %u, backend %s\n", info.server_version, info.protocol_version,
+           info.backend);
+    for (int i = 0; i < info.n_devices; i++)
+        printf("device %d: %s, %.1f GiB, %u compute units\n", i, info.devices[i].name,
+               (double)info.devices[i].memory_bytes / (1ull << 30), info.devices[i].compute_units);
+    printf("max batch tokens %u, max message %llu bytes\n", info.max_batch_tokens,
+           (unsigned long long)info.max_message_bytes);
+    printf("capabilities: %s\n", info.capabilities);
+    return 0;
+}
+
+int cmd_layers(const char *rt, int argc, char **argv)
+{
+    moe_client *cl = moectl_connect(rt, "moectl layers");
+    if (!cl)
+        return 1;
+    moe_layer_info infos[256];
+    int n = moe_layer_list(cl, infos, 256);
+    moe_disconnect(&cl);
+    if (n < 0)
+        return moectl_fail("layers", n);
+    if (n == 0)
+        printf("no layers loaded\n");
+    for (int i = 0; i < n && i < 256; i++) {
+        const moe_layer_info *l = &infos[i];
+        if (l->kind == MOE_LAYER_MOE)
+            printf("%-20s moe  E=%u k=%u H=%u I=%u %s %s%s  %.1f MiB  %llu requests %llu tokens  %s\n",
+                   l->name, l->experts, l->topk, l->hidden, l->intermediate,
+                   moectl_dtype_name(l->dtype), routing_name(l->routing),
+                   l->routing != MOE_ROUTING_GIVEN && l->renormalize ? "+renorm" : "",
+                   (double)l->weight_bytes / (1 << 20), (unsigned long long)l->requests,
+                   (unsigned long long)l->tokens, l->source);
+        else
+            printf("%-20s gemm G=%u N=%u K=%u %s  %.1f MiB  %llu requests %llu rows  %s\n", l->name,
+                   l->groups, l->n, l->k, moectl_dtype_name(l->dtype),
+                   (double)l->weight_bytes / (1 << 20), (unsigned long long)l->requests,
+                   (unsigned long long)l->tokens, l->source);
+    }
+    return 0;
+}
+
+int cmd_load(const char *rt, int argc, char **argv)
+{
+    enum { O_FILE = 1, O_PREFIX, O_KIND, O_TOPK, O_E, O_H, O_I, O_DT, O_ROUTE, O_NORENORM,
+           O_G, O_N, O_K };
+    static const struct option o[] = {
+        {"file", required_argument, NULL, O_FILE}, {"prefix", required_argument, NULL, O_PREFIX},
+        {"kind", required_argument, NULL, O_KIND}, {"topk", required_argument, NULL, O_TOPK},
+        {"experts", required_argument, NULL, O_E}, {"hidden", required_argument, NULL, O_H},
+        {"intermediate", required_argument, NULL, O_I}, {"dtype", required_argument, NULL, O_DT},
+        {"routing", required_argument, NULL, O_ROUTE},
+        {"no-renormalize", no_argument, NULL, O_NORENORM},
+        {"groups", required_argument, NULL, O_G}, {"n", required_argument, NULL, O_N},
+        {"k", required_argument, NULL, O_K}, {0},
+    };
+    moe_layer_desc d = {.renormalize = 1, .topk = 0};
+    int c;
+    while ((c = getopt_long(argc, argv, "", o, NULL)) != -1) {
+        switch (c) {
+        case O_FILE: d.path = optarg; break;
+        case O_PREFIX: d.prefix = optarg; break;
+        case O_KIND:
+            if (!strcmp(optarg, "moe")) d.kind = MOE_LAYER_MOE;
+            else if (!strcmp(optarg, "gemm")) d.kind = MOE_LAYER_GEMM;
+            else { fprintf(stderr, "moectl: --kind is moe or gemm\n"); return 2; }
+            break;
+        case O_TOPK: d.topk = (uint32_t)moectl_num("--topk", optarg); break;
+        case O_E: d.experts = (uint32_t)moectl_num("--experts", optarg); break;
+        case O_H: d.hidden = (uint32_t)moectl_num("--hidden", optarg); break;
+        case O_I: d.intermediate = (uint32_t)moectl_num("--intermediate", optarg); break;
+        case O_G: d.groups = (uint32_t)moectl_num("--groups", optarg); break;
+        case O_N: d.n = (uint32_t)moectl_num("--n", optarg); break;
+        case O_K: d.k = (uint32_t)moectl_num("--k", optarg); break;
+        case O_DT:
+            if (!strcmp(optarg, "bf16")) d.dtype = MOE_DTYPE_BF16;
+            else if (!strcmp(optarg, "fp16")) d.dtype = MOE_DTYPE_FP16;
+            else if (!strcmp(optarg, "fp32")) d.dtype = MOE_DTYPE_FP32;
+            else { fprintf(stderr, "moectl: --dtype is bf16, fp16 or fp32\n"); return 2; }
+            break;
+        case O_ROUTE:
+            if (!strcmp(optarg, "softmax")) d.routing = MOE_ROUTING_SOFTMAX;
+            else if (!strcmp(optarg, "sigmoid")) d.routing = MOE_ROUTING_SIGMOID;
+            else if (!strcmp(optarg, "given")) d.routing = MOE_ROUTING_GIVEN;
+            else { fprintf(stderr, "moectl: --routing is softmax, sigmoid or given\n"); return 2; }
+            break;
+        case O_NORENORM: d.renormalize = 0; break;
+        default: return 2;
+        }
+    }
+    if (optind + 1 != argc || !d.path) {
+        fprintf(stderr, "usage: moectl load NAME --file FILE [options]\n");
+        return 2;
+    }
+    d.name = argv[optind];
+    if (d.kind == MOE_LAYER_MOE && !d.topk)
+        d.topk = 2;
+    moe_client *cl = moectl_connect(rt, "moectl load");
+    if (!cl)
+        return 1;
+    moe_layer_info info;
+    int rc = moe_layer_load(cl, &d, &info);
+    moe_disconnect(&cl);
+    if (rc)
+        return moectl_fail("load", rc);
+    printf("loaded %s: %.1f MiB from %s\n", info.name, (double)info.weight_bytes / (1 << 20),
+           info.source);
+    return 0;
+}
+
+int cmd_unload(const char *rt, int argc, char **argv)
+{
+    if (argc != 2) {
+        fprintf(stderr, "usage: moectl unload NAME\n");
+        return 2;
+    }
+    moe_client *cl = moectl_connect(rt, "moectl unload");
+    if (!cl)
+        return 1;
+    int rc = moe_layer_unload(cl, argv[1]);
+    moe_disconnect(&cl);
+    if (rc)
+        return moectl_fail("unload", rc);
+    printf("unloaded %s\n", argv[1]);
+    return 0;
+}
+
+static cJSON *hist_json(int n, const uint64_t (*b)[2])
+{
+    cJSON *arr = cJSON_CreateArray();
+    for (int i = 0; i < n; i++) {
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddNumberToObject(o, "le", (double)b[i][0]);
+        cJSON_AddNumberToObject(o, "count", (double)b[i][1]);
+        cJSON_AddItemToArray(arr, o);
+    }
+    return arr;
+}
+
+int cmd_stats(const char *rt, int argc, char **argv)
+{
+    static const struct option o[] = {{"json", no_argument, NULL, 'j'}, {0}};
+    int json = 0, c;
+    while ((c = getopt_long(argc, argv, "", o, NULL)) != -1) {
+        if (c == 'j')
+            json = 1;
+        else
+            return 2;
+    }
+    moe_client *cl = moectl_connect(rt, "moectl stats");
+    if (!cl)
+        return 1;
+    moe_stats s;
+    moe_layer_info layers[256];
+    int rc = moe_stats_get(cl, &s);
+    int nl = rc ? 0 : moe_layer_list(cl, layers, 256);
+    moe_disconnect(&cl);
+    if (rc)
+        return moectl_fail("stats", rc);
+    if (nl < 0)
+        return moectl_fail("stats", nl);
+    uint64_t br[MOE_STATS_BUCKETS][2], bt[MOE_STATS_BUCKETS][2];
+    for (int i = 0; i < s.n_batch_requests; i++) {
+        br[i][0] = s.batch_requests[i].le;
+        br[i][1] = s.batch_requests[i].count;
+    }
+    for (int i = 0; i < s.n_batch_tokens; i++) {
+        bt[i][0] = s.batch_tokens[i].le;
+        bt[i][1] = s.batch_tokens[i].count;
+    }
+    if (json) {
+        cJSON *j = cJSON_CreateObject();
+        cJSON_AddStringToObject(j, "backend", s.backend);
+        cJSON_AddNumberToObject(j, "uptime_us", (double)s.uptime_us);
+        cJSON_AddNumberToObject(j, "requests", (double)s.requests);
+        cJSON_AddNumberToObject(j, "errors", (double)s.errors);
+        cJSON_AddNumberToObject(j, "busy", (double)s.busy);
+        cJSON_AddNumberToObject(j, "expired", (double)s.expired);
+        cJSON_AddNumberToObject(j, "batches", (double)s.batches);
+        cJSON_AddNumberToObject(j, "tokens", (double)s.tokens);
+        cJSON_AddNumberToObject(j, "sessions", s.sessions);
+        cJSON_AddNumberToObject(j, "regions", s.regions);
+        cJSON_AddNumberToObject(j, "region_bytes", (double)s.region_bytes);
+        cJSON_AddNumberToObject(j, "queue_depth", s.queue_depth);
+        cJSON_AddNumberToObject(j, "queue_wait_p50_us", (double)s.queue_wait_p50_us);
+        cJSON_AddNumberToObject(j, "queue_wait_p99_us", (double)s.queue_wait_p99_us);
+        cJSON_AddNumberToObject(j, "compute_p50_us", (double)s.compute_p50_us);
+        cJSON_AddNumberToObject(j, "compute_p99_us", (double)s.compute_p99_us);
+        cJSON_AddNumberToObject(j, "compute_us_total", (double)s.compute_us_total);
+        cJSON_AddNumberToObject(j, "mean_batch_requests",
+                                s.batches ? (double)s.requests / (double)s.batches : 0);
+        cJSON_AddItemToObject(j, "batch_requests_hist", hist_json(s.n_batch_requests, br));
+        cJSON_AddItemToObject(j, "batch_tokens_hist", hist_json(s.n_batch_tokens, bt));
+        cJSON *ls = cJSON_AddArrayToObject(j, "layers");
+        for (int i = 0; i < nl && i < 256; i++) {
+            cJSON *o = cJSON_CreateObject();
+            cJSON_AddStringToObject(o, "name", layers[i].name);
+            cJSON_AddNumberToObject(o, "requests", (double)layers[i].requests);
+            cJSON_AddNumberToObject(o, "tokens", (double)layers[i].tokens);
+            cJSON_AddItemToArray(ls, o);
+        }
+        char *txt = cJSON_Print(j);
+        printf("%s\n", txt);
+        free(txt);
+        cJSON_Delete(j);
+        return 0;
+    }
+    printf("backend %s, up %.1f s, %u sessions, %u regions (%.1f MiB)\n", s.backend,
+           (double)s.uptime_us / 1e6, s.sessions, s.regions, (double)s.region_bytes / (1 << 20));
+    printf("requests %llu, errors %llu, busy %llu, expired %llu, tokens %llu\n",
+           (unsigned long long)s.requests, (unsigned long long)s.errors,
+           (unsigned long long)s.busy, (unsigned long long)s.expired, (unsigned long long)s.tokens);
+    printf("batches %llu (mean %.2f requests), queue depth %u\n", (unsigned long long)s.batches,
+           s.batches ? (double)s.requests / (double)s.batches : 0.0, s.queue_depth);
+    printf("queue wait p50 %llu us p99 %llu us; compute p50 %llu us p99 %llu us, total %.3f s\n",
+           (unsigned long long)s.queue_wait_p50_us, (unsigned long long)s.queue_wait_p99_us,
+           (unsigned long long)s.compute_p50_us, (unsigned long long)s.compute_p99_us,
+           (double)s.compute_us_total / 1e6);
+    printf("requests per batch:");
+    for (int i = 0; i < s.n_batch_requests; i++)
+        printf(" <=%llu:%llu", (unsigned long long)br[i][0], (unsigned long long)br[i][1]);
+    printf("\ntokens per batch:  ");
+    for (int i = 0; i < s.n_batch_tokens; i++)
+        printf(" <=%llu:%llu", (unsigned long long)bt[i][0], (unsigned long long)bt[i][1]);
+    printf("\n");
+    for (int i = 0; i < nl && i < 256; i++)
+        printf("layer %-20s %llu requests, %llu tokens\n", layers[i].name,
+               (unsigned long long)layers[i].requests, (unsigned long long)layers[i].tokens);
+    return 0;
+}

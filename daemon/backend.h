@@ -1,0 +1,81 @@
+/*
+ * backend.h: the seam between the daemon and the hardware that computes.
+ *
+ * A backend holds layer weights in whatever form its kernels want and runs
+ * one batched FusedMoe or GroupedGemm at a time on host staging buffers that
+ * it allocated itself (pinned memory for the CUDA backend). The daemon calls
+ * run functions from its compute worker thread only, one call at a time;
+ * weights are created from the loader thread; pin/unpin and info from the
+ * loop thread. Implementations: backend_cpu.c, backend_cuda.c.
+ */
+#ifndef MOED_BACKEND_H
+#define MOED_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/moe_kernels.h"
+
+struct backend;
+
+/* One batched MoE forward. Exactly one of logits / (ids, weights) is set. */
+struct backend_moe_io {
+    const void *x;          /* [T, H], layer dtype */
+    const float *logits;    /* [T, E] or NULL */
+    const int32_t *ids;     /* [T, k], every id already checked in range */
+    const float *weights;   /* [T, k] */
+    int tokens;
+    void *out;              /* [T, H], layer dtype */
+};
+
+struct backend_device {
+    char name[96];
+    uint64_t memory_bytes;
+    uint32_t compute_units;
+};
+
+struct backend_ops {
+    /* Weights: w1/w3 [E, I, H] and w2 [E, H, I] (host memory, read only
+     * during the call). The handle is the caller's; free with weights_free. */
+    int (*moe_new)(struct backend *b, const moek_moe_shape *shape, moek_dtype dt,
+                   moek_scoring scoring, bool renormalize, const void *w1,
+                   const void *w3, const void *w2, void **handle);
+    /* B [G, N, K]. */
+    int (*gemm_new)(struct backend *b, moek_dtype dt, int groups, int n, int k,
+                    const void *w, void **handle);
+    void (*weights_free)(struct backend *b, void *handle);
+
+    int (*moe_run)(struct backend *b, void *handle, const struct backend_moe_io *io);
+    /* A [M, K] grouped by m_sizes [G] -> C [M, N]. */
+    int (*gemm_run)(struct backend *b, void *handle, const void *a,
+                    const int64_t *m_sizes, int64_t m, void *c);
+
+    /* Staging memory for batches; NULL on failure. */
+    void *(*host_alloc)(struct backend *b, size_t size);
+    void (*host_free)(struct backend *b, void *p, size_t size);
+
+    /* Optional (NULL): pin a client region once so copies are DMA. */
+    int (*pin)(struct backend *b, void *base, size_t size, void **cookie);
+    void (*unpin)(struct backend *b, void *base, size_t size, void *cookie);
+
+    /* Fill up to max devices; returns the count or -errno. */
+    int (*devices)(struct backend *b, struct backend_device *out, int max);
+    void (*destroy)(struct backend *b);
+};
+
+struct backend {
+    const struct backend_ops *ops;
+    const char *name; /* "cpu", "cuda" */
+};
+
+/* threads <= 0: one per CPU. Caller owns *out; free with backend_free(). */
+int backend_cpu_new(int threads, struct backend **out);
+/* -ENODEV when no usable GPU (or not built with CUDA). */
+int backend_cuda_new(int device, struct backend **out);
+
+/* Pick by name: "cpu", "cuda", or "auto" (CUDA when a GPU is present). */
+int backend_open(const char *which, int cpu_threads, struct backend **out);
+void backend_free(struct backend **b);
+
+#endif

@@ -1,0 +1,550 @@
+/*
+ * batch.c: the batcher. Each layer has a FIFO of validated requests. When
+ * the compute worker is idle, batch_kick() takes the layer whose oldest
+ * request has waited longest and hands rows of its queued requests, in
+ * order, to one batch of at most max_batch_tokens rows: one gather into
+ * staging memory, one backend launch, one scatter back into each client's
+ * region.
+ *
+ * A request that arrives while the device is idle therefore runs at once;
+ * requests that arrive while a batch runs are merged into the next one. A
+ * MoE request adds at most max_slice_tokens rows to a batch, so a long
+ * prefill runs over several batches and decode requests behind it join each
+ * of them instead of waiting for the whole prefill. Rows are computed
+ * independently, so a client's result does not depend on its batch.
+ *
+ * Copying every input out of shared memory before the launch is also what
+ * makes a client's concurrent writes harmless: ids are range-checked in the
+ * daemon's own copy.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon/log.h"
+#include "daemon/loop.h"
+#include "daemon/server.h"
+#include "daemon/util.h"
+#include "moe.pb-c.h"
+#include "proto/status.h"
+
+/* Rows [row0, row0 + rows) of a request in one batch. */
+struct batch_item {
+    struct request *req;
+    int row0, rows;
+};
+
+struct batch_job {
+    struct job job;
+    struct server *s;
+    struct layer *layer;      /* reference */
+    struct batch_item *items;
+    uint32_t n_items, cap_items;
+    uint64_t tokens;
+    uint64_t compute_us;
+    int rc;                   /* a failure of the whole batch */
+    char err[192];
+};
+
+void request_free(struct request *req)
+{
+    if (!req)
+        return;
+    tensor_ref_done(&req->x);
+    tensor_ref_done(&req->logits);
+    tensor_ref_done(&req->ids);
+    tensor_ref_done(&req->weights);
+    tensor_ref_done(&req->out);
+    tensor_ref_done(&req->a);
+    tensor_ref_done(&req->c);
+    free(req->m_sizes);
+    free(req);
+}
+
+/* Reply to a request and free it; loop thread. */
+static void request_finish(struct server *s, struct request *req)
+{
+    Moe__Reply rep = MOE__REPLY__INIT;
+    Moe__Timings tm = MOE__TIMINGS__INIT;
+    rep.id = req->id;
+    rep.status = status_from_errno(req->status);
+    rep.message = req->status ? req->message : (char *)"";
+    tm.queue_us = req->start_us > req->arrival_us ? req->start_us - req->arrival_us : 0;
+    tm.compute_us = req->compute_us;
+    tm.batch_requests = req->batch_requests;
+    tm.batch_tokens = req->batch_tokens;
+    rep.timings = &tm;
+    server_reply(s, req->route_id, req->route_len, &rep);
+    if (req->status) {
+        s->stats.errors++;
+        if (req->status == -ETIME)
+            s->stats.expired++;
+    } else {
+        s->stats.requests++;
+        s->stats.tokens += (uint64_t)req->tokens;
+        req->layer->requests++;
+        req->layer->tokens += (uint64_t)req->tokens;
+        ring_add(&s->stats.queue_wait_us, req->start_us - req->arrival_us);
+    }
+    layer_unref(s, &req->layer);
+    request_free(req);
+}
+
+static void request_fail(struct server *s, struct request *req, int err, const char *why)
+{
+    req->status = err;
+    snprintf(req->message, sizeof(req->message), "%s", why);
+    request_finish(s, req);
+}
+
+/* Account for rows leaving the queue (handed to a batch or cancelled). */
+static void queue_account(struct server *s, struct request *req, int rows)
+{
+    struct layer *l = req->layer;
+    l->queued_tokens -= (uint64_t)rows;
+    struct session *se = session_by_id(s, req->session_id);
+    if (se)
+        se->queued_tokens -= (uint64_t)rows;
+}
+
+/* Unlink the queued request after prev (or the head) of layer l. */
+static void queue_unlink(struct server *s, struct layer *l, struct request *prev,
+                         struct request *req)
+{
+    if (prev)
+        prev->next = req->next;
+    else
+        l->queue_head = req->next;
+    if (l->queue_tail == req)
+        l->queue_tail = prev;
+    req->next = NULL;
+    req->queued = false;
+    l->queued--;
+    s->queued_total--;
+    struct session *se = session_by_id(s, req->session_id);
+    if (se)
+        se->queued_requests--;
+}
+
+void batch_enqueue(struct server *s, struct request *req)
+{
+    struct session *se = session_by_id(s, req->session_id);
+    struct layer *l = req->layer;
+    if (s->draining) {
+        request_fail(s, req, -ECANCELED, "daemon is shutting down");
+        return;
+    }
+    if (se && (se->queued_requests >= s->cfg->max_queued_requests ||
+               se->queued_tokens + (uint64_t)req->tokens > s->cfg->max_queued_tokens)) {
+        char why[160];
+        snprintf(why, sizeof(why), "session queue full (%u requests, %llu tokens queued)",
+                 se->queued_requests, (unsigned long long)se->queued_tokens);
+        s->stats.busy++;
+        request_fail(s, req, -EBUSY, why);
+        return;
+    }
+    req->next = NULL;
+    req->queued = true;
+    if (l->queue_tail)
+        l->queue_tail->next = req;
+    else
+        l->queue_head = req;
+    l->queue_tail = req;
+    l->queued++;
+    l->queued_tokens += (uint64_t)req->tokens;
+    s->queued_total++;
+    if (se) {
+        se->queued_requests++;
+        se->queued_tokens += (uint64_t)req->tokens;
+    }
+    batch_kick(s);
+}
+
+/* Cancel queued requests that match. One whose earlier slices are in the
+ * running batch only leaves the queue; batch_done answers it. */
+static void cancel_where(struct server *s, struct layer *l, uint64_t session_id, bool all,
+                         int err, const char *why)
+{
+    struct request *prev = NULL, *req = l->queue_head;
+    while (req) {
+        struct request *next = req->next;
+        if (all || req->session_id == session_id) {
+            queue_account(s, req, req->tokens - req->next_row);
+            queue_unlink(s, l, prev, req);
+            if (req->next_row > req->rows_done) {
+                req->status = err;
+                snprintf(req->message, sizeof(req->message), "%s", why);
+            } else {
+                request_fail(s, req, err, why);
+            }
+        } else {
+            prev = req;
+        }
+        req = next;
+    }
+}
+
+void batch_cancel_session(struct server *s, uint64_t session_id)
+{
+    for (struct layer *l = s->layers; l; l = l->next)
+        cancel_where(s, l, session_id, false, -ECANCELED, "session closed");
+}
+
+void batch_cancel_layer(struct server *s, struct layer *l, int err, const char *why)
+{
+    cancel_where(s, l, 0, true, err, why);
+}
+
+/* Requests whose deadline passed before any of their rows started. */
+static void expire_queued(struct server *s, uint64_t now)
+{
+    for (struct layer *l = s->layers; l; l = l->next) {
+        struct request *prev = NULL, *req = l->queue_head;
+        while (req) {
+            struct request *next = req->next;
+            if (req->deadline_us && now >= req->deadline_us && req->next_row == 0) {
+                queue_account(s, req, req->tokens);
+                queue_unlink(s, l, prev, req);
+                request_fail(s, req, -ETIME, "deadline passed while the request was queued");
+            } else {
+                prev = req;
+            }
+            req = next;
+        }
+    }
+}
+
+/* ---- compute thread ------------------------------------------------------ */
+
+static int staging_reserve(struct batch_job *bj, size_t need)
+{
+    struct server *s = bj->s;
+    if (need <= s->staging_size)
+        return 0;
+    size_t size = need + need / 4;
+    void *p = s->backend->ops->host_alloc(s->backend, size);
+    if (!p)
+        return -ENOMEM;
+    if (s->staging)
+        s->backend->ops->host_free(s->backend, s->staging, s->staging_size);
+    s->staging = p;
+    s->staging_size = size;
+    return 0;
+}
+
+/* Copy rows [row0, row0 + rows) of a request's routing into staging,
+ * checking ids in the copy. */
+static int gather_routing(struct layer *l, struct batch_item *it, int32_t *ids, float *w,
+                          float *logits)
+{
+    struct request *req = it->req;
+    size_t E = (size_t)l->shape.experts, k = (size_t)l->shape.topk;
+    size_t first = (size_t)it->row0, rows = (size_t)it->rows, tk = rows * k;
+    if (req->logits.region) {
+        size_t n = rows * E;
+        if (req->logits.dtype == MOE__DTYPE__DTYPE_FP32)
+            memcpy(logits, (const float *)req->logits.ptr + first * E, n * sizeof(float));
+        else
+            moek_to_f32(l->dt, (const uint8_t *)req->logits.ptr + first * E * moek_dtype_size(l->dt),
+                        logits, n);
+        return 0;
+    }
+    if (req->ids.dtype == MOE__DTYPE__DTYPE_INT64) {
+        const int64_t *src = (const int64_t *)req->ids.ptr + first * k;
+        for (size_t i = 0; i < tk; i++) {
+            int64_t v = src[i]; /* read once: the client may be writing */
+            if (v < 0 || v >= (int64_t)E) {
+                snprintf(req->message, sizeof(req->message),
+                         "topk_ids[%zu][%zu] = %lld is outside [0, %zu)", first + i / k, i % k,
+                         (long long)v, E);
+                return -EINVAL;
+            }
+            ids[i] = (int32_t)v;
+        }
+    } else {
+        memcpy(ids, (const int32_t *)req->ids.ptr + first * k, tk * sizeof(int32_t));
+        for (size_t i = 0; i < tk; i++)
+            if (ids[i] < 0 || ids[i] >= (int32_t)E) {
+                snprintf(req->message, sizeof(req->message),
+                         "topk_ids[%zu][%zu] = %d is outside [0, %zu)", first + i / k, i % k,
+                         ids[i], E);
+                return -EINVAL;
+            }
+    }
+    memcpy(w, (const float *)req->weights.ptr + first * k, tk * sizeof(float));
+    return 0;
+}
+
+static void run_moe(struct batch_job *bj)
+{
+    struct layer *l = bj->layer;
+    size_t es = moek_dtype_size(l->dt);
+    size_t H = (size_t)l->shape.hidden, E = (size_t)l->shape.experts, k = (size_t)l->shape.topk;
+    size_t T = bj->tokens, row_bytes = H * es;
+    bool given = l->routing == MOE__ROUTING__ROUTING_GIVEN;
+    size_t x_bytes = T * row_bytes, r_bytes = given ? T * k * 8 : T * E * 4;
+    size_t r_off = (x_bytes + 63) & ~(size_t)63;
+    size_t o_off = r_off + ((r_bytes + 63) & ~(size_t)63);
+    if ((bj->rc = staging_reserve(bj, o_off + x_bytes + 64))) {
+        snprintf(bj->err, sizeof(bj->err), "cannot allocate %zu bytes of staging memory",
+                 o_off + x_bytes);
+        return;
+    }
+    uint8_t *base = bj->s->staging;
+    uint8_t *x = base, *out = base + o_off;
+    float *logits = (float *)(base + r_off);
+    int32_t *ids = (int32_t *)(base + r_off);
+    float *w = (float *)(base + r_off + T * k * 4);
+    size_t row = 0;
+    for (uint32_t i = 0; i < bj->n_items; i++) {
+        struct batch_item *it = &bj->items[i];
+        if (it->req->status)
+            continue; /* failed in an earlier slice or cancelled */
+        it->req->status = gather_routing(l, it, ids + row * k, w + row * k, logits + row * E);
+        if (it->req->status)
+            continue; /* its rows are skipped: the next item reuses them */
+        memcpy(x + row * row_bytes, (const uint8_t *)it->req->x.ptr + (size_t)it->row0 * row_bytes,
+               (size_t)it->rows * row_bytes);
+        row += (size_t)it->rows;
+    }
+    if (row == 0)
+        return;
+    struct backend_moe_io io = {
+        .x = x, .logits = given ? NULL : logits, .ids = given ? ids : NULL,
+        .weights = given ? w : NULL, .tokens = (int)row, .out = out,
+    };
+    bj->rc = bj->s->backend->ops->moe_run(bj->s->backend, l->weights, &io);
+    if (bj->rc) {
+        snprintf(bj->err, sizeof(bj->err), "%s backend failed: %s", bj->s->backend->name,
+                 strerror(-bj->rc));
+        return;
+    }
+    row = 0;
+    for (uint32_t i = 0; i < bj->n_items; i++) {
+        struct batch_item *it = &bj->items[i];
+        if (it->req->status)
+            continue;
+        memcpy((uint8_t *)it->req->out.ptr + (size_t)it->row0 * row_bytes, out + row * row_bytes,
+               (size_t)it->rows * row_bytes);
+        row += (size_t)it->rows;
+    }
+}
+
+/* Grouped GEMM requests are never sliced: rows of group g from every
+ * request, in request order, form the batch's group g. */
+static void run_gemm(struct batch_job *bj)
+{
+    struct layer *l = bj->layer;
+    size_t es = moek_dtype_size(l->dt);
+    size_t G = l->groups, N = l->n, K = l->k, M = bj->tokens;
+    size_t a_bytes = M * K * es, c_off = (a_bytes + 63) & ~(size_t)63;
+    size_t ms_off = c_off + ((M * N * es + 63) & ~(size_t)63);
+    if ((bj->rc = staging_reserve(bj, ms_off + G * sizeof(int64_t) + 64))) {
+        snprintf(bj->err, sizeof(bj->err), "cannot allocate staging memory");
+        return;
+    }
+    uint8_t *a = bj->s->staging, *c = a + c_off;
+    int64_t *m_sizes = (int64_t *)(a + ms_off);
+    size_t *first = calloc(bj->n_items, sizeof(*first));
+    if (!first) {
+        bj->rc = -ENOMEM;
+        snprintf(bj->err, sizeof(bj->err), "out of memory");
+        return;
+    }
+    size_t row = 0;
+    for (size_t g = 0; g < G; g++) {
+        m_sizes[g] = 0;
+        for (uint32_t i = 0; i < bj->n_items; i++) {
+            struct request *req = bj->items[i].req;
+            size_t m = (size_t)req->m_sizes[g];
+            memcpy(a + row * K * es, (uint8_t *)req->a.ptr + first[i] * K * es, m * K * es);
+            first[i] += m;
+            row += m;
+            m_sizes[g] += (int64_t)m;
+        }
+    }
+    if (M > 0)
+        bj->rc = bj->s->backend->ops->gemm_run(bj->s->backend, l->weights, a, m_sizes,
+                                               (int64_t)M, c);
+    if (bj->rc) {
+        snprintf(bj->err, sizeof(bj->err), "%s backend failed: %s", bj->s->backend->name,
+                 strerror(-bj->rc));
+    } else {
+        memset(first, 0, bj->n_items * sizeof(*first));
+        row = 0;
+        for (size_t g = 0; g < G; g++)
+            for (uint32_t i = 0; i < bj->n_items; i++) {
+                struct request *req = bj->items[i].req;
+                size_t m = (size_t)req->m_sizes[g];
+                memcpy((uint8_t *)req->c.ptr + first[i] * N * es, c + row * N * es, m * N * es);
+                first[i] += m;
+                row += m;
+            }
+    }
+    free(first);
+}
+
+static void batch_run(struct job *job)
+{
+    struct batch_job *bj = (struct batch_job *)job;
+    uint64_t t0 = now_us();
+    if (bj->layer->kind == MOE__LAYER_KIND__LAYER_MOE)
+        run_moe(bj);
+    else
+        run_gemm(bj);
+    bj->compute_us = now_us() - t0;
+    for (uint32_t i = 0; i < bj->n_items; i++) {
+        struct request *req = bj->items[i].req;
+        if (bj->rc && !req->status) {
+            req->status = bj->rc;
+            snprintf(req->message, sizeof(req->message), "%s", bj->err);
+        }
+    }
+}
+
+/* ---- loop thread ---------------------------------------------------------- */
+
+static void batch_done(struct job *job)
+{
+    struct batch_job *bj = (struct batch_job *)job;
+    struct server *s = bj->s;
+    struct stats *st = &s->stats;
+    st->batches++;
+    hist_add(&st->batch_requests, bj->n_items);
+    hist_add(&st->batch_tokens, bj->tokens);
+    st->compute_us_total += bj->compute_us;
+    ring_add(&st->compute_us, bj->compute_us);
+    for (uint32_t i = 0; i < bj->n_items; i++) {
+        struct batch_item *it = &bj->items[i];
+        struct request *req = it->req;
+        req->rows_done += it->rows;
+        req->compute_us += bj->compute_us;
+        if (bj->n_items > req->batch_requests)
+            req->batch_requests = bj->n_items;
+        if (bj->tokens > req->batch_tokens)
+            req->batch_tokens = (uint32_t)bj->tokens;
+        if (req->status && req->queued) {
+            /* A slice failed: the rest of the request is not run. */
+            struct request *prev = NULL;
+            for (struct request *q = req->layer->queue_head; q != req; q = q->next)
+                prev = q;
+            queue_account(s, req, req->tokens - req->next_row);
+            queue_unlink(s, req->layer, prev, req);
+        }
+        if (!req->queued && req->rows_done == req->next_row)
+            request_finish(s, req);
+    }
+    layer_unref(s, &bj->layer);
+    free(bj->items);
+    free(bj);
+    s->batch_running = false;
+    batch_kick(s);
+}
+
+/* The ready layer whose head request arrived first. */
+static struct layer *batch_pick_layer(struct server *s)
+{
+    struct layer *best = NULL;
+    for (struct layer *l = s->layers; l; l = l->next)
+        if (l->queue_head && l->state == LAYER_READY &&
+            (!best || l->queue_head->arrival_us < best->queue_head->arrival_us))
+            best = l;
+    return best;
+}
+
+static int batch_add(struct batch_job *bj, struct request *req, int rows)
+{
+    if (bj->n_items == bj->cap_items) {
+        uint32_t cap = bj->cap_items ? 2 * bj->cap_items : 16;
+        struct batch_item *n = realloc(bj->items, cap * sizeof(*n));
+        if (!n)
+            return -ENOMEM;
+        bj->items = n;
+        bj->cap_items = cap;
+    }
+    bj->items[bj->n_items++] = (struct batch_item){req, req->next_row, rows};
+    req->next_row += rows;
+    bj->tokens += (uint64_t)rows;
+    return 0;
+}
+
+static void on_delay_timer(void *data)
+{
+    batch_kick(data);
+}
+
+/* With max_delay_us, a batch that is not yet full waits until its oldest
+ * request has waited that long. True if the caller should wait. */
+static bool batch_should_wait(struct server *s, struct layer *l, uint64_t now)
+{
+    uint64_t delay = s->cfg->max_delay_us;
+    if (!delay || !s->cfg->batching || s->draining ||
+        l->queued_tokens >= s->cfg->max_batch_tokens)
+        return false;
+    uint64_t due = l->queue_head->arrival_us + delay;
+    if (now >= due)
+        return false;
+    if (!s->delay_timer)
+        s->delay_timer = loop_timer(s->loop, 0, on_delay_timer, s);
+    if (!s->delay_timer || loop_timer_set(s->delay_timer, due - now, 0) < 0)
+        return false; /* cannot wait: run now rather than never */
+    return true;
+}
+
+void batch_kick(struct server *s)
+{
+    if (s->batch_running || s->queued_total == 0 || !s->compute)
+        return;
+    uint64_t now = now_us();
+    expire_queued(s, now);
+    struct layer *l = batch_pick_layer(s);
+    if (!l || batch_should_wait(s, l, now))
+        return;
+    struct batch_job *bj = calloc(1, sizeof(*bj));
+    if (!bj)
+        return; /* retried at the next kick */
+    bj->s = s;
+    bj->layer = layer_ref(l);
+    uint64_t cap = s->cfg->max_batch_tokens;
+    bool alone = !s->cfg->batching;
+    struct request *prev = NULL, *req = l->queue_head;
+    while (req && bj->tokens < cap) {
+        struct request *next = req->next;
+        bool first = bj->n_items == 0;
+        if (!first && (alone || req->no_batch || bj->items[0].req->no_batch))
+            break;
+        int left = req->tokens - req->next_row;
+        int rows = left;
+        if (req->kind == REQ_FUSED_MOE) {
+            /* Slices keep the device shared; a lone request may use the
+             * whole batch. */
+            uint64_t room = cap - bj->tokens, slice = s->cfg->max_slice_tokens;
+            if (!first || l->queued > 1)
+                room = room < slice ? room : slice;
+            if ((uint64_t)rows > room)
+                rows = (int)room;
+        } else if (!first && bj->tokens + (uint64_t)rows > cap) {
+            break; /* a GEMM request goes whole, into a batch with room */
+        }
+        if (rows <= 0 || batch_add(bj, req, rows) < 0)
+            break;
+        if (req->start_us == 0)
+            req->start_us = now;
+        queue_account(s, req, rows);
+        if (req->next_row == req->tokens)
+            queue_unlink(s, l, prev, req);
+        else
+            prev = req;
+        req = next;
+    }
+    if (bj->n_items == 0) {
+        layer_unref(s, &bj->layer);
+        free(bj);
+        return;
+    }
+    bj->job.run = batch_run;
+    bj->job.done = batch_done;
+    s->batch_running = true;
+    worker_submit(s->compute, &bj->job);
+}

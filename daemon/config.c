@@ -1,0 +1,396 @@
+/*
+ * config.c: see config.h. Unknown keys are errors, not warnings: a typo in a
+ * limit should stop the daemon at start, not silently keep a default.
+ */
+#include "daemon/config.h"
+
+#include <errno.h>
+#include <ini.h>
+#include <limits.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <unistd.h>
+
+#include "daemon/util.h"
+#include "moe.pb-c.h"
+
+char *config_default_runtime_dir(void)
+{
+    const char *env = getenv("MOED_RUNTIME_DIR");
+    char buf[PATH_MAX];
+    if (env && env[0])
+        return strdup(env);
+    if (geteuid() == 0)
+        return strdup("/run/moed");
+    env = getenv("XDG_RUNTIME_DIR");
+    if (env && env[0]) {
+        snprintf(buf, sizeof(buf), "%s/moed", env);
+        return strdup(buf);
+    }
+    snprintf(buf, sizeof(buf), "/tmp/moed-%u", (unsigned)geteuid());
+    return strdup(buf);
+}
+
+int config_init(struct config *c)
+{
+    memset(c, 0, sizeof(*c));
+    c->runtime_dir = config_default_runtime_dir();
+    c->backend = strdup("auto");
+    if (!c->runtime_dir || !c->backend)
+        return -ENOMEM;
+    c->log_level = 6;
+    c->max_batch_tokens = 4096;
+    c->max_delay_us = 0;
+    c->max_request_tokens = 65536;
+    c->max_slice_tokens = 1024;
+    c->batching = true;
+    c->max_sessions = 256;
+    c->max_regions = 64;
+    c->max_region_bytes = 16ull << 30;
+    c->max_session_bytes = 64ull << 30;
+    c->max_queued_requests = 256;
+    c->max_queued_tokens = 65536;
+    c->max_message_bytes = 1u << 20;
+    return 0;
+}
+
+static void layer_conf_free(struct layer_conf *l)
+{
+    while (l) {
+        struct layer_conf *next = l->next;
+        free(l->name);
+        free(l->path);
+        free(l->prefix);
+        free(l);
+        l = next;
+    }
+}
+
+void config_done(struct config *c)
+{
+    free(c->runtime_dir);
+    free(c->backend);
+    for (size_t i = 0; i < c->n_allowed_dirs; i++)
+        free(c->allowed_dirs[i]);
+    free(c->allowed_dirs);
+    layer_conf_free(c->layers);
+    memset(c, 0, sizeof(*c));
+}
+
+int config_add_allowed_dir(struct config *c, const char *dir)
+{
+    char *canon = realpath(dir, NULL);
+    if (!canon)
+        return -errno;
+    char **n = realloc(c->allowed_dirs, (c->n_allowed_dirs + 1) * sizeof(*n));
+    if (!n) {
+        free(canon);
+        return -ENOMEM;
+    }
+    c->allowed_dirs = n;
+    c->allowed_dirs[c->n_allowed_dirs++] = canon;
+    return 0;
+}
+
+int config_parse_kind(const char *s)
+{
+    if (strcasecmp(s, "moe") == 0)
+        return MOE__LAYER_KIND__LAYER_MOE;
+    if (strcasecmp(s, "gemm") == 0)
+        return MOE__LAYER_KIND__LAYER_GEMM;
+    return -1;
+}
+
+int config_parse_dtype(const char *s)
+{
+    if (strcasecmp(s, "bf16") == 0 || strcasecmp(s, "bfloat16") == 0)
+        return MOE__DTYPE__DTYPE_BF16;
+    if (strcasecmp(s, "fp16") == 0 || strcasecmp(s, "f16") == 0 || strcasecmp(s, "float16") == 0)
+        return MOE__DTYPE__DTYPE_FP16;
+    if (strcasecmp(s, "fp32") == 0 || strcasecmp(s, "f32") == 0 || strcasecmp(s, "float32") == 0)
+        return MOE__DTYPE__DTYPE_FP32;
+    return -1;
+}
+
+int config_parse_routing(const char *s)
+{
+    if (strcasecmp(s, "softmax") == 0)
+        return MOE__ROUTING__ROUTING_SOFTMAX;
+    if (strcasecmp(s, "sigmoid") == 0)
+        return MOE__ROUTING__ROUTING_SIGMOID;
+    if (strcasecmp(s, "given") == 0)
+        return MOE__ROUTING__ROUTING_GIVEN;
+    return -1;
+}
+
+struct parse_ctx {
+    struct config *c;
+    char *err;
+    size_t errlen;
+    int rc;
+    char msg[400];
+};
+
+static int parse_u64(const char *v, uint64_t max, uint64_t *out)
+{
+    char *end;
+    errno = 0;
+    if (!v[0] || v[0] == '-')
+        return -EINVAL;
+    unsigned long long x = strtoull(v, &end, 0);
+    if (errno || *end || x > max)
+        return -EINVAL;
+    *out = x;
+    return 0;
+}
+
+static int parse_bool(const char *v, bool *out)
+{
+    if (!strcasecmp(v, "true") || !strcasecmp(v, "yes") || !strcmp(v, "1") || !strcasecmp(v, "on"))
+        *out = true;
+    else if (!strcasecmp(v, "false") || !strcasecmp(v, "no") || !strcmp(v, "0") || !strcasecmp(v, "off"))
+        *out = false;
+    else
+        return -EINVAL;
+    return 0;
+}
+
+static int set_str(char **dst, const char *v)
+{
+    char *s = strdup(v);
+    if (!s)
+        return -ENOMEM;
+    free(*dst);
+    *dst = s;
+    return 0;
+}
+
+static int daemon_key(struct config *c, const char *k, const char *v)
+{
+    uint64_t x = 0;
+    if (!strcmp(k, "runtime_dir"))
+        return v[0] == '/' ? set_str(&c->runtime_dir, v) : -EINVAL;
+    if (!strcmp(k, "allowed_dirs")) {
+        char *copy = strdup(v), *save = NULL;
+        if (!copy)
+            return -ENOMEM;
+        int rc = 0;
+        for (char *d = strtok_r(copy, ":", &save); d && !rc; d = strtok_r(NULL, ":", &save))
+            rc = config_add_allowed_dir(c, d);
+        free(copy);
+        return rc;
+    }
+    if (!strcmp(k, "backend")) {
+        if (strcmp(v, "auto") && strcmp(v, "cpu") && strcmp(v, "cuda"))
+            return -EINVAL;
+        return set_str(&c->backend, v);
+    }
+    if (!strcmp(k, "cpu_threads")) {
+        int rc = parse_u64(v, 1024, &x);
+        c->cpu_threads = (int)x;
+        return rc;
+    }
+    if (!strcmp(k, "log_level")) {
+        static const char *lv[] = {"err", "warning", "notice", "info", "debug"};
+        for (int i = 0; i < 5; i++)
+            if (!strcmp(v, lv[i])) {
+                c->log_level = 3 + i;
+                return 0;
+            }
+        return -EINVAL;
+    }
+    return -ENOENT;
+}
+
+/* Numeric keys of [batch] and [limits]: name, field, bounds. */
+struct num_key {
+    const char *section, *name;
+    size_t off;
+    bool is64;
+    uint64_t lo, hi;
+};
+
+#define NUM32(sec, nm, field, lo, hi) {sec, nm, offsetof(struct config, field), false, lo, hi}
+#define NUM64(sec, nm, field, lo) {sec, nm, offsetof(struct config, field), true, lo, UINT64_MAX}
+
+static const struct num_key num_keys[] = {
+    NUM32("batch", "max_batch_tokens", max_batch_tokens, 1, 1u << 20),
+    NUM32("batch", "max_delay_us", max_delay_us, 0, 10000000),
+    NUM32("batch", "max_request_tokens", max_request_tokens, 1, 1u << 24),
+    NUM32("batch", "max_slice_tokens", max_slice_tokens, 1, 1u << 24),
+    NUM32("limits", "max_sessions", max_sessions, 1, 65536),
+    NUM32("limits", "max_regions", max_regions, 1, 65536),
+    NUM64("limits", "max_region_bytes", max_region_bytes, 1),
+    NUM64("limits", "max_session_bytes", max_session_bytes, 1),
+    NUM32("limits", "max_queued_requests", max_queued_requests, 1, 1u << 20),
+    NUM32("limits", "max_queued_tokens", max_queued_tokens, 1, 1u << 30),
+    NUM64("limits", "max_message_bytes", max_message_bytes, 4096),
+};
+
+static int num_key(struct config *c, const char *section, const char *k, const char *v)
+{
+    for (size_t i = 0; i < sizeof(num_keys) / sizeof(num_keys[0]); i++) {
+        const struct num_key *nk = &num_keys[i];
+        uint64_t x;
+        if (strcmp(section, nk->section) || strcmp(k, nk->name))
+            continue;
+        if (parse_u64(v, nk->hi, &x) || x < nk->lo)
+            return -EINVAL;
+        if (nk->is64)
+            *(uint64_t *)((char *)c + nk->off) = x;
+        else
+            *(uint32_t *)((char *)c + nk->off) = (uint32_t)x;
+        return 0;
+    }
+    return -ENOENT;
+}
+
+static struct layer_conf *layer_for(struct config *c, const char *name)
+{
+    struct layer_conf **tail = &c->layers;
+    for (struct layer_conf *l = c->layers; l; l = l->next) {
+        if (!strcmp(l->name, name))
+            return l;
+        tail = &l->next;
+    }
+    struct layer_conf *l = calloc(1, sizeof(*l));
+    if (!l || !(l->name = strdup(name))) {
+        free(l);
+        return NULL;
+    }
+    l->renormalize = true;
+    *tail = l;
+    return l;
+}
+
+static int layer_key(struct layer_conf *l, const char *k, const char *v)
+{
+    uint64_t x;
+    int e;
+    if (!strcmp(k, "kind"))
+        return (e = config_parse_kind(v)) < 0 ? -EINVAL : (l->kind = e, 0);
+    if (!strcmp(k, "dtype"))
+        return (e = config_parse_dtype(v)) < 0 ? -EINVAL : (l->dtype = e, 0);
+    if (!strcmp(k, "routing"))
+        return (e = config_parse_routing(v)) < 0 ? -EINVAL : (l->routing = e, 0);
+    if (!strcmp(k, "renormalize"))
+        return parse_bool(v, &l->renormalize);
+    if (!strcmp(k, "file"))
+        return set_str(&l->path, v);
+    if (!strcmp(k, "prefix"))
+        return set_str(&l->prefix, v);
+    static const struct {
+        const char *name;
+        size_t off;
+    } nums[] = {
+        {"experts", offsetof(struct layer_conf, experts)},
+        {"topk", offsetof(struct layer_conf, topk)},
+        {"hidden", offsetof(struct layer_conf, hidden)},
+        {"intermediate", offsetof(struct layer_conf, intermediate)},
+        {"groups", offsetof(struct layer_conf, groups)},
+        {"n", offsetof(struct layer_conf, n)},
+        {"k", offsetof(struct layer_conf, k)},
+    };
+    for (size_t i = 0; i < sizeof(nums) / sizeof(nums[0]); i++)
+        if (!strcmp(k, nums[i].name)) {
+            if (parse_u64(v, 1u << 24, &x))
+                return -EINVAL;
+            *(uint32_t *)((char *)l + nums[i].off) = (uint32_t)x;
+            return 0;
+        }
+    return -ENOENT;
+}
+
+/* inih reports the line of the first handler that returns 0; the message
+ * is written here and the line added by the caller. */
+static int on_ini(void *user, const char *section, const char *key, const char *value)
+{
+    struct parse_ctx *p = user;
+    int rc;
+    if (p->rc)
+        return 1;
+    if (!strcmp(section, "daemon"))
+        rc = daemon_key(p->c, key, value);
+    else if (!strcmp(section, "batch") && !strcmp(key, "batching"))
+        rc = parse_bool(value, &p->c->batching);
+    else if (!strcmp(section, "batch") || !strcmp(section, "limits"))
+        rc = num_key(p->c, section, key, value);
+    else if (!strncmp(section, "layer ", 6)) {
+        const char *name = section + 6;
+        while (*name == ' ' || *name == '"')
+            name++;
+        char nm[80];
+        snprintf(nm, sizeof(nm), "%s", name);
+        size_t n = strlen(nm);
+        while (n && (nm[n - 1] == '"' || nm[n - 1] == ' '))
+            nm[--n] = '\0';
+        struct layer_conf *l = layer_for(p->c, nm);
+        rc = l ? layer_key(l, key, value) : -ENOMEM;
+    } else {
+        snprintf(p->msg, sizeof(p->msg), "unknown section [%s]", section);
+        p->rc = -EINVAL;
+        return 0;
+    }
+    if (rc == -ENOENT)
+        snprintf(p->msg, sizeof(p->msg), "unknown key '%s' in [%s]", key, section);
+    else if (rc)
+        snprintf(p->msg, sizeof(p->msg), "bad value '%s' for '%s' in [%s]%s", value, key, section,
+                 !strcmp(key, "allowed_dirs") ? " (each directory must exist)" : "");
+    if (rc)
+        p->rc = rc == -ENOENT ? -EINVAL : rc;
+    return rc ? 0 : 1;
+}
+
+static int config_check(struct config *c, char *err, size_t errlen)
+{
+    for (struct layer_conf *l = c->layers; l; l = l->next) {
+        if (!name_valid(l->name)) {
+            snprintf(err, errlen, "layer '%s': names are 1-64 characters of A-Z a-z 0-9 . _ -", l->name);
+            return -EINVAL;
+        }
+        if (!l->path) {
+            snprintf(err, errlen, "layer '%s': no file", l->name);
+            return -EINVAL;
+        }
+    }
+    return 0;
+}
+
+static int config_parse_with(struct config *c, int rc_ini, struct parse_ctx *p)
+{
+    if (p->rc) {
+        snprintf(p->err, p->errlen, "line %d: %s", rc_ini, p->msg);
+        return p->rc;
+    }
+    if (rc_ini > 0) {
+        snprintf(p->err, p->errlen, "line %d: syntax error", rc_ini);
+        return -EINVAL;
+    }
+    if (rc_ini == -2)
+        return -ENOMEM;
+    return config_check(c, p->err, p->errlen);
+}
+
+int config_load(struct config *c, const char *path, char *err, size_t errlen)
+{
+    FILE *fp = fopen(path, "re");
+    if (!fp) {
+        int e = -errno;
+        snprintf(err, errlen, "cannot open %s: %s", path, strerror(-e));
+        return e;
+    }
+    struct parse_ctx p = {c, err, errlen, 0, ""};
+    int rc = ini_parse_file(fp, on_ini, &p);
+    fclose(fp);
+    return config_parse_with(c, rc, &p);
+}
+
+int config_parse_string(struct config *c, const char *text, char *err, size_t errlen)
+{
+    struct parse_ctx p = {c, err, errlen, 0, ""};
+    int rc = ini_parse_string(text, on_ini, &p);
+    return config_parse_with(c, rc, &p);
+}

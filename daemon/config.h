@@ -1,0 +1,104 @@
+/*
+ * config.h: moed's configuration: defaults, the INI file (/etc/moed/moed.conf,
+ * parsed with inih) and the command line, in that order of precedence.
+ *
+ *   [daemon]
+ *   runtime_dir = /run/moed
+ *   allowed_dirs = /var/lib/moed/weights:/srv/models
+ *   backend = auto            ; auto | cpu | cuda
+ *   cpu_threads = 0           ; 0: one per CPU
+ *   log_level = info
+ *
+ *   [batch]
+ *   max_batch_tokens = 4096   ; tokens (or GEMM rows) in one launch
+ *   max_delay_us = 0          ; wait this long for more requests when the device frees
+ *   max_request_tokens = 65536
+ *   max_slice_tokens = 1024   ; rows one request adds to a batch (long prefills run in slices)
+ *   batching = true           ; false: every request runs alone (for comparison)
+ *
+ *   [limits]
+ *   max_sessions = 256
+ *   max_regions = 64          ; per session
+ *   max_region_bytes = 17179869184
+ *   max_session_bytes = 68719476736
+ *   max_queued_requests = 256 ; per session
+ *   max_queued_tokens = 65536 ; per session
+ *   max_message_bytes = 1048576
+ *
+ *   [layer NAME]
+ *   kind = moe                ; moe | gemm
+ *   file = /var/lib/moed/weights/model.safetensors
+ *   prefix = model.layers.0.block_sparse_moe.
+ *   experts = 8  topk = 2  hidden = 4096  intermediate = 14336 (one per line)
+ *   dtype = bf16  routing = softmax  renormalize = true
+ */
+#ifndef MOED_CONFIG_H
+#define MOED_CONFIG_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* A layer to load at start (and on reload). */
+struct layer_conf {
+    char *name;
+    int kind;        /* Moe__LayerKind */
+    int dtype;       /* Moe__DType, 0: from the file */
+    uint32_t experts, topk, hidden, intermediate;
+    int routing;     /* Moe__Routing */
+    bool renormalize;
+    uint32_t groups, n, k;
+    char *path;
+    char *prefix;
+    struct layer_conf *next;
+};
+
+struct config {
+    char *runtime_dir;
+    char **allowed_dirs;     /* canonical absolute paths */
+    size_t n_allowed_dirs;
+    char *backend;
+    int cpu_threads;
+    int log_level;
+
+    uint32_t max_batch_tokens;
+    uint32_t max_delay_us;
+    uint32_t max_request_tokens;
+    uint32_t max_slice_tokens;
+    bool batching;
+
+    uint32_t max_sessions;
+    uint32_t max_regions;
+    uint64_t max_region_bytes;
+    uint64_t max_session_bytes;
+    uint32_t max_queued_requests;
+    uint32_t max_queued_tokens;
+    uint64_t max_message_bytes;
+
+    struct layer_conf *layers;
+};
+
+/* Fill c with the defaults (runtime dir from the environment rule). */
+int config_init(struct config *c);
+void config_done(struct config *c);
+
+/* Read an INI file over c. 0, -errno for an unreadable file, or -EINVAL with
+ * err naming the line and the problem. */
+int config_load(struct config *c, const char *path, char *err, size_t errlen);
+/* Parse INI text (for tests and fuzzing); same contract as config_load. */
+int config_parse_string(struct config *c, const char *text, char *err, size_t errlen);
+
+/* Add one allowed directory; it must exist (stored canonical). */
+int config_add_allowed_dir(struct config *c, const char *dir);
+
+/* The runtime directory rule shared with libmoe: $MOED_RUNTIME_DIR, else
+ * /run/moed for root, else $XDG_RUNTIME_DIR/moed, else /tmp/moed-<uid>.
+ * Caller frees. */
+char *config_default_runtime_dir(void);
+
+/* Parse "moe"/"gemm", "bf16"/..., "softmax"/... Return the enum or -1. */
+int config_parse_kind(const char *s);
+int config_parse_dtype(const char *s);
+int config_parse_routing(const char *s);
+
+#endif

@@ -1,0 +1,374 @@
+/*
+ * layer.c: the layer registry. A LoadLayer request reserves its name at once
+ * (state LOADING, so a second load of the same name fails fast), reads and
+ * uploads the weights on the loader thread, and answers when they are
+ * resident. Requests hold references to their layer, so an unload while a
+ * batch runs frees the weights only after that batch completes.
+ */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon/layer.h"
+#include "daemon/log.h"
+#include "daemon/region.h"
+#include "daemon/server.h"
+#include "daemon/util.h"
+#include "moe.pb-c.h"
+
+struct load_job {
+    struct job job;
+    struct server *s;
+    struct layer *layer;
+    struct layer_spec spec;
+    char *path, *prefix;
+    /* Upload from regions instead of a file. */
+    bool upload;
+    struct tensor_ref w1, w3, w2;
+    /* The reply goes here. */
+    uint8_t route_id[ROUTE_ID_MAX];
+    size_t route_len;
+    uint64_t req_id;
+    uint64_t start_us;
+    /* Result. */
+    int rc;
+    char err[512];
+};
+
+struct layer *layer_find(struct server *s, const char *name)
+{
+    for (struct layer *l = s->layers; l; l = l->next)
+        if (strcmp(l->name, name) == 0)
+            return l;
+    return NULL;
+}
+
+struct layer *layer_ref(struct layer *l)
+{
+    l->refs++;
+    return l;
+}
+
+void layer_unref(struct server *s, struct layer **lp)
+{
+    struct layer *l = *lp;
+    *lp = NULL;
+    if (!l || --l->refs > 0)
+        return;
+    if (l->weights)
+        s->backend->ops->weights_free(s->backend, l->weights);
+    free(l);
+}
+
+static void layer_unlink(struct server *s, struct layer *l)
+{
+    for (struct layer **pp = &s->layers; *pp; pp = &(*pp)->next)
+        if (*pp == l) {
+            *pp = l->next;
+            break;
+        }
+    l->unloaded = true;
+}
+
+/* Loader thread: read (or take from regions), then hand to the backend. */
+static void load_run(struct job *job)
+{
+    struct load_job *lj = (struct load_job *)job;
+    struct layer *l = lj->layer;
+    struct backend *b = lj->s->backend;
+    struct host_weights hw = {0};
+    const void *w1, *w3, *w2;
+    if (lj->upload) {
+        w1 = lj->w1.ptr;
+        w3 = lj->w3.ptr;
+        w2 = lj->w2.ptr;
+        hw.bytes = lj->w1.bytes + lj->w3.bytes + lj->w2.bytes;
+        snprintf(hw.source, sizeof(hw.source), "upload");
+    } else {
+        lj->rc = layer_read_weights(&lj->spec, lj->s->cfg->allowed_dirs,
+                                    lj->s->cfg->n_allowed_dirs, &hw, lj->err, sizeof(lj->err));
+        if (lj->rc)
+            return;
+        w1 = hw.w1;
+        w3 = hw.w3;
+        w2 = hw.w2;
+        l->wire_dtype = hw.dtype;
+        wire_dtype_to_moek(hw.dtype, &l->dt);
+        if (l->kind == MOE__LAYER_KIND__LAYER_MOE) {
+            l->shape.experts = (int)hw.experts;
+            l->shape.hidden = (int)hw.hidden;
+            l->shape.intermediate = (int)hw.intermediate;
+        } else {
+            l->groups = hw.groups;
+            l->n = hw.n;
+            l->k = hw.k;
+        }
+    }
+    if (l->kind == MOE__LAYER_KIND__LAYER_MOE && (l->shape.topk < 1 || l->shape.topk > l->shape.experts)) {
+        lj->rc = -EINVAL;
+        snprintf(lj->err, sizeof(lj->err), "topk %d must be between 1 and the %d experts",
+                 l->shape.topk, l->shape.experts);
+    } else if (l->kind == MOE__LAYER_KIND__LAYER_MOE) {
+        moek_scoring sc = l->routing == MOE__ROUTING__ROUTING_SIGMOID ? MOEK_SCORING_SIGMOID
+                                                                     : MOEK_SCORING_SOFTMAX;
+        lj->rc = b->ops->moe_new(b, &l->shape, l->dt, sc, l->renormalize, w1, w3, w2, &l->weights);
+    } else {
+        lj->rc = b->ops->gemm_new(b, l->dt, (int)l->groups, (int)l->n, (int)l->k, w1, &l->weights);
+    }
+    if (lj->rc && !lj->err[0])
+        snprintf(lj->err, sizeof(lj->err), "%s backend cannot hold the weights: %s", b->name,
+                 lj->rc == -ENOMEM ? "out of memory" : lj->rc == -ENOTSUP ? "shape not supported"
+                                                     : strerror(-lj->rc));
+    l->weight_bytes = hw.bytes;
+    snprintf(l->source, sizeof(l->source), "%s", hw.source);
+    host_weights_done(&hw);
+}
+
+static void load_job_free(struct load_job *lj)
+{
+    tensor_ref_done(&lj->w1);
+    tensor_ref_done(&lj->w3);
+    tensor_ref_done(&lj->w2);
+    free(lj->path);
+    free(lj->prefix);
+    free(lj);
+}
+
+/* Loop thread: publish the layer or drop it, and answer. */
+static void load_done(struct job *job)
+{
+    struct load_job *lj = (struct load_job *)job;
+    struct server *s = lj->s;
+    struct layer *l = lj->layer;
+    Moe__Reply rep = MOE__REPLY__INIT;
+    Moe__LayerInfo info;
+    if (lj->rc) {
+        log_warn("cannot load layer '%s': %s", l->name, lj->err);
+        layer_unlink(s, l);
+        layer_unref(s, &l);
+        if (lj->route_len)
+            server_reply_error(s, lj->route_id, lj->route_len, lj->req_id, lj->rc, "%s", lj->err);
+    } else {
+        l->state = LAYER_READY;
+        log_info("layer '%s' loaded: %s, %.1f MiB in %.2f s", l->name, l->source,
+                 (double)l->weight_bytes / (1 << 20), (double)(now_us() - lj->start_us) / 1e6);
+        if (lj->route_len) {
+            wire_layer_info(l, &info);
+            rep.id = lj->req_id;
+            rep.body_case = MOE__REPLY__BODY_LAYER;
+            rep.layer = &info;
+            server_reply(s, lj->route_id, lj->route_len, &rep);
+        }
+    }
+    load_job_free(lj);
+}
+
+static struct layer *layer_reserve(struct server *s, const char *name)
+{
+    struct layer *l = calloc(1, sizeof(*l));
+    if (!l)
+        return NULL;
+    snprintf(l->name, sizeof(l->name), "%s", name);
+    l->state = LAYER_LOADING;
+    l->refs = 1; /* the registry's */
+    l->next = s->layers;
+    s->layers = l;
+    return l;
+}
+
+/* Fill the layer's declared fields; 0 or -EINVAL with err. */
+static int layer_declare(struct layer *l, const struct layer_spec *sp, int routing,
+                         bool renormalize, char *err, size_t errlen)
+{
+    l->kind = sp->kind;
+    l->wire_dtype = sp->dtype;
+    if (sp->dtype && wire_dtype_to_moek(sp->dtype, &l->dt) < 0) {
+        snprintf(err, errlen, "dtype %s cannot hold weights (bf16, fp16 or fp32)",
+                 wire_dtype_name(sp->dtype));
+        return -EINVAL;
+    }
+    if (sp->kind != MOE__LAYER_KIND__LAYER_MOE && sp->kind != MOE__LAYER_KIND__LAYER_GEMM) {
+        snprintf(err, errlen, "unknown layer kind %d", sp->kind);
+        return -EINVAL;
+    }
+    if (routing < MOE__ROUTING__ROUTING_SOFTMAX || routing > MOE__ROUTING__ROUTING_GIVEN) {
+        snprintf(err, errlen, "unknown routing %d", routing);
+        return -EINVAL;
+    }
+    if (sp->experts > 4096 || sp->hidden > (1u << 20) || sp->intermediate > (1u << 20) ||
+        sp->groups > 65536 || sp->n > (1u << 20) || sp->k > (1u << 20)) {
+        snprintf(err, errlen, "layer dimensions out of range");
+        return -EINVAL;
+    }
+    if (sp->kind == MOE__LAYER_KIND__LAYER_MOE && sp->topk == 0) {
+        snprintf(err, errlen, "topk is required for a MoE layer");
+        return -EINVAL;
+    }
+    l->shape.experts = (int)sp->experts;
+    l->shape.topk = (int)sp->topk;
+    l->shape.hidden = (int)sp->hidden;
+    l->shape.intermediate = (int)sp->intermediate;
+    l->routing = routing;
+    l->renormalize = renormalize;
+    l->groups = sp->groups;
+    l->n = sp->n;
+    l->k = sp->k;
+    return 0;
+}
+
+static bool tensor_is(const struct tensor_ref *t, int dtype, uint64_t a, uint64_t b, uint64_t c)
+{
+    return t->dtype == dtype && t->ndim == 3 && t->shape[0] == a && t->shape[1] == b &&
+           t->shape[2] == c;
+}
+
+void layer_handle_load(struct server *s, struct session *se, const uint8_t *route_id,
+                       size_t route_len, uint64_t req_id, const void *msg)
+{
+    const Moe__LoadLayer *m = msg;
+    char err[512] = "";
+    int rc = 0;
+    if (!name_valid(m->name)) {
+        server_reply_error(s, route_id, route_len, req_id, -EINVAL,
+                           "layer names are 1-64 characters of A-Z a-z 0-9 . _ -");
+        return;
+    }
+    if (layer_find(s, m->name)) {
+        server_reply_error(s, route_id, route_len, req_id, -EEXIST,
+                           "a layer named '%s' is already loaded", m->name);
+        return;
+    }
+    struct load_job *lj = calloc(1, sizeof(*lj));
+    if (!lj) {
+        server_reply_error(s, route_id, route_len, req_id, -ENOMEM, "out of memory");
+        return;
+    }
+    lj->s = s;
+    lj->req_id = req_id;
+    lj->start_us = now_us();
+    memcpy(lj->route_id, route_id, route_len);
+    lj->route_len = route_len;
+    struct layer_spec *sp = &lj->spec;
+    sp->kind = m->kind;
+    sp->dtype = m->dtype;
+    sp->experts = m->experts;
+    sp->topk = m->topk;
+    sp->hidden = m->hidden;
+    sp->intermediate = m->intermediate;
+    sp->groups = m->groups;
+    sp->n = m->n;
+    sp->k = m->k;
+    struct layer tmp = {0};
+    rc = layer_declare(&tmp, sp, m->routing, m->renormalize, err, sizeof(err));
+    bool has_path = m->path && m->path[0];
+    lj->upload = m->w1 != NULL;
+    if (!rc && has_path == lj->upload) {
+        rc = -EINVAL;
+        snprintf(err, sizeof(err), "give either a file path or weight tensors (w1, w3, w2), not %s",
+                 has_path ? "both" : "neither");
+    }
+    if (!rc && lj->upload) {
+        bool moe = sp->kind == MOE__LAYER_KIND__LAYER_MOE;
+        uint64_t E = sp->experts, H = sp->hidden, I = sp->intermediate;
+        if (!sp->dtype || (moe && (!E || !H || !I)) || (!moe && (!sp->groups || !sp->n || !sp->k))) {
+            rc = -EINVAL;
+            snprintf(err, sizeof(err), "an upload must state dtype and every dimension");
+        }
+        if (!rc)
+            rc = wire_tensor(se, m->w1, "w1", &lj->w1, err, sizeof(err));
+        if (!rc && moe)
+            rc = wire_tensor(se, m->w3, "w3", &lj->w3, err, sizeof(err));
+        if (!rc && moe)
+            rc = wire_tensor(se, m->w2, "w2", &lj->w2, err, sizeof(err));
+        if (!rc && moe && !(tensor_is(&lj->w1, sp->dtype, E, I, H) &&
+                            tensor_is(&lj->w3, sp->dtype, E, I, H) &&
+                            tensor_is(&lj->w2, sp->dtype, E, H, I))) {
+            rc = -EINVAL;
+            snprintf(err, sizeof(err), "w1/w3 must be %s [%llu, %llu, %llu] and w2 [%llu, %llu, %llu]",
+                     wire_dtype_name(sp->dtype), (unsigned long long)E, (unsigned long long)I,
+                     (unsigned long long)H, (unsigned long long)E, (unsigned long long)H,
+                     (unsigned long long)I);
+        }
+        if (!rc && !moe && !tensor_is(&lj->w1, sp->dtype, sp->groups, sp->n, sp->k)) {
+            rc = -EINVAL;
+            snprintf(err, sizeof(err), "w1 must be %s [%u, %u, %u]", wire_dtype_name(sp->dtype),
+                     sp->groups, sp->n, sp->k);
+        }
+    } else if (!rc) {
+        lj->path = strdup(m->path);
+        lj->prefix = m->prefix && m->prefix[0] ? strdup(m->prefix) : NULL;
+        if (!lj->path || (m->prefix && m->prefix[0] && !lj->prefix))
+            rc = -ENOMEM;
+        sp->path = lj->path;
+        sp->prefix = lj->prefix;
+    }
+    if (!rc && !(lj->layer = layer_reserve(s, m->name)))
+        rc = -ENOMEM;
+    if (rc) {
+        server_reply_error(s, route_id, route_len, req_id, rc, "%s", err[0] ? err : "out of memory");
+        load_job_free(lj);
+        return;
+    }
+    layer_declare(lj->layer, sp, m->routing, m->renormalize, err, sizeof(err));
+    lj->job.run = load_run;
+    lj->job.done = load_done;
+    worker_submit(s->loader, &lj->job);
+}
+
+int layer_load_conf(struct server *s, const struct layer_conf *lc, char *err, size_t errlen)
+{
+    if (layer_find(s, lc->name)) {
+        snprintf(err, errlen, "a layer named '%s' is already loaded", lc->name);
+        return -EEXIST;
+    }
+    struct load_job lj = {.s = s};
+    lj.spec = (struct layer_spec){
+        .kind = lc->kind, .dtype = lc->dtype, .experts = lc->experts, .topk = lc->topk,
+        .hidden = lc->hidden, .intermediate = lc->intermediate, .groups = lc->groups,
+        .n = lc->n, .k = lc->k, .path = lc->path, .prefix = lc->prefix,
+    };
+    struct layer tmp = {0};
+    int rc = layer_declare(&tmp, &lj.spec, lc->routing, lc->renormalize, err, errlen);
+    if (rc)
+        return rc;
+    lj.layer = layer_reserve(s, lc->name);
+    if (!lj.layer)
+        return -ENOMEM;
+    layer_declare(lj.layer, &lj.spec, lc->routing, lc->renormalize, err, errlen);
+    load_run(&lj.job);
+    if (lj.rc) {
+        snprintf(err, errlen, "%s", lj.err);
+        layer_unlink(s, lj.layer);
+        layer_unref(s, &lj.layer);
+        return lj.rc;
+    }
+    lj.layer->state = LAYER_READY;
+    return 0;
+}
+
+int layer_unload(struct server *s, const char *name)
+{
+    struct layer *l = layer_find(s, name);
+    if (!l)
+        return -ENOENT;
+    if (l->state == LAYER_LOADING)
+        return -EBUSY;
+    layer_unlink(s, l);
+    batch_cancel_layer(s, l, -ECANCELED, "layer was unloaded");
+    layer_unref(s, &l);
+    return 0;
+}
+
+void layer_unload_all(struct server *s)
+{
+    /* Loading layers belong to queued load jobs, which the loader worker's
+     * shutdown completes first; what is left here is ready. */
+    while (s->layers) {
+        struct layer *l = s->layers;
+        layer_unlink(s, l);
+        batch_cancel_layer(s, l, -ECANCELED, "daemon is stopping");
+        layer_unref(s, &l);
+    }
+}

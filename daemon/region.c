@@ -1,0 +1,83 @@
+/*
+ * region.c: see region.h. The seal check is what makes it safe to map client
+ * memory: without F_SEAL_SHRINK a client could truncate the file and turn
+ * the daemon's next access into SIGBUS.
+ */
+#include "daemon/region.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "daemon/util.h"
+
+int region_new(int fd, uint64_t declared_size, uint64_t max_size,
+               struct region **out)
+{
+    struct stat st;
+    *out = NULL;
+    if (declared_size == 0)
+        return -EINVAL;
+    if (declared_size > max_size)
+        return -EDQUOT;
+    if (fstat(fd, &st) < 0)
+        return -errno;
+    if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size != declared_size)
+        return -EINVAL;
+    int seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0)
+        return -EINVAL; /* not a memfd or other sealable file */
+    if ((seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW))
+        return -EINVAL;
+    if (declared_size > SIZE_MAX)
+        return -EDQUOT;
+    void *base = mmap(NULL, (size_t)declared_size, PROT_READ | PROT_WRITE,
+                      MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED)
+        return -errno;
+    struct region *r = calloc(1, sizeof(*r));
+    if (!r) {
+        munmap(base, (size_t)declared_size);
+        return -ENOMEM;
+    }
+    r->fd = fd;
+    r->base = base;
+    r->size = declared_size;
+    r->refs = 1;
+    *out = r;
+    return 0;
+}
+
+struct region *region_ref(struct region *r)
+{
+    if (r)
+        r->refs++;
+    return r;
+}
+
+void region_unref(struct region **rp)
+{
+    struct region *r = *rp;
+    *rp = NULL;
+    if (!r || --r->refs > 0)
+        return;
+    if (r->release)
+        r->release(r->release_ctx, r->base, (size_t)r->size, r->pin_cookie);
+    munmap(r->base, (size_t)r->size);
+    close_fd(&r->fd);
+    free(r);
+}
+
+int region_span(const struct region *r, uint64_t offset, uint64_t bytes,
+                void **ptr)
+{
+    uint64_t end;
+    if (!add_u64(offset, bytes, &end) || end > r->size)
+        return -EINVAL;
+    *ptr = (uint8_t *)r->base + offset;
+    return 0;
+}

@@ -1,0 +1,567 @@
+/*
+ * server.c: the request socket. A ZeroMQ ROUTER on ipc://<runtime>/moed.zmq
+ * receives [routing id][Request]; each Request is decoded, its token matched
+ * to a session, and either answered at once (Hello, ListLayers, Stats,
+ * UnloadLayer), handed to the loader (LoadLayer) or validated into a request
+ * for the batcher (FusedMoe, GroupedGemm). Every failure is answered with a
+ * status and a message; nothing a client sends can stop the loop.
+ */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/stat.h>
+#include <zmq.h>
+
+#include "daemon/log.h"
+#include "daemon/loop.h"
+#include "daemon/server.h"
+#include "daemon/util.h"
+#include "moe.pb-c.h"
+#include "proto/status.h"
+
+#define PROTOCOL_VERSION 1
+
+void server_reply(struct server *s, const uint8_t *route_id, size_t route_len, void *reply)
+{
+    Moe__Reply *rep = reply;
+    size_t n = moe__reply__get_packed_size(rep);
+    zmq_msg_t msg;
+    if (zmq_msg_init_size(&msg, n) != 0)
+        return;
+    moe__reply__pack(rep, zmq_msg_data(&msg));
+    /* Unroutable (the client is gone) or over its high-water mark (it does
+     * not read): ROUTER drops the reply, which is all that can be done. */
+    if (zmq_send(s->zsock, route_id, route_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
+        zmq_msg_send(&msg, s->zsock, ZMQ_DONTWAIT) < 0) {
+        log_debug("reply %llu not sent: %s", (unsigned long long)rep->id, zmq_strerror(zmq_errno()));
+        zmq_msg_close(&msg);
+    }
+}
+
+void server_reply_error(struct server *s, const uint8_t *route_id, size_t route_len,
+                        uint64_t id, int err, const char *fmt, ...)
+{
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    Moe__Reply rep = MOE__REPLY__INIT;
+    rep.id = id;
+    rep.status = status_from_errno(err);
+    rep.message = msg;
+    s->stats.errors++;
+    server_reply(s, route_id, route_len, &rep);
+}
+
+static void handle_hello(struct server *s, const uint8_t *rid, size_t rlen, const Moe__Request *m)
+{
+    Moe__Reply rep = MOE__REPLY__INIT;
+    Moe__HelloReply hr = MOE__HELLO_REPLY__INIT;
+    struct backend_device devs[16];
+    Moe__DeviceInfo di[16], *dip[16];
+    static char *caps[] = {"fused_moe", "grouped_gemm", "routing_softmax", "routing_sigmoid",
+                           "routing_given", "load_file", "load_upload", "dtype_bf16",
+                           "dtype_fp16", "dtype_fp32"};
+    if (m->hello->protocol_version != PROTOCOL_VERSION) {
+        server_reply_error(s, rid, rlen, m->id, -ENOTSUP,
+                           "protocol version %u is not supported (this daemon speaks %u)",
+                           m->hello->protocol_version, PROTOCOL_VERSION);
+        return;
+    }
+    int nd = s->backend->ops->devices(s->backend, devs, 16);
+    for (int i = 0; i < nd; i++) {
+        moe__device_info__init(&di[i]);
+        di[i].name = devs[i].name;
+        di[i].memory_bytes = devs[i].memory_bytes;
+        di[i].compute_units = devs[i].compute_units;
+        dip[i] = &di[i];
+    }
+    hr.protocol_version = PROTOCOL_VERSION;
+    hr.server_version = (char *)MOE_VERSION;
+    hr.backend = (char *)s->backend->name;
+    hr.n_devices = nd > 0 ? (size_t)nd : 0;
+    hr.devices = dip;
+    hr.n_capabilities = ARRAY_SIZE(caps);
+    hr.capabilities = caps;
+    hr.max_message_bytes = s->cfg->max_message_bytes;
+    hr.max_batch_tokens = s->cfg->max_batch_tokens;
+    rep.id = m->id;
+    rep.body_case = MOE__REPLY__BODY_HELLO;
+    rep.hello = &hr;
+    server_reply(s, rid, rlen, &rep);
+}
+
+static void handle_list(struct server *s, const uint8_t *rid, size_t rlen, const Moe__Request *m)
+{
+    size_t n = 0;
+    for (struct layer *l = s->layers; l; l = l->next)
+        n += l->state == LAYER_READY;
+    Moe__LayerInfo *infos = calloc(n ? n : 1, sizeof(*infos));
+    Moe__LayerInfo **ptrs = calloc(n ? n : 1, sizeof(*ptrs));
+    if (!infos || !ptrs) {
+        free(infos);
+        free(ptrs);
+        server_reply_error(s, rid, rlen, m->id, -ENOMEM, "out of memory");
+        return;
+    }
+    size_t i = 0;
+    for (struct layer *l = s->layers; l; l = l->next)
+        if (l->state == LAYER_READY) {
+            wire_layer_info(l, &infos[i]);
+            ptrs[i] = &infos[i];
+            i++;
+        }
+    Moe__LayerList list = MOE__LAYER_LIST__INIT;
+    list.n_layers = n;
+    list.layers = ptrs;
+    Moe__Reply rep = MOE__REPLY__INIT;
+    rep.id = m->id;
+    rep.body_case = MOE__REPLY__BODY_LAYERS;
+    rep.layers = &list;
+    server_reply(s, rid, rlen, &rep);
+    free(infos);
+    free(ptrs);
+}
+
+static size_t fill_hist(const struct hist *h, Moe__HistogramBucket *b, Moe__HistogramBucket **p)
+{
+    size_t n = 0;
+    for (int i = 0; i < HIST_BUCKETS; i++) {
+        if (!h->buckets[i])
+            continue;
+        moe__histogram_bucket__init(&b[n]);
+        b[n].le = hist_bucket_le(i);
+        b[n].count = h->buckets[i];
+        p[n] = &b[n];
+        n++;
+    }
+    return n;
+}
+
+static void handle_stats(struct server *s, const uint8_t *rid, size_t rlen, const Moe__Request *m)
+{
+    struct stats *st = &s->stats;
+    Moe__StatsReply sr = MOE__STATS_REPLY__INIT;
+    Moe__HistogramBucket hb1[HIST_BUCKETS], hb2[HIST_BUCKETS], *hp1[HIST_BUCKETS], *hp2[HIST_BUCKETS];
+    sr.uptime_us = now_us() - st->start_us;
+    sr.requests = st->requests;
+    sr.errors = st->errors;
+    sr.busy = st->busy;
+    sr.expired = st->expired;
+    sr.batches = st->batches;
+    sr.tokens = st->tokens;
+    sr.sessions = s->n_sessions;
+    for (struct session *se = s->sessions; se; se = se->next) {
+        sr.regions += se->n_regions;
+        sr.region_bytes += se->region_bytes;
+    }
+    sr.queue_depth = s->queued_total;
+    sr.queue_wait_p50_us = ring_quantile(&st->queue_wait_us, 0.5);
+    sr.queue_wait_p99_us = ring_quantile(&st->queue_wait_us, 0.99);
+    sr.compute_p50_us = ring_quantile(&st->compute_us, 0.5);
+    sr.compute_p99_us = ring_quantile(&st->compute_us, 0.99);
+    sr.compute_us_total = st->compute_us_total;
+    sr.n_batch_requests = fill_hist(&st->batch_requests, hb1, hp1);
+    sr.batch_requests = hp1;
+    sr.n_batch_tokens = fill_hist(&st->batch_tokens, hb2, hp2);
+    sr.batch_tokens = hp2;
+    sr.backend = (char *)s->backend->name;
+    size_t n = 0;
+    for (struct layer *l = s->layers; l; l = l->next)
+        n += l->state == LAYER_READY;
+    Moe__LayerInfo *infos = calloc(n ? n : 1, sizeof(*infos));
+    Moe__LayerInfo **ptrs = calloc(n ? n : 1, sizeof(*ptrs));
+    if (infos && ptrs) {
+        size_t i = 0;
+        for (struct layer *l = s->layers; l; l = l->next)
+            if (l->state == LAYER_READY) {
+                wire_layer_info(l, &infos[i]);
+                ptrs[i] = &infos[i];
+                i++;
+            }
+        sr.n_layers = n;
+        sr.layers = ptrs;
+    }
+    Moe__Reply rep = MOE__REPLY__INIT;
+    rep.id = m->id;
+    rep.body_case = MOE__REPLY__BODY_STATS;
+    rep.stats = &sr;
+    server_reply(s, rid, rlen, &rep);
+    free(infos);
+    free(ptrs);
+}
+
+/* Check a tensor's dtype and 2-D shape [d0, d1]. */
+static int expect_2d(const struct tensor_ref *t, const char *what, int dtype_a, int dtype_b,
+                     uint64_t d0, uint64_t d1, char *err, size_t errlen)
+{
+    if (t->dtype != dtype_a && t->dtype != dtype_b) {
+        snprintf(err, errlen, "%s: dtype %s, expected %s%s%s", what, wire_dtype_name(t->dtype),
+                 wire_dtype_name(dtype_a), dtype_b != dtype_a ? " or " : "",
+                 dtype_b != dtype_a ? wire_dtype_name(dtype_b) : "");
+        return -EINVAL;
+    }
+    if (t->ndim != 2 || t->shape[0] != d0 || t->shape[1] != d1) {
+        char got[96] = "";
+        size_t o = 0;
+        for (int i = 0; i < t->ndim; i++)
+            o += (size_t)snprintf(got + o, sizeof(got) - o, "%s%llu", i ? ", " : "",
+                                  (unsigned long long)t->shape[i]);
+        snprintf(err, errlen, "%s: shape [%s], expected [%llu, %llu]", what, got,
+                 (unsigned long long)d0, (unsigned long long)d1);
+        return -EINVAL;
+    }
+    return 0;
+}
+
+static struct layer *compute_layer(struct server *s, const char *name, int kind, char *err,
+                                   size_t errlen, int *rc)
+{
+    struct layer *l = name ? layer_find(s, name) : NULL;
+    if (!l) {
+        snprintf(err, errlen, "no layer named '%s'", name ? name : "");
+        *rc = -ENOENT;
+    } else if (l->state != LAYER_READY) {
+        snprintf(err, errlen, "layer '%s' is still loading", name);
+        *rc = -EBUSY;
+    } else if (l->kind != kind) {
+        snprintf(err, errlen, "layer '%s' is a %s layer", name,
+                 l->kind == MOE__LAYER_KIND__LAYER_MOE ? "MoE" : "GEMM");
+        *rc = -EINVAL;
+    } else {
+        return l;
+    }
+    return NULL;
+}
+
+static int build_fused(struct server *s, struct session *se, const Moe__FusedMoe *m,
+                       struct request *req, char *err, size_t errlen)
+{
+    int rc = 0;
+    struct layer *l = compute_layer(s, m->layer, MOE__LAYER_KIND__LAYER_MOE, err, errlen, &rc);
+    if (!l)
+        return rc;
+    req->layer = layer_ref(l);
+    req->kind = REQ_FUSED_MOE;
+    if ((rc = wire_tensor(se, m->x, "x", &req->x, err, errlen)))
+        return rc;
+    uint64_t T = req->x.ndim == 2 ? req->x.shape[0] : 0;
+    if (T < 1 || T > s->cfg->max_request_tokens) {
+        snprintf(err, errlen, "x: %llu tokens (1 to %u per request)", (unsigned long long)T,
+                 s->cfg->max_request_tokens);
+        return -EINVAL;
+    }
+    req->tokens = (int)T;
+    uint64_t H = (uint64_t)l->shape.hidden, E = (uint64_t)l->shape.experts,
+             k = (uint64_t)l->shape.topk;
+    if ((rc = expect_2d(&req->x, "x", l->wire_dtype, l->wire_dtype, T, H, err, errlen)))
+        return rc;
+    if ((rc = wire_tensor(se, m->out, "out", &req->out, err, errlen)) ||
+        (rc = expect_2d(&req->out, "out", l->wire_dtype, l->wire_dtype, T, H, err, errlen)))
+        return rc;
+    if (l->routing == MOE__ROUTING__ROUTING_GIVEN) {
+        if (m->logits) {
+            snprintf(err, errlen, "layer '%s' takes given top-k ids and weights, not logits", l->name);
+            return -EINVAL;
+        }
+        if ((rc = wire_tensor(se, m->topk_ids, "topk_ids", &req->ids, err, errlen)) ||
+            (rc = expect_2d(&req->ids, "topk_ids", MOE__DTYPE__DTYPE_INT32,
+                            MOE__DTYPE__DTYPE_INT64, T, k, err, errlen)) ||
+            (rc = wire_tensor(se, m->topk_weights, "topk_weights", &req->weights, err, errlen)) ||
+            (rc = expect_2d(&req->weights, "topk_weights", MOE__DTYPE__DTYPE_FP32,
+                            MOE__DTYPE__DTYPE_FP32, T, k, err, errlen)))
+            return rc;
+    } else {
+        if (m->topk_ids || m->topk_weights) {
+            snprintf(err, errlen, "layer '%s' routes from logits; topk_ids/topk_weights not accepted",
+                     l->name);
+            return -EINVAL;
+        }
+        if ((rc = wire_tensor(se, m->logits, "logits", &req->logits, err, errlen)) ||
+            (rc = expect_2d(&req->logits, "logits", MOE__DTYPE__DTYPE_FP32, l->wire_dtype, T, E,
+                            err, errlen)))
+            return rc;
+    }
+    return 0;
+}
+
+static int build_gemm(struct server *s, struct session *se, const Moe__GroupedGemm *m,
+                      struct request *req, char *err, size_t errlen)
+{
+    int rc = 0;
+    struct layer *l = compute_layer(s, m->layer, MOE__LAYER_KIND__LAYER_GEMM, err, errlen, &rc);
+    if (!l)
+        return rc;
+    req->layer = layer_ref(l);
+    req->kind = REQ_GROUPED_GEMM;
+    if (m->n_m_sizes != l->groups) {
+        snprintf(err, errlen, "m_sizes has %zu entries; layer '%s' has %u groups", m->n_m_sizes,
+                 l->name, l->groups);
+        return -EINVAL;
+    }
+    uint64_t M = 0;
+    req->m_sizes = malloc(l->groups * sizeof(int64_t));
+    if (!req->m_sizes)
+        return -ENOMEM;
+    for (size_t g = 0; g < m->n_m_sizes; g++) {
+        if (!add_u64(M, m->m_sizes[g], &M) || M > s->cfg->max_request_tokens) {
+            snprintf(err, errlen, "m_sizes sum to more than %u rows", s->cfg->max_request_tokens);
+            return -EINVAL;
+        }
+        req->m_sizes[g] = (int64_t)m->m_sizes[g];
+    }
+    req->tokens = (int)M;
+    if ((rc = wire_tensor(se, m->a, "a", &req->a, err, errlen)) ||
+        (rc = expect_2d(&req->a, "a", l->wire_dtype, l->wire_dtype, M, l->k, err, errlen)) ||
+        (rc = wire_tensor(se, m->c, "c", &req->c, err, errlen)) ||
+        (rc = expect_2d(&req->c, "c", l->wire_dtype, l->wire_dtype, M, l->n, err, errlen)))
+        return rc;
+    return 0;
+}
+
+static void handle_compute(struct server *s, struct session *se, const uint8_t *rid,
+                           size_t rlen, const Moe__Request *m, uint64_t arrival)
+{
+    char err[512] = "";
+    struct request *req = calloc(1, sizeof(*req));
+    if (!req) {
+        server_reply_error(s, rid, rlen, m->id, -ENOMEM, "out of memory");
+        return;
+    }
+    req->session_id = se->id;
+    memcpy(req->route_id, rid, rlen);
+    req->route_len = rlen;
+    req->id = m->id;
+    req->arrival_us = arrival;
+    req->deadline_us = m->timeout_us ? arrival + m->timeout_us : 0;
+    req->no_batch = m->no_batch;
+    int rc = m->body_case == MOE__REQUEST__BODY_FUSED_MOE
+                 ? build_fused(s, se, m->fused_moe, req, err, sizeof(err))
+                 : build_gemm(s, se, m->grouped_gemm, req, err, sizeof(err));
+    if (rc) {
+        server_reply_error(s, rid, rlen, m->id, rc, "%s", err[0] ? err : status_strerror(rc));
+        layer_unref(s, &req->layer);
+        request_free(req);
+        return;
+    }
+    batch_enqueue(s, req);
+}
+
+static void handle_message(struct server *s, const uint8_t *rid, size_t rlen,
+                           const uint8_t *data, size_t len)
+{
+    uint64_t arrival = now_us();
+    Moe__Request *m = moe__request__unpack(NULL, len, data);
+    if (!m) {
+        server_reply_error(s, rid, rlen, 0, -EPROTO,
+                           "request of %zu bytes could not be decoded as moe.Request", len);
+        return;
+    }
+    struct session *se = session_by_token(s, m->token.data, m->token.len);
+    if (!se) {
+        server_reply_error(s, rid, rlen, m->id, -EACCES,
+                           "unknown or missing session token: open a session first");
+        goto out;
+    }
+    switch (m->body_case) {
+    case MOE__REQUEST__BODY_HELLO:
+        handle_hello(s, rid, rlen, m);
+        break;
+    case MOE__REQUEST__BODY_LIST_LAYERS:
+        handle_list(s, rid, rlen, m);
+        break;
+    case MOE__REQUEST__BODY_GET_STATS:
+        handle_stats(s, rid, rlen, m);
+        break;
+    case MOE__REQUEST__BODY_LOAD_LAYER:
+        layer_handle_load(s, se, rid, rlen, m->id, m->load_layer);
+        break;
+    case MOE__REQUEST__BODY_UNLOAD_LAYER: {
+        const char *name = m->unload_layer->name;
+        int rc = layer_unload(s, name);
+        if (rc)
+            server_reply_error(s, rid, rlen, m->id, rc,
+                               rc == -EBUSY ? "layer '%s' is still loading" : "no layer named '%s'",
+                               name);
+        else {
+            Moe__Reply rep = MOE__REPLY__INIT;
+            rep.id = m->id;
+            server_reply(s, rid, rlen, &rep);
+            log_info("layer '%s' unloaded by pid %d", name, (int)se->pid);
+        }
+        break;
+    }
+    case MOE__REQUEST__BODY_FUSED_MOE:
+    case MOE__REQUEST__BODY_GROUPED_GEMM:
+        handle_compute(s, se, rid, rlen, m, arrival);
+        break;
+    default:
+        server_reply_error(s, rid, rlen, m->id, -EPROTO, "request carries no known message");
+        break;
+    }
+out:
+    moe__request__free_unpacked(m, NULL);
+}
+
+/* Read every waiting message. ZMQ_FD only signals edges, so the loop calls
+ * this before each sleep as well as on the fd's readiness. */
+static void server_drain(struct server *s)
+{
+    for (int budget = 0; budget < 4096; budget++) {
+        int ev = 0;
+        size_t evlen = sizeof(ev);
+        if (zmq_getsockopt(s->zsock, ZMQ_EVENTS, &ev, &evlen) < 0 || !(ev & ZMQ_POLLIN))
+            return;
+        zmq_msg_t part;
+        uint8_t rid[ROUTE_ID_MAX];
+        size_t rlen = 0;
+        int nparts = 0;
+        const uint8_t *data = NULL;
+        size_t len = 0;
+        zmq_msg_t body;
+        zmq_msg_init(&body);
+        bool bad = false;
+        int more = 1;
+        /* [routing id] [body], and nothing else: extra parts are drained
+         * and the request refused. */
+        while (more) {
+            zmq_msg_init(&part);
+            if (zmq_msg_recv(&part, s->zsock, ZMQ_DONTWAIT) < 0) {
+                zmq_msg_close(&part);
+                break;
+            }
+            more = zmq_msg_more(&part);
+            if (nparts == 0) {
+                rlen = zmq_msg_size(&part);
+                if (rlen > sizeof(rid))
+                    rlen = 0;
+                memcpy(rid, zmq_msg_data(&part), rlen);
+                zmq_msg_close(&part);
+            } else if (nparts == 1) {
+                zmq_msg_move(&body, &part);
+                zmq_msg_close(&part);
+            } else {
+                bad = true;
+                zmq_msg_close(&part);
+            }
+            nparts++;
+        }
+        data = zmq_msg_data(&body);
+        len = zmq_msg_size(&body);
+        if (rlen == 0) {
+            /* Without a routing id there is nobody to answer. */
+        } else if (bad || nparts != 2) {
+            server_reply_error(s, rid, rlen, 0, -EPROTO,
+                               "a request is one message part, got %d", nparts - 1);
+        } else if (s->draining) {
+            server_reply_error(s, rid, rlen, 0, -ECANCELED, "daemon is shutting down");
+        } else {
+            handle_message(s, rid, rlen, data, len);
+        }
+        zmq_msg_close(&body);
+    }
+}
+
+static void server_on_zmq(void *data, int fd, uint32_t events)
+{
+    server_drain(data);
+}
+
+static void server_before_sleep(void *data)
+{
+    struct server *s = data;
+    server_drain(s);
+    batch_kick(s);
+}
+
+int server_new(struct config *cfg, struct backend *backend, struct loop *loop,
+               struct server **out)
+{
+    struct server *s = calloc(1, sizeof(*s));
+    if (!s)
+        return -ENOMEM;
+    s->cfg = cfg;
+    s->backend = backend;
+    s->loop = loop;
+    s->listen_fd = -1;
+    s->zfd = -1;
+    s->stats.start_us = now_us();
+    int rc = worker_new(loop, "moed-compute", &s->compute);
+    if (!rc)
+        rc = worker_new(loop, "moed-loader", &s->loader);
+    if (rc) {
+        server_free(&s);
+        return rc;
+    }
+    *out = s;
+    return 0;
+}
+
+unsigned server_pending(const struct server *s)
+{
+    return s->queued_total + (s->batch_running ? 1u : 0u) + worker_pending(s->loader);
+}
+
+int server_listen(struct server *s, int session_fd, int zmq_fd)
+{
+    int rc = session_listen(s, session_fd);
+    if (rc)
+        return rc;
+    s->zctx = zmq_ctx_new();
+    if (!s->zctx)
+        return -ENOMEM;
+    s->zsock = zmq_socket(s->zctx, ZMQ_ROUTER);
+    if (!s->zsock)
+        return -zmq_errno();
+    int64_t maxmsg = (int64_t)s->cfg->max_message_bytes;
+    int linger = 0, hwm = 100000;
+    zmq_setsockopt(s->zsock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof(maxmsg));
+    zmq_setsockopt(s->zsock, ZMQ_LINGER, &linger, sizeof(linger));
+    zmq_setsockopt(s->zsock, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+    zmq_setsockopt(s->zsock, ZMQ_RCVHWM, &hwm, sizeof(hwm));
+    if (zmq_fd >= 0)
+        zmq_setsockopt(s->zsock, ZMQ_USE_FD, &zmq_fd, sizeof(zmq_fd));
+    snprintf(s->endpoint, sizeof(s->endpoint), "ipc://%s/moed.zmq", s->cfg->runtime_dir);
+    if (zmq_bind(s->zsock, s->endpoint) < 0)
+        return -zmq_errno();
+    /* Clients need write permission on the socket file to connect; access
+     * is governed by the runtime directory's group, as for moed.sock. */
+    if (zmq_fd < 0)
+        chmod(s->endpoint + strlen("ipc://"), 0660);
+    size_t fl = sizeof(s->zfd);
+    if (zmq_getsockopt(s->zsock, ZMQ_FD, &s->zfd, &fl) < 0)
+        return -zmq_errno();
+    s->zwatch = loop_watch(s->loop, s->zfd, EPOLLIN, server_on_zmq, s);
+    if (!s->zwatch)
+        return -errno;
+    loop_set_before_sleep(s->loop, server_before_sleep, s);
+    return 0;
+}
+
+void server_free(struct server **sp)
+{
+    struct server *s = *sp;
+    *sp = NULL;
+    if (!s)
+        return;
+    /* Finish what the workers hold before the state they point into goes. */
+    worker_free(&s->loader);
+    worker_free(&s->compute);
+    session_close_all(s);
+    layer_unload_all(s);
+    if (s->zwatch)
+        loop_unwatch(s->loop, &s->zwatch);
+    if (s->delay_timer)
+        loop_unwatch(s->loop, &s->delay_timer);
+    if (s->zsock)
+        zmq_close(s->zsock);
+    if (s->zctx)
+        zmq_ctx_term(s->zctx);
+    if (s->staging)
+        s->backend->ops->host_free(s->backend, s->staging, s->staging_size);
+    free(s);
+}

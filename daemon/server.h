@@ -1,0 +1,216 @@
+/*
+ * server.h: the daemon's state and the structures its modules share.
+ *
+ * Everything here belongs to the loop thread, with two exceptions that the
+ * worker threads own while a job runs: a batch's requests (their tensors'
+ * bytes, not their references) and a load job's buffers.
+ *
+ *   session.c  the session socket: OpenSession, regions, client death
+ *   server.c   the request socket: decode, authenticate, dispatch, reply
+ *   wire.c     tensor handles -> checked pointers; protobuf replies
+ *   layer.c    the layer registry and weight loading (loader thread)
+ *   batch.c    per-layer queues, batch formation and execution (compute thread)
+ */
+#ifndef MOED_SERVER_H
+#define MOED_SERVER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "daemon/backend.h"
+#include "daemon/config.h"
+#include "daemon/stats.h"
+#include "daemon/worker.h"
+#include "kernels/moe_kernels.h"
+
+struct loop;
+struct loop_watch;
+struct region;
+
+#define SESSION_TOKEN_BYTES 16
+#define ROUTE_ID_MAX 256
+#define MAX_TENSOR_DIMS 4
+#define MAX_GROUPS 65536
+
+struct session {
+    struct server *server;
+    uint64_t id;
+    uint8_t token[SESSION_TOKEN_BYTES];
+    int fd;
+    struct loop_watch *watch;
+    pid_t pid;
+    uid_t uid;
+    gid_t gid;
+    bool opened;
+    char name[64];
+    struct region *regions;
+    uint32_t n_regions;
+    uint64_t region_bytes;
+    uint32_t queued_requests;
+    uint64_t queued_tokens;
+    struct session *next;
+};
+
+/* A checked tensor: ptr .. ptr + bytes lies inside region, which this holds
+ * a reference to. */
+struct tensor_ref {
+    struct region *region;
+    void *ptr;
+    int dtype; /* Moe__DType */
+    int ndim;
+    uint64_t shape[MAX_TENSOR_DIMS];
+    uint64_t bytes;
+};
+
+enum req_kind { REQ_FUSED_MOE, REQ_GROUPED_GEMM };
+
+/*
+ * A compute request from arrival to reply. A MoE request larger than
+ * max_slice_tokens runs in slices of rows over several batches, so a long
+ * prefill cannot hold the device while other clients' decode requests wait;
+ * it stays queued until every row has been handed to a batch.
+ */
+struct request {
+    struct request *next;   /* in its layer's queue */
+    struct layer *layer;    /* holds a reference */
+    enum req_kind kind;
+    uint64_t session_id;
+    uint8_t route_id[ROUTE_ID_MAX];
+    size_t route_len;
+    uint64_t id;
+    uint64_t arrival_us, deadline_us, start_us;
+    int tokens;             /* T, or GEMM rows M */
+    int next_row;           /* rows handed to batches so far */
+    int rows_done;          /* rows whose batch has completed */
+    bool queued;            /* still in its layer's queue */
+    bool no_batch;          /* must run alone */
+    struct tensor_ref x, logits, ids, weights, out; /* FusedMoe */
+    struct tensor_ref a, c;                         /* GroupedGemm */
+    int64_t *m_sizes;       /* [layer->groups] */
+    /* Result, set by the compute thread. */
+    int status;
+    char message[192];
+    uint64_t compute_us;
+    uint32_t batch_requests, batch_tokens;
+};
+
+enum layer_state { LAYER_LOADING, LAYER_READY };
+
+struct layer {
+    char name[65];
+    int kind;               /* Moe__LayerKind */
+    int wire_dtype;         /* Moe__DType */
+    moek_dtype dt;
+    moek_moe_shape shape;
+    int routing;            /* Moe__Routing */
+    bool renormalize;
+    uint32_t groups, n, k;
+    char source[512];
+    uint64_t weight_bytes;
+    void *weights;          /* backend handle */
+    enum layer_state state;
+    bool unloaded;          /* removed from the registry, freed at refs 0 */
+    int refs;
+    struct request *queue_head, *queue_tail;
+    uint32_t queued;
+    uint64_t queued_tokens;
+    uint64_t requests, tokens;
+    struct layer *next;
+};
+
+struct server {
+    struct config *cfg;
+    struct loop *loop;
+    struct backend *backend;
+    struct worker *compute;
+    struct worker *loader;
+
+    void *zctx;
+    void *zsock;
+    int zfd;
+    struct loop_watch *zwatch;
+    char endpoint[300];
+
+    int listen_fd;
+    struct loop_watch *listen_watch;
+    char sock_path[300];
+    bool sock_from_systemd;
+
+    struct session *sessions;
+    uint32_t n_sessions;
+    uint64_t next_session_id;
+
+    struct layer *layers;
+    bool batch_running;     /* a batch is on the compute worker */
+    struct loop_watch *delay_timer; /* max_delay_us: wake to start a batch */
+    uint32_t queued_total;
+
+    struct stats stats;
+    bool draining;
+    /* Staging memory for batches, grown on demand; compute thread only
+     * while a batch runs. */
+    void *staging;
+    size_t staging_size;
+};
+
+/* server.c */
+int server_new(struct config *cfg, struct backend *backend, struct loop *loop,
+               struct server **out);
+void server_free(struct server **s);
+/* Bind the session socket and the ZeroMQ endpoint; an fd >= 0 is one that
+ * systemd passed (socket activation) and is used instead of binding. */
+int server_listen(struct server *s, int session_fd, int zmq_fd);
+/* Work not yet answered: queued requests, a running batch, pending loads. */
+unsigned server_pending(const struct server *s);
+/* Send a reply to a routing id; frees nothing. */
+void server_reply(struct server *s, const uint8_t *route_id, size_t route_len,
+                  void *reply /* Moe__Reply */);
+void server_reply_error(struct server *s, const uint8_t *route_id, size_t route_len,
+                        uint64_t id, int err, const char *fmt, ...)
+    __attribute__((format(printf, 6, 7)));
+
+/* session.c */
+int session_listen(struct server *s, int fd_from_systemd);
+void session_close_all(struct server *s);
+struct session *session_by_token(struct server *s, const uint8_t *token, size_t len);
+struct session *session_by_id(struct server *s, uint64_t id);
+struct region *session_region(struct session *se, uint64_t region_id);
+
+/* wire.c */
+/* Resolve a wire tensor of session se: dtype, rank, shape product and bounds
+ * all checked; on success ref->region holds a reference. err gets the why. */
+int wire_tensor(struct session *se, const void *wire_tensor /* Moe__Tensor */,
+                const char *what, struct tensor_ref *ref, char *err, size_t errlen);
+void tensor_ref_done(struct tensor_ref *ref);
+size_t wire_dtype_size(int dtype);
+int wire_dtype_to_moek(int dtype, moek_dtype *out);
+const char *wire_dtype_name(int dtype);
+/* Fill a Moe__LayerInfo (strings borrowed from the layer). */
+void wire_layer_info(const struct layer *l, void *info /* Moe__LayerInfo */);
+
+/* layer.c */
+struct layer *layer_find(struct server *s, const char *name);
+struct layer *layer_ref(struct layer *l);
+void layer_unref(struct server *s, struct layer **l);
+/* Start loading; the reply is sent when the load finishes. */
+void layer_handle_load(struct server *s, struct session *se, const uint8_t *route_id,
+                       size_t route_len, uint64_t req_id, const void *msg /* Moe__LoadLayer */);
+int layer_unload(struct server *s, const char *name);
+/* Load a configured layer synchronously (at start). */
+int layer_load_conf(struct server *s, const struct layer_conf *lc, char *err, size_t errlen);
+void layer_unload_all(struct server *s);
+
+/* batch.c */
+/* Take ownership of req and queue it (or reply BUSY and free it). */
+void batch_enqueue(struct server *s, struct request *req);
+/* Start a batch if the compute worker is idle and work is queued. */
+void batch_kick(struct server *s);
+/* Cancel the queued requests of a session (it closed). */
+void batch_cancel_session(struct server *s, uint64_t session_id);
+/* Cancel every queued request of a layer with err. */
+void batch_cancel_layer(struct server *s, struct layer *l, int err, const char *why);
+/* Free a request that holds no layer reference (see request_finish). */
+void request_free(struct request *req);
+
+#endif

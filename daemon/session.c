@@ -1,0 +1,420 @@
+/*
+ * session.c: the session socket. A client connects to
+ * <runtime dir>/moed.sock (SOCK_SEQPACKET), says OpenSession and gets a
+ * random token for its ZeroMQ requests; it passes memfds for its regions with
+ * SCM_RIGHTS. The socket's lifetime is the session's: when it closes (the
+ * client exited, crashed or was killed) the session's queued requests are
+ * cancelled and its regions released.
+ */
+#include "daemon/server.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "daemon/log.h"
+#include "daemon/loop.h"
+#include "daemon/region.h"
+#include "daemon/util.h"
+#include "moe.pb-c.h"
+#include "proto/status.h"
+
+#define SESSION_MSG_MAX 4096
+#define SESSION_MAX_FDS 4
+
+static void session_close(struct server *s, struct session *se, const char *why);
+
+struct session *session_by_token(struct server *s, const uint8_t *token, size_t len)
+{
+    if (len != SESSION_TOKEN_BYTES)
+        return NULL;
+    for (struct session *se = s->sessions; se; se = se->next) {
+        /* Constant time in the token's bytes: timing must not reveal how
+         * much of a guessed token matched. */
+        uint8_t diff = 0;
+        for (size_t i = 0; i < SESSION_TOKEN_BYTES; i++)
+            diff |= se->token[i] ^ token[i];
+        if (diff == 0 && se->opened)
+            return se;
+    }
+    return NULL;
+}
+
+struct session *session_by_id(struct server *s, uint64_t id)
+{
+    for (struct session *se = s->sessions; se; se = se->next)
+        if (se->id == id)
+            return se;
+    return NULL;
+}
+
+struct region *session_region(struct session *se, uint64_t region_id)
+{
+    for (struct region *r = se->regions; r; r = r->next)
+        if (r->id == region_id)
+            return r;
+    return NULL;
+}
+
+static void session_send(struct server *s, struct session *se, Moe__SessionReply *rep)
+{
+    uint8_t buf[SESSION_MSG_MAX];
+    size_t n = moe__session_reply__get_packed_size(rep);
+    if (n > sizeof(buf))
+        return;
+    moe__session_reply__pack(rep, buf);
+    if (send(se->fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT) < 0)
+        log_debug("session %llu (pid %d): reply not sent: %s",
+                  (unsigned long long)se->id, (int)se->pid, strerror(errno));
+}
+
+static void session_fail(struct server *s, struct session *se, int err, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void session_fail(struct server *s, struct session *se, int err, const char *fmt, ...)
+{
+    char msg[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    Moe__SessionReply rep = MOE__SESSION_REPLY__INIT;
+    rep.status = status_from_errno(err);
+    rep.message = msg;
+    session_send(s, se, &rep);
+}
+
+static uint64_t region_new_id(struct server *s)
+{
+    for (;;) {
+        uint64_t id = 0;
+        if (random_bytes(&id, sizeof(id)) < 0)
+            id = now_us() * 6364136223846793005ull + 1442695040888963407ull;
+        id &= (1ull << 53) - 1; /* stays exact in JSON and doubles */
+        if (id == 0)
+            continue;
+        bool used = false;
+        for (struct session *se = s->sessions; se && !used; se = se->next)
+            used = session_region(se, id) != NULL;
+        if (!used)
+            return id;
+    }
+}
+
+static void region_release_pin(void *ctx, void *base, size_t size, void *cookie)
+{
+    struct backend *b = ctx;
+    if (cookie && b->ops->unpin)
+        b->ops->unpin(b, base, size, cookie);
+}
+
+static void session_register(struct server *s, struct session *se,
+                             const Moe__RegisterRegion *m, int *fds, int nfds)
+{
+    struct region *r = NULL;
+    uint64_t total;
+    if (nfds != 1) {
+        session_fail(s, se, -EINVAL, "RegisterRegion needs exactly one file descriptor, got %d", nfds);
+        return;
+    }
+    if (se->n_regions >= s->cfg->max_regions) {
+        session_fail(s, se, -EDQUOT, "session has %u regions, the limit", se->n_regions);
+        return;
+    }
+    if (!add_u64(se->region_bytes, m->size, &total) || total > s->cfg->max_session_bytes) {
+        session_fail(s, se, -EDQUOT, "region of %llu bytes would exceed the session's %llu mapped bytes",
+                     (unsigned long long)m->size, (unsigned long long)s->cfg->max_session_bytes);
+        return;
+    }
+    int rc = region_new(fds[0], m->size, s->cfg->max_region_bytes, &r);
+    if (rc) {
+        session_fail(s, se, rc,
+                     rc == -EINVAL ? "region must be a memfd sealed with F_SEAL_SHRINK and "
+                                     "F_SEAL_GROW whose size is the declared %llu bytes (nonzero)"
+                     : rc == -EDQUOT ? "region of %llu bytes is over the per-region limit"
+                                     : "cannot map region of %llu bytes",
+                     (unsigned long long)m->size);
+        return;
+    }
+    fds[0] = -1; /* the region owns it now */
+    r->id = region_new_id(s);
+    r->session_id = se->id;
+    snprintf(r->name, sizeof(r->name), "%s", m->name ? m->name : "");
+    if (s->backend->ops->pin) {
+        rc = s->backend->ops->pin(s->backend, r->base, (size_t)r->size, &r->pin_cookie);
+        if (rc)
+            log_debug("region %llu of pid %d not pinned: %s", (unsigned long long)r->id,
+                      (int)se->pid, strerror(-rc));
+        r->release = region_release_pin;
+        r->release_ctx = s->backend;
+    }
+    r->next = se->regions;
+    se->regions = r;
+    se->n_regions++;
+    se->region_bytes += r->size;
+    Moe__SessionReply rep = MOE__SESSION_REPLY__INIT;
+    rep.region = r->id;
+    session_send(s, se, &rep);
+}
+
+static void session_unregister(struct server *s, struct session *se, uint64_t id)
+{
+    for (struct region **pp = &se->regions; *pp; pp = &(*pp)->next) {
+        struct region *r = *pp;
+        if (r->id != id)
+            continue;
+        *pp = r->next;
+        se->n_regions--;
+        se->region_bytes -= r->size;
+        region_unref(&r); /* batches in flight keep their own references */
+        Moe__SessionReply rep = MOE__SESSION_REPLY__INIT;
+        session_send(s, se, &rep);
+        return;
+    }
+    session_fail(s, se, -ENOENT, "no region %llu in this session", (unsigned long long)id);
+}
+
+static void session_open(struct server *s, struct session *se, const Moe__OpenSession *m)
+{
+    if (se->opened) {
+        session_fail(s, se, -EINVAL, "session is already open");
+        return;
+    }
+    if (m->protocol_version != 1) {
+        session_fail(s, se, -ENOTSUP, "protocol version %u is not supported (this daemon speaks 1)",
+                     m->protocol_version);
+        return;
+    }
+    se->opened = true;
+    snprintf(se->name, sizeof(se->name), "%s", m->client_name ? m->client_name : "");
+    Moe__SessionReply rep = MOE__SESSION_REPLY__INIT;
+    rep.token.data = se->token;
+    rep.token.len = SESSION_TOKEN_BYTES;
+    rep.session_id = se->id;
+    rep.request_endpoint = s->endpoint;
+    session_send(s, se, &rep);
+    log_debug("session %llu opened by pid %d uid %u (%s)", (unsigned long long)se->id,
+              (int)se->pid, (unsigned)se->uid, se->name);
+}
+
+static void session_on_readable(void *data, int fd, uint32_t events);
+
+static void session_handle(struct server *s, struct session *se, const uint8_t *buf,
+                           size_t n, int *fds, int nfds)
+{
+    Moe__SessionRequest *m = moe__session_request__unpack(NULL, n, buf);
+    if (!m) {
+        session_fail(s, se, -EPROTO, "session message of %zu bytes could not be decoded", n);
+        return;
+    }
+    if (!se->opened && m->body_case != MOE__SESSION_REQUEST__BODY_OPEN) {
+        session_fail(s, se, -EACCES, "OpenSession must come first");
+    } else {
+        switch (m->body_case) {
+        case MOE__SESSION_REQUEST__BODY_OPEN:
+            session_open(s, se, m->open);
+            break;
+        case MOE__SESSION_REQUEST__BODY_REGISTER_REGION:
+            session_register(s, se, m->register_region, fds, nfds);
+            break;
+        case MOE__SESSION_REQUEST__BODY_UNREGISTER_REGION:
+            session_unregister(s, se, m->unregister_region->region);
+            break;
+        default:
+            session_fail(s, se, -EPROTO, "unknown session message");
+            break;
+        }
+    }
+    moe__session_request__free_unpacked(m, NULL);
+}
+
+static void session_on_readable(void *data, int fd, uint32_t events)
+{
+    struct session *se = data;
+    struct server *s = se->server;
+    for (int iter = 0; iter < 64; iter++) {
+        uint8_t buf[SESSION_MSG_MAX];
+        union {
+            char raw[CMSG_SPACE(sizeof(int) * SESSION_MAX_FDS)];
+            struct cmsghdr align;
+        } cbuf;
+        struct iovec iov = {buf, sizeof(buf)};
+        struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1,
+                            .msg_control = cbuf.raw, .msg_controllen = sizeof(cbuf.raw)};
+        ssize_t n = recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+        if (n < 0 && (errno == EAGAIN || errno == EINTR))
+            return;
+        if (n <= 0) {
+            session_close(s, se, n == 0 ? "closed" : strerror(errno));
+            return;
+        }
+        int fds[SESSION_MAX_FDS];
+        int nfds = 0;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+                continue;
+            size_t cnt = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            for (size_t i = 0; i < cnt; i++) {
+                int f;
+                memcpy(&f, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+                if (nfds < SESSION_MAX_FDS)
+                    fds[nfds++] = f;
+                else
+                    close(f);
+            }
+        }
+        if (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC))
+            session_fail(s, se, -EPROTO, "session message or its descriptors were truncated");
+        else
+            session_handle(s, se, buf, (size_t)n, fds, nfds);
+        for (int i = 0; i < nfds; i++)
+            close_fd(&fds[i]);
+    }
+}
+
+static void session_close(struct server *s, struct session *se, const char *why)
+{
+    struct session **pp = &s->sessions;
+    while (*pp && *pp != se)
+        pp = &(*pp)->next;
+    if (*pp)
+        *pp = se->next;
+    s->n_sessions--;
+    log_debug("session %llu of pid %d ended (%s): %u regions released",
+              (unsigned long long)se->id, (int)se->pid, why, se->n_regions);
+    batch_cancel_session(s, se->id);
+    while (se->regions) {
+        struct region *r = se->regions;
+        se->regions = r->next;
+        region_unref(&r);
+    }
+    loop_unwatch(s->loop, &se->watch);
+    close_fd(&se->fd);
+    free(se);
+}
+
+static void session_on_accept(void *data, int lfd, uint32_t events)
+{
+    struct server *s = data;
+    for (;;) {
+        int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno != EAGAIN && errno != EINTR)
+                log_warn("cannot accept a session: %s", strerror(errno));
+            return;
+        }
+        struct ucred cred;
+        socklen_t cl = sizeof(cred);
+        if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) < 0) {
+            close(fd);
+            continue;
+        }
+        if (s->n_sessions >= s->cfg->max_sessions || s->draining) {
+            Moe__SessionReply rep = MOE__SESSION_REPLY__INIT;
+            char msg[128];
+            snprintf(msg, sizeof(msg), s->draining ? "daemon is shutting down"
+                                                   : "too many sessions (limit %u)",
+                     s->cfg->max_sessions);
+            rep.status = s->draining ? MOE__STATUS__STATUS_CANCELLED
+                                     : MOE__STATUS__STATUS_RESOURCE_EXHAUSTED;
+            rep.message = msg;
+            uint8_t buf[256];
+            size_t n = moe__session_reply__pack(&rep, buf);
+            ssize_t w = send(fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+            (void)w;
+            log_warn("session from pid %d refused: %s", (int)cred.pid, msg);
+            close(fd);
+            continue;
+        }
+        struct session *se = calloc(1, sizeof(*se));
+        if (!se || random_bytes(se->token, sizeof(se->token)) < 0) {
+            free(se);
+            close(fd);
+            continue;
+        }
+        se->id = ++s->next_session_id;
+        se->server = s;
+        se->fd = fd;
+        se->pid = cred.pid;
+        se->uid = cred.uid;
+        se->gid = cred.gid;
+        se->watch = loop_watch(s->loop, fd, EPOLLIN, session_on_readable, se);
+        if (!se->watch) {
+            close(fd);
+            free(se);
+            continue;
+        }
+        se->next = s->sessions;
+        s->sessions = se;
+        s->n_sessions++;
+    }
+}
+
+static int ensure_runtime_dir(const char *dir)
+{
+    struct stat st;
+    if (mkdir(dir, 0770) < 0 && errno != EEXIST)
+        return -errno;
+    if (stat(dir, &st) < 0)
+        return -errno;
+    return S_ISDIR(st.st_mode) ? 0 : -ENOTDIR;
+}
+
+int session_listen(struct server *s, int fd_from_systemd)
+{
+    int fd = fd_from_systemd;
+    if (snprintf(s->sock_path, sizeof(s->sock_path), "%s/moed.sock", s->cfg->runtime_dir) >=
+        (int)sizeof(((struct sockaddr_un *)0)->sun_path))
+        return -ENAMETOOLONG;
+    if (fd < 0) {
+        int rc = ensure_runtime_dir(s->cfg->runtime_dir);
+        if (rc)
+            return rc;
+        struct sockaddr_un sa = {.sun_family = AF_UNIX};
+        memcpy(sa.sun_path, s->sock_path, strlen(s->sock_path) + 1); /* length checked above */
+        fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+        if (fd < 0)
+            return -errno;
+        /* A socket file that answers belongs to a running daemon: never steal
+         * it. One that refuses is stale and can go. */
+        int probe = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+        if (probe >= 0 && connect(probe, (struct sockaddr *)&sa, sizeof(sa)) == 0) {
+            close(probe);
+            close(fd);
+            return -EADDRINUSE;
+        }
+        close_fd(&probe);
+        unlink(sa.sun_path);
+        if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 || listen(fd, 128) < 0) {
+            int e = -errno;
+            close(fd);
+            return e;
+        }
+        chmod(sa.sun_path, 0660);
+    } else {
+        s->sock_from_systemd = true;
+        int fl = fcntl(fd, F_GETFL);
+        if (fl >= 0)
+            fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+    }
+    s->listen_fd = fd;
+    s->listen_watch = loop_watch(s->loop, fd, EPOLLIN, session_on_accept, s);
+    return s->listen_watch ? 0 : -errno;
+}
+
+void session_close_all(struct server *s)
+{
+    while (s->sessions)
+        session_close(s, s->sessions, "daemon stopping");
+    loop_unwatch(s->loop, &s->listen_watch);
+    close_fd(&s->listen_fd);
+    if (!s->sock_from_systemd && s->sock_path[0])
+        unlink(s->sock_path);
+}

@@ -1,0 +1,52 @@
+/*
+ * util.h: small helpers every daemon module uses: clocks, overflow-checked
+ * arithmetic, and the cleanup of file descriptors.
+ */
+#ifndef MOED_UTIL_H
+#define MOED_UTIL_H
+
+#include <errno.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <time.h>
+#include <unistd.h>
+
+#define ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
+
+static inline uint64_t now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+/* a * b into *out; false on overflow. */
+static inline bool mul_u64(uint64_t a, uint64_t b, uint64_t *out)
+{
+    return !__builtin_mul_overflow(a, b, out);
+}
+
+static inline bool add_u64(uint64_t a, uint64_t b, uint64_t *out)
+{
+    return !__builtin_add_overflow(a, b, out);
+}
+
+/* Close *fd if open and set it to -1; keeps errno. */
+static inline void close_fd(int *fd)
+{
+    if (fd && *fd >= 0) {
+        int e = errno;
+        close(*fd);
+        *fd = -1;
+        errno = e;
+    }
+}
+
+/* Fill buf with n random bytes from the kernel's CSPRNG. 0 or -errno. */
+int random_bytes(void *buf, size_t n);
+
+/* True when name is 1..64 characters of [A-Za-z0-9._-]. */
+bool name_valid(const char *name);
+
+#endif

@@ -1,0 +1,169 @@
+/*
+ * worker.c: see worker.h.
+ */
+#include "daemon/worker.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include "daemon/loop.h"
+#include "daemon/util.h"
+
+struct worker {
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    struct job *queue, *queue_tail;  /* waiting to run */
+    struct job *finished, *finished_tail; /* run, waiting for done() */
+    bool stop;
+    uint64_t busy_since_us; /* 0 when idle */
+    unsigned pending;       /* loop thread only */
+    int efd;
+    struct loop *loop;
+    struct loop_watch *watch;
+    char name[16];
+};
+
+static void *worker_main(void *arg)
+{
+    struct worker *w = arg;
+    pthread_setname_np(pthread_self(), w->name);
+    pthread_mutex_lock(&w->mu);
+    for (;;) {
+        while (!w->queue && !w->stop)
+            pthread_cond_wait(&w->cv, &w->mu);
+        if (!w->queue && w->stop)
+            break;
+        struct job *j = w->queue;
+        w->queue = j->next;
+        if (!w->queue)
+            w->queue_tail = NULL;
+        w->busy_since_us = now_us();
+        pthread_mutex_unlock(&w->mu);
+
+        j->run(j);
+
+        pthread_mutex_lock(&w->mu);
+        w->busy_since_us = 0;
+        j->next = NULL;
+        if (w->finished_tail)
+            w->finished_tail->next = j;
+        else
+            w->finished = j;
+        w->finished_tail = j;
+        uint64_t one = 1;
+        ssize_t r = write(w->efd, &one, sizeof(one));
+        (void)r;
+    }
+    pthread_mutex_unlock(&w->mu);
+    return NULL;
+}
+
+static void worker_drain_finished(struct worker *w)
+{
+    pthread_mutex_lock(&w->mu);
+    struct job *j = w->finished;
+    w->finished = w->finished_tail = NULL;
+    pthread_mutex_unlock(&w->mu);
+    while (j) {
+        struct job *next = j->next;
+        w->pending--;
+        j->done(j);
+        j = next;
+    }
+}
+
+static void worker_on_event(void *data, int fd, uint32_t events)
+{
+    struct worker *w = data;
+    uint64_t v;
+    ssize_t r = read(fd, &v, sizeof(v));
+    (void)r;
+    worker_drain_finished(w);
+}
+
+int worker_new(struct loop *loop, const char *name, struct worker **out)
+{
+    struct worker *w = calloc(1, sizeof(*w));
+    if (!w)
+        return -ENOMEM;
+    snprintf(w->name, sizeof(w->name), "%s", name);
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->cv, NULL);
+    w->loop = loop;
+    w->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (w->efd < 0) {
+        int e = -errno;
+        free(w);
+        return e;
+    }
+    w->watch = loop_watch(loop, w->efd, EPOLLIN, worker_on_event, w);
+    if (!w->watch) {
+        int e = -errno;
+        close_fd(&w->efd);
+        free(w);
+        return e;
+    }
+    int e = pthread_create(&w->thread, NULL, worker_main, w);
+    if (e) {
+        loop_unwatch(loop, &w->watch);
+        close_fd(&w->efd);
+        free(w);
+        return -e;
+    }
+    *out = w;
+    return 0;
+}
+
+void worker_free(struct worker **wp)
+{
+    struct worker *w = *wp;
+    *wp = NULL;
+    if (!w)
+        return;
+    pthread_mutex_lock(&w->mu);
+    w->stop = true;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    pthread_join(w->thread, NULL);
+    worker_drain_finished(w);
+    loop_unwatch(w->loop, &w->watch);
+    close_fd(&w->efd);
+    pthread_mutex_destroy(&w->mu);
+    pthread_cond_destroy(&w->cv);
+    free(w);
+}
+
+void worker_submit(struct worker *w, struct job *job)
+{
+    job->next = NULL;
+    w->pending++;
+    pthread_mutex_lock(&w->mu);
+    if (w->queue_tail)
+        w->queue_tail->next = job;
+    else
+        w->queue = job;
+    w->queue_tail = job;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+}
+
+unsigned worker_pending(const struct worker *w)
+{
+    return w->pending;
+}
+
+double worker_busy_seconds(struct worker *w)
+{
+    pthread_mutex_lock(&w->mu);
+    uint64_t since = w->busy_since_us;
+    pthread_mutex_unlock(&w->mu);
+    return since ? (double)(now_us() - since) / 1e6 : 0.0;
+}

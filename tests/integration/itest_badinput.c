@@ -1,0 +1,531 @@
+/*
+ * itest_badinput.c: every kind of bad input a client can send gets a clear
+ * error and the daemon keeps serving. Most cases go through a raw client
+ * (its own seqpacket session and DEALER socket, hand-built protobuf) so that
+ * they can say things libmoe never would.
+ */
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <zmq.h>
+
+#include "daemon/safetensors.h"
+#include "moe.pb-c.h"
+#include "tests/integration/itest.h"
+
+struct raw {
+    int sfd;
+    void *zctx, *zsock;
+    uint8_t token[16];
+    uint64_t next_id;
+};
+
+static Moe__SessionReply *raw_session_call(struct raw *r, const Moe__SessionRequest *req,
+                                           const int *fds, int nfds)
+{
+    uint8_t buf[4096];
+    size_t n = moe__session_request__pack(req, buf);
+    union {
+        char raw[CMSG_SPACE(sizeof(int) * 4)];
+        struct cmsghdr a;
+    } cb;
+    struct iovec iov = {buf, n};
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
+    if (nfds) {
+        memset(&cb, 0, sizeof(cb));
+        mh.msg_control = cb.raw;
+        mh.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nfds);
+        struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
+        memcpy(CMSG_DATA(c), fds, sizeof(int) * (size_t)nfds);
+    }
+    CHECK(sendmsg(r->sfd, &mh, 0) == (ssize_t)n);
+    ssize_t got = recv(r->sfd, buf, sizeof(buf), 0);
+    CHECK(got > 0);
+    Moe__SessionReply *rep = moe__session_reply__unpack(NULL, (size_t)got, buf);
+    CHECK(rep != NULL);
+    return rep;
+}
+
+static void raw_open(struct raw *r, const char *dir, bool open_session)
+{
+    memset(r, 0, sizeof(*r));
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s/moed.sock", dir);
+    r->sfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    CHECK(connect(r->sfd, (struct sockaddr *)&sa, sizeof(sa)) == 0);
+    char ep[300];
+    snprintf(ep, sizeof(ep), "ipc://%s/moed.zmq", dir);
+    r->zctx = zmq_ctx_new();
+    r->zsock = zmq_socket(r->zctx, ZMQ_DEALER);
+    int linger = 0, tmo = 5000;
+    zmq_setsockopt(r->zsock, ZMQ_LINGER, &linger, sizeof(linger));
+    zmq_setsockopt(r->zsock, ZMQ_RCVTIMEO, &tmo, sizeof(tmo));
+    CHECK(zmq_connect(r->zsock, ep) == 0);
+    if (!open_session)
+        return;
+    Moe__SessionRequest req = MOE__SESSION_REQUEST__INIT;
+    Moe__OpenSession os = MOE__OPEN_SESSION__INIT;
+    os.protocol_version = 1;
+    req.body_case = MOE__SESSION_REQUEST__BODY_OPEN;
+    req.open = &os;
+    Moe__SessionReply *rep = raw_session_call(r, &req, NULL, 0);
+    CHECK_EQ_INT(rep->status, MOE__STATUS__STATUS_OK);
+    CHECK_EQ_INT(rep->token.len, 16);
+    memcpy(r->token, rep->token.data, 16);
+    moe__session_reply__free_unpacked(rep, NULL);
+}
+
+static void raw_close(struct raw *r)
+{
+    zmq_close(r->zsock);
+    zmq_ctx_term(r->zctx);
+    close(r->sfd);
+}
+
+/* Register an fd (or several) as a region; returns the reply. */
+static Moe__SessionReply *raw_register(struct raw *r, uint64_t size, const int *fds, int nfds)
+{
+    Moe__SessionRequest req = MOE__SESSION_REQUEST__INIT;
+    Moe__RegisterRegion rr = MOE__REGISTER_REGION__INIT;
+    rr.size = size;
+    req.body_case = MOE__SESSION_REQUEST__BODY_REGISTER_REGION;
+    req.register_region = &rr;
+    return raw_session_call(r, &req, fds, nfds);
+}
+
+static int memfd_sized(size_t size, unsigned seals)
+{
+    int fd = memfd_create("itest", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    CHECK(fd >= 0);
+    CHECK(ftruncate(fd, (off_t)size) == 0);
+    if (seals)
+        CHECK(fcntl(fd, F_ADD_SEALS, seals) == 0);
+    return fd;
+}
+
+/* A good region of `size` bytes; returns its id, maps it at *base. */
+static uint64_t raw_region(struct raw *r, size_t size, void **base)
+{
+    int fd = memfd_sized(size, F_SEAL_SHRINK | F_SEAL_GROW);
+    Moe__SessionReply *rep = raw_register(r, size, &fd, 1);
+    CHECK_MSG(rep->status == 0, "%s", rep->message);
+    uint64_t id = rep->region;
+    moe__session_reply__free_unpacked(rep, NULL);
+    if (base) {
+        *base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        CHECK(*base != MAP_FAILED);
+    }
+    close(fd);
+    return id;
+}
+
+static Moe__Reply *raw_recv(struct raw *r)
+{
+    zmq_msg_t m;
+    zmq_msg_init(&m);
+    int n = zmq_msg_recv(&m, r->zsock, 0);
+    CHECK_MSG(n >= 0, "no reply from the daemon: %s", zmq_strerror(zmq_errno()));
+    Moe__Reply *rep = moe__reply__unpack(NULL, zmq_msg_size(&m), zmq_msg_data(&m));
+    zmq_msg_close(&m);
+    CHECK(rep != NULL);
+    return rep;
+}
+
+/* Send bytes as one message, expect one reply with status; check message. */
+static void raw_expect_bytes(struct raw *r, const void *data, size_t n, int status,
+                             const char *needle)
+{
+    CHECK(zmq_send(r->zsock, data, n, 0) == (int)n);
+    Moe__Reply *rep = raw_recv(r);
+    CHECK_MSG((int)rep->status == status, "status %d (want %d): %s", rep->status, status, rep->message);
+    if (needle)
+        CHECK_STR_CONTAINS(rep->message, needle);
+    moe__reply__free_unpacked(rep, NULL);
+}
+
+static void raw_expect(struct raw *r, Moe__Request *req, int status, const char *needle)
+{
+    uint8_t buf[8192];
+    req->id = ++r->next_id;
+    if (!req->token.len) {
+        req->token.data = r->token;
+        req->token.len = 16;
+    }
+    size_t n = moe__request__pack(req, buf);
+    CHECK(zmq_send(r->zsock, buf, n, 0) == (int)n);
+    Moe__Reply *rep = raw_recv(r);
+    CHECK_EQ_INT(rep->id, req->id);
+    CHECK_MSG((int)rep->status == status, "status %d (want %d): %s", rep->status, status,
+              rep->message ? rep->message : "");
+    if (needle)
+        CHECK_STR_CONTAINS(rep->message, needle);
+    moe__reply__free_unpacked(rep, NULL);
+}
+
+/* Shapes of the test layers. */
+enum { E = 8, K = 2, H = 32, I = 32, T = 4 };
+
+static Moe__Tensor tensor(uint64_t region, uint64_t off, Moe__DType dt, uint64_t *shape, int nd)
+{
+    Moe__Tensor t = MOE__TENSOR__INIT;
+    t.region = region;
+    t.offset = off;
+    t.dtype = dt;
+    t.shape = shape;
+    t.n_shape = (size_t)nd;
+    return t;
+}
+
+TEST(bad_requests_are_refused_and_the_daemon_keeps_serving)
+{
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    moe_client *c = itest_connect(&d, "good");
+    struct itest_layer L = {.name = "L", .dt = MOE_DTYPE_BF16, .sh = {E, K, H, I},
+                            .routing = MOE_ROUTING_SOFTMAX, .renorm = true};
+    struct itest_layer G = {.name = "G", .dt = MOE_DTYPE_BF16, .sh = {E, K, H, I},
+                            .routing = MOE_ROUTING_GIVEN};
+    itest_layer_upload(c, &L, &seed);
+    itest_layer_upload(c, &G, &seed);
+
+    struct raw r, other;
+    raw_open(&r, d.dir, true);
+    raw_open(&other, d.dir, true);
+    void *base = NULL;
+    const size_t RS = 1 << 16;
+    uint64_t reg = raw_region(&r, RS, &base);
+    uint64_t foreign = raw_region(&other, RS, NULL);
+    /* Layout: x at 0 (T*H bf16), logits at 4096 (T*E fp32), ids at 8192,
+     * weights at 12288, out at 16384. */
+    itest_fill(&seed, MOE_DTYPE_BF16, base, T * H, 1.0f);
+    for (int i = 0; i < T * E; i++)
+        ((float *)((char *)base + 4096))[i] = test_randf(&seed);
+    uint64_t sx[] = {T, H}, sl[] = {T, E}, sk[] = {T, K}, so[] = {T, H};
+    Moe__Tensor x = tensor(reg, 0, MOE__DTYPE__DTYPE_BF16, sx, 2);
+    Moe__Tensor lg = tensor(reg, 4096, MOE__DTYPE__DTYPE_FP32, sl, 2);
+    Moe__Tensor ids = tensor(reg, 8192, MOE__DTYPE__DTYPE_INT32, sk, 2);
+    Moe__Tensor wts = tensor(reg, 12288, MOE__DTYPE__DTYPE_FP32, sk, 2);
+    Moe__Tensor out = tensor(reg, 16384, MOE__DTYPE__DTYPE_BF16, so, 2);
+    Moe__Request req = MOE__REQUEST__INIT;
+    Moe__FusedMoe fm = MOE__FUSED_MOE__INIT;
+    req.body_case = MOE__REQUEST__BODY_FUSED_MOE;
+    req.fused_moe = &fm;
+#define RESET()                                                                \
+    do {                                                                       \
+        fm.layer = "L";                                                        \
+        fm.x = &x;                                                             \
+        fm.logits = &lg;                                                       \
+        fm.topk_ids = NULL;                                                    \
+        fm.topk_weights = NULL;                                                \
+        fm.out = &out;                                                         \
+        req.token.len = 0;                                                     \
+    } while (0)
+    RESET();
+    raw_expect(&r, &req, MOE__STATUS__STATUS_OK, NULL); /* the good request */
+
+    RESET(); fm.layer = "nope";
+    raw_expect(&r, &req, MOE__STATUS__STATUS_NOT_FOUND, "no layer named 'nope'");
+
+    Moe__Tensor bad = x;
+    RESET(); bad.dtype = MOE__DTYPE__DTYPE_FP16; fm.x = &bad;
+    raw_expect(&r, &req, MOE__STATUS__STATUS_INVALID_ARGUMENT, "dtype");
+    uint64_t sbad[] = {T, H + 1};
+    RESET(); bad = x; bad.shape = sbad; fm.x = &bad;
+    raw_expect(&r, &req, MOE__STATUS__STATUS_INVALID_ARGUMENT, "shape");
+    uint64_t s3[] = {T, H, 1};
+    RESET(); bad = x; bad.shape = s3; bad.n_shape = 3; fm.x = &bad;
+    raw_expect(&r, &req, MOE__STATUS__STATUS_INVALID_ARGUMENT, NULL);
+    uint64_t sT[] = {T + 1, H};
+    RESET(); bad = out; bad.shape = sT; fm.out = &bad;
+    raw_expect(&r, &req, MOE__STATUS__STATUS_INVALID_ARGUMENT, "out");
+    RESET(); fm.logits = NULL;
+    raw_expect(&r, &req, MOE__STATUS__STATUS_INVALID_ARGUMENT, "logits");
+    RESET(); bad = x; bad.region = foreign; fm.x = &bad;
+    raw_expect(&r, &req, MOE__STATUS__STATUS_NOT_FOUND, "not registered in this session");
+    RESET(); bad = x; bad.region = 12345; fm.x = &bad;
+    raw_expect(&r, &req, MOE__STATUS__STATUS_NOT_FOUND, "not registered");
+    RESET(); bad = out; bad.offset = RS - 8; fm.out = &bad;
+    raw_expect(&r, &req, MOE__STATUS__STATUS_INVALID_ARGUMENT, "outside region");
+    RESET(); bad = out; bad.offset = UINT64_MAX - 7; fm.out = &bad;
+    raw_expect(&r, &req, MOE__STATUS__STATUS_INVALID_ARGUMENT, "outside region");
+    uint64_t shuge[] = {1ull << 40, 1ull << 40};
+    RESET(); bad = x; bad.shape = shuge; fm.x = &bad;
+    raw_expect(&r, &req, MOE__STATUS__STATUS_INVALID_ARGUMENT, "overflows");
+    RESET(); bad = x; bad.offset = 1; fm.x = &bad;
+    raw_expect(&r, &req, MOE__STATUS__STATUS_INVALID_ARGUMENT, "aligned");
+    RESET(); bad = x; bad.dtype = (Moe__DType)77; fm.x = &bad;
+    raw_expect(&r, &req, MOE__STATUS__STATUS_INVALID_ARGUMENT, "dtype");
+    RESET(); fm.topk_ids = &ids; fm.topk_weights = &wts;
+    raw_expect(&r, &req, MOE__STATUS__STATUS_INVALID_ARGUMENT, "routes from logits");
+
+    /* Given routing: ids are range-checked in the daemon's own copy. */
+    int32_t *idp = (int32_t *)((char *)base + 8192);
+    float *wp = (float *)((char *)base + 12288);
+    for (int i = 0; i < T * K; i++) {
+        idp[i] = i % E;
+        wp[i] = 0.5f;
+    }
+    RESET(); fm.layer = "G"; fm.logits = NULL; fm.topk_ids = &ids; fm.topk_weights = &wts;
+    raw_expect(&r, &req, MOE__STATUS__STATUS_OK, NULL);
+    idp[5] = E;
+    raw_expect(&r, &req, MOE__STATUS__STATUS_INVALID_ARGUMENT, "outside [0, 8)");
+    idp[5] = -1;
+    raw_expect(&r, &req, MOE__STATUS__STATUS_INVALID_ARGUMENT, "= -1");
+    idp[5] = 1;
+    int64_t *id64 = (int64_t *)((char *)base + 20480);
+    for (int i = 0; i < T * K; i++)
+        id64[i] = i % E;
+    id64[3] = 1ll << 40;
+    Moe__Tensor ids64 = tensor(reg, 20480, MOE__DTYPE__DTYPE_INT64, sk, 2);
+    fm.topk_ids = &ids64;
+    raw_expect(&r, &req, MOE__STATUS__STATUS_INVALID_ARGUMENT, "1099511627776");
+    id64[3] = 3;
+    raw_expect(&r, &req, MOE__STATUS__STATUS_OK, NULL);
+    bad = wts; bad.dtype = MOE__DTYPE__DTYPE_BF16; fm.topk_weights = &bad;
+    raw_expect(&r, &req, MOE__STATUS__STATUS_INVALID_ARGUMENT, "topk_weights");
+    RESET(); fm.layer = "G";
+    raw_expect(&r, &req, MOE__STATUS__STATUS_INVALID_ARGUMENT, "not logits");
+
+    /* Envelope problems. */
+    RESET();
+    uint8_t wrong[16] = {1};
+    req.token.data = wrong;
+    req.token.len = 16;
+    raw_expect(&r, &req, MOE__STATUS__STATUS_PERMISSION_DENIED, "token");
+    req.token.len = 3;
+    raw_expect(&r, &req, MOE__STATUS__STATUS_PERMISSION_DENIED, "token");
+    Moe__Request empty = MOE__REQUEST__INIT;
+    raw_expect(&r, &empty, MOE__STATUS__STATUS_PROTOCOL, "no known message");
+    Moe__Request hello = MOE__REQUEST__INIT;
+    Moe__Hello h = MOE__HELLO__INIT;
+    h.protocol_version = 99;
+    hello.body_case = MOE__REQUEST__BODY_HELLO;
+    hello.hello = &h;
+    raw_expect(&r, &hello, MOE__STATUS__STATUS_UNSUPPORTED, "protocol version 99");
+    uint8_t garbage[64];
+    for (size_t i = 0; i < sizeof(garbage); i++)
+        garbage[i] = (uint8_t)test_rand(&seed) | 0x80;
+    raw_expect_bytes(&r, garbage, sizeof(garbage), MOE__STATUS__STATUS_PROTOCOL, "decoded");
+    RESET();
+    req.id = 99;
+    req.token.data = r.token;
+    req.token.len = 16;
+    uint8_t packed[1024];
+    size_t plen = moe__request__pack(&req, packed);
+    raw_expect_bytes(&r, packed, plen / 2, MOE__STATUS__STATUS_PROTOCOL, NULL);
+    CHECK(zmq_send(r.zsock, "a", 1, ZMQ_SNDMORE) == 1);
+    raw_expect_bytes(&r, "b", 1, MOE__STATUS__STATUS_PROTOCOL, "one message part");
+
+    /* The session socket. */
+    int fd;
+    Moe__SessionReply *srep;
+#define EXPECT_REG(fds, nfds, size, st)                                        \
+    do {                                                                       \
+        srep = raw_register(&r, size, fds, nfds);                              \
+        CHECK_MSG(srep->status == (st), "register: status %d: %s", srep->status, \
+                  srep->message);                                              \
+        moe__session_reply__free_unpacked(srep, NULL);                         \
+    } while (0)
+    /* Both raw clients' ZeroMQ connections are up before the baseline. */
+    Moe__Request ping = MOE__REQUEST__INIT;
+    Moe__Hello ph = MOE__HELLO__INIT;
+    ph.protocol_version = 1;
+    ping.body_case = MOE__REQUEST__BODY_HELLO;
+    ping.hello = &ph;
+    raw_expect(&other, &ping, MOE__STATUS__STATUS_OK, NULL);
+    int fds_before = itest_count_fds(d.pid);
+    fd = memfd_sized(4096, 0);
+    EXPECT_REG(&fd, 1, 4096, MOE__STATUS__STATUS_INVALID_ARGUMENT); /* unsealed */
+    close(fd);
+    fd = memfd_sized(4096, F_SEAL_SHRINK);
+    EXPECT_REG(&fd, 1, 4096, MOE__STATUS__STATUS_INVALID_ARGUMENT); /* can grow */
+    close(fd);
+    fd = memfd_sized(4096, F_SEAL_SHRINK | F_SEAL_GROW);
+    EXPECT_REG(&fd, 1, 8192, MOE__STATUS__STATUS_INVALID_ARGUMENT); /* size lies */
+    EXPECT_REG(&fd, 1, 0, MOE__STATUS__STATUS_INVALID_ARGUMENT);
+    EXPECT_REG(NULL, 0, 4096, MOE__STATUS__STATUS_INVALID_ARGUMENT); /* no fd */
+    int two[2] = {fd, fd};
+    EXPECT_REG(two, 2, 4096, MOE__STATUS__STATUS_INVALID_ARGUMENT);
+    close(fd);
+    int pfd[2];
+    CHECK(pipe(pfd) == 0);
+    EXPECT_REG(pfd, 1, 4096, MOE__STATUS__STATUS_INVALID_ARGUMENT);
+    close(pfd[0]);
+    close(pfd[1]);
+    /* ZeroMQ accepts and closes connections on its own threads (a probe's
+     * connection may come and go late), so allow the count time to settle;
+     * a leaked descriptor never goes away. */
+    for (int i = 0; i < 100 && itest_count_fds(d.pid) > fds_before; i++)
+        itest_sleep_ms(20);
+    if (itest_count_fds(d.pid) != fds_before) {
+        char cmd[128];
+        snprintf(cmd, sizeof(cmd), "ls -l /proc/%d/fd >&2", (int)d.pid);
+        if (system(cmd)) {}
+    }
+    CHECK_EQ_INT(itest_count_fds(d.pid), fds_before); /* refused fds were closed */
+    Moe__SessionRequest un = MOE__SESSION_REQUEST__INIT;
+    Moe__UnregisterRegion ur = MOE__UNREGISTER_REGION__INIT;
+    ur.region = foreign;
+    un.body_case = MOE__SESSION_REQUEST__BODY_UNREGISTER_REGION;
+    un.unregister_region = &ur;
+    srep = raw_session_call(&r, &un, NULL, 0);
+    CHECK_EQ_INT(srep->status, MOE__STATUS__STATUS_NOT_FOUND);
+    moe__session_reply__free_unpacked(srep, NULL);
+    CHECK(send(r.sfd, garbage, sizeof(garbage), 0) == (ssize_t)sizeof(garbage));
+    uint8_t sbuf[1024];
+    ssize_t sn = recv(r.sfd, sbuf, sizeof(sbuf), 0);
+    CHECK(sn > 0);
+    srep = moe__session_reply__unpack(NULL, (size_t)sn, sbuf);
+    CHECK(srep && srep->status == MOE__STATUS__STATUS_PROTOCOL);
+    moe__session_reply__free_unpacked(srep, NULL);
+
+    struct raw unopened;
+    raw_open(&unopened, d.dir, false);
+    fd = memfd_sized(4096, F_SEAL_SHRINK | F_SEAL_GROW);
+    srep = raw_register(&unopened, 4096, &fd, 1);
+    CHECK_EQ_INT(srep->status, MOE__STATUS__STATUS_PERMISSION_DENIED);
+    moe__session_reply__free_unpacked(srep, NULL);
+    close(fd);
+    raw_close(&unopened);
+
+    /* After all that, the good client is served, correctly. */
+    struct itest_fwd f;
+    itest_fwd_make(c, &L, 6, &seed, &f);
+    CHECK_MSG(moe_forward(c, &f.args, NULL) == 0, "%s", moe_errmsg());
+    CHECK(itest_fwd_error(&L, &f) <= itest_tolerance(L.dt));
+    moe_region_free(c, &f.r);
+    raw_close(&r);
+    raw_close(&other);
+    moe_disconnect(&c);
+    itest_layer_free(&L);
+    itest_layer_free(&G);
+    itest_daemon_stop(&d);
+}
+
+static void write_file(const char *path, const void *data, size_t n)
+{
+    FILE *f = fopen(path, "wb");
+    CHECK(f && fwrite(data, 1, n, f) == n);
+    fclose(f);
+}
+
+TEST(bad_weight_files_are_refused)
+{
+    uint64_t seed = test_seed();
+    char allowed[] = "/tmp/moed-allowed.XXXXXX", outside[] = "/tmp/moed-outside.XXXXXX";
+    CHECK(mkdtemp(allowed) && mkdtemp(outside));
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--allow-dir", allowed, NULL);
+    moe_client *c = itest_connect(&d, "loader");
+    /* A good file, two experts, H=8, I=16. */
+    uint16_t w[3][2][16 * 8];
+    struct st_out t[6];
+    char names[6][64];
+    for (int e = 0; e < 2; e++)
+        for (int p = 0; p < 3; p++) {
+            itest_fill(&seed, MOE_DTYPE_BF16, w[p][e], 128, 0.5f);
+            snprintf(names[e * 3 + p], 64, "experts.%d.w%d.weight", e, p == 0 ? 1 : p == 1 ? 3 : 2);
+            t[e * 3 + p] = (struct st_out){.name = names[e * 3 + p], .dtype = ST_BF16, .ndim = 2,
+                                           .shape = {p < 2 ? 16 : 8, p < 2 ? 8 : 16},
+                                           .data = w[p][e]};
+        }
+    char good[300], missing[300], outfile[300], trunc[300], junk[300], link[300], rel[300];
+    snprintf(good, sizeof(good), "%s/good.safetensors", allowed);
+    snprintf(missing, sizeof(missing), "%s/missing.safetensors", allowed);
+    snprintf(outfile, sizeof(outfile), "%s/good.safetensors", outside);
+    snprintf(trunc, sizeof(trunc), "%s/trunc.safetensors", allowed);
+    snprintf(junk, sizeof(junk), "%s/junk.safetensors", allowed);
+    snprintf(link, sizeof(link), "%s/link.safetensors", allowed);
+    snprintf(rel, sizeof(rel), "%s/../%s/good.safetensors", allowed, strrchr(outside, '/') + 1);
+    CHECK(st_write(good, t, 6) == 0);
+    CHECK(st_write(missing, t, 5) == 0); /* expert 1's w2 is absent */
+    CHECK(st_write(outfile, t, 6) == 0);
+    CHECK(symlink(outfile, link) == 0);
+    FILE *f = fopen(good, "rb");
+    uint8_t buf[8192];
+    size_t n = fread(buf, 1, sizeof(buf), f);
+    fclose(f);
+    write_file(trunc, buf, n - 100);
+    write_file(junk, "\x10\0\0\0\0\0\0\0{not json at all", 24);
+
+    moe_layer_desc desc = {.name = "w", .kind = MOE_LAYER_MOE, .topk = 2, .routing = MOE_ROUTING_SOFTMAX};
+    struct {
+        const char *path;
+        int err;
+        const char *needle;
+    } cases[] = {
+        {outfile, -EACCES, "outside the allowed directories"},
+        {link, -EACCES, "outside the allowed directories"},
+        {rel, -EACCES, "outside the allowed directories"},
+        {"relative/path.safetensors", -EINVAL, "absolute"},
+        {"/etc/passwd", -EACCES, "outside"},
+        {"/no/such/file", -EACCES, "outside"},
+        {trunc, -EIO, "truncated"},
+        {junk, -EIO, "not a valid safetensors file"},
+        {missing, -EINVAL, "experts.1.w2.weight is missing"},
+    };
+    for (size_t i = 0; i < ARRAY_LEN(cases); i++) {
+        desc.path = cases[i].path;
+        int rc = moe_layer_load(c, &desc, NULL);
+        CHECK_MSG(rc == cases[i].err, "%s: got %d (%s), want %d", cases[i].path, rc, moe_errmsg(),
+                  cases[i].err);
+        CHECK_STR_CONTAINS(moe_errmsg(), cases[i].needle);
+    }
+    char nothere[300];
+    snprintf(nothere, sizeof(nothere), "%s/nothere.safetensors", allowed);
+    desc.path = nothere;
+    CHECK_EQ_INT(moe_layer_load(c, &desc, NULL), -ENOENT);
+    desc.path = good;
+    desc.topk = 3; /* more than the two experts */
+    CHECK_EQ_INT(moe_layer_load(c, &desc, NULL), -EINVAL);
+    CHECK_STR_CONTAINS(moe_errmsg(), "topk");
+    desc.topk = 2;
+    desc.name = "bad name!";
+    CHECK_EQ_INT(moe_layer_load(c, &desc, NULL), -EINVAL);
+    desc.name = "w";
+    desc.hidden = 9; /* disagrees with the file */
+    CHECK_EQ_INT(moe_layer_load(c, &desc, NULL), -EINVAL);
+    desc.hidden = 0;
+    moe_layer_desc gd = {.name = "g", .kind = MOE_LAYER_GEMM, .path = good, .prefix = "nope"};
+    CHECK_EQ_INT(moe_layer_load(c, &gd, NULL), -EINVAL);
+    CHECK_STR_CONTAINS(moe_errmsg(), "'nope' is missing");
+    /* Uploads with the wrong shapes. */
+    moe_region *r;
+    CHECK(moe_region_create(c, 1 << 16, "up", &r) == 0);
+    moe_layer_desc up = {.name = "up", .kind = MOE_LAYER_MOE, .dtype = MOE_DTYPE_BF16,
+                         .experts = 2, .topk = 1, .hidden = 8, .intermediate = 16,
+                         .w1 = moe_tensor_3d(r, 0, MOE_DTYPE_BF16, 2, 16, 8),
+                         .w3 = moe_tensor_3d(r, 1024, MOE_DTYPE_BF16, 2, 16, 8),
+                         .w2 = moe_tensor_3d(r, 2048, MOE_DTYPE_BF16, 2, 16, 8)};
+    CHECK_EQ_INT(moe_layer_load(c, &up, NULL), -EINVAL);
+    CHECK_STR_CONTAINS(moe_errmsg(), "w2 [2, 8, 16]");
+    up.w2 = moe_tensor_3d(r, 1 << 16, MOE_DTYPE_BF16, 2, 8, 16);
+    CHECK_EQ_INT(moe_layer_load(c, &up, NULL), -EINVAL);
+    up.w2 = moe_tensor_3d(r, 2048, MOE_DTYPE_BF16, 2, 8, 16);
+    up.path = good;
+    CHECK_EQ_INT(moe_layer_load(c, &up, NULL), -EINVAL);
+    CHECK_STR_CONTAINS(moe_errmsg(), "not both");
+    /* None of that was half-loaded; the good file loads fine. */
+    moe_layer_info infos[4];
+    CHECK_EQ_INT(moe_layer_list(c, infos, 4), 0);
+    desc.path = good;
+    CHECK_MSG(moe_layer_load(c, &desc, NULL) == 0, "%s", moe_errmsg());
+    CHECK_EQ_INT(moe_layer_list(c, infos, 4), 1);
+    moe_region_free(c, &r);
+    moe_disconnect(&c);
+    itest_daemon_stop(&d);
+    itest_rmdir(allowed);
+    itest_rmdir(outside);
+}
+
+int main(int argc, char **argv)
+{
+    return test_main(argc, argv, (struct test_case[]){
+        TEST_CASE(bad_requests_are_refused_and_the_daemon_keeps_serving),
+        TEST_CASE(bad_weight_files_are_refused),
+        {0}});
+}

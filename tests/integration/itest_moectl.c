@@ -1,0 +1,135 @@
+/*
+ * itest_moectl.c: the CLI against a real daemon: load layers from files in
+ * all three routing modes, forward --check on each, gemm --check, ping,
+ * stats --json and a short bench; exit statuses for failures.
+ */
+#include <cjson/cJSON.h>
+
+#include "daemon/safetensors.h"
+#include "tests/integration/itest.h"
+
+/* Run a shell command, capture stdout into buf; return the exit status. */
+static int run_cmd(char *buf, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int run_cmd(char *buf, size_t len, const char *fmt, ...)
+{
+    char cmd[2048];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof(cmd), fmt, ap);
+    va_end(ap);
+    FILE *p = popen(cmd, "r");
+    CHECK(p != NULL);
+    size_t n = fread(buf, 1, len - 1, p);
+    buf[n] = '\0';
+    int st = pclose(p);
+    fprintf(stderr, "  $ %s\n%s", cmd, buf);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+}
+
+static void write_moe_file(const char *path, int E, int H, int I, uint64_t *seed)
+{
+    size_t per = (size_t)H * (size_t)I;
+    uint16_t *w = malloc(3 * (size_t)E * per * 2);
+    struct st_out *t = calloc(3 * (size_t)E, sizeof(*t));
+    char (*names)[64] = calloc(3 * (size_t)E, 64);
+    CHECK(w && t && names);
+    for (int e = 0; e < E; e++)
+        for (int p = 0; p < 3; p++) {
+            size_t i = (size_t)e * 3 + (size_t)p;
+            itest_fill(seed, MOE_DTYPE_BF16, w + i * per, per, p < 2 ? 0.2f : 0.15f);
+            snprintf(names[i], 64, "mlp.experts.%d.%s.weight", e,
+                     p == 0 ? "gate_proj" : p == 1 ? "up_proj" : "down_proj");
+            t[i] = (struct st_out){.name = names[i], .dtype = ST_BF16, .ndim = 2,
+                                   .shape = {p < 2 ? (uint64_t)I : (uint64_t)H,
+                                             p < 2 ? (uint64_t)H : (uint64_t)I},
+                                   .data = w + i * per};
+        }
+    CHECK(st_write(path, t, 3 * (size_t)E) == 0);
+    free(w);
+    free(t);
+    free(names);
+}
+
+TEST(cli_forward_check_in_every_routing_mode)
+{
+    uint64_t seed = test_seed();
+    char wdir[] = "/tmp/moed-cli.XXXXXX";
+    CHECK(mkdtemp(wdir) != NULL);
+    char path[300];
+    snprintf(path, sizeof(path), "%s/qwen.safetensors", wdir);
+    write_moe_file(path, 16, 64, 96, &seed);
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--allow-dir", wdir, "--demo", NULL);
+    const char *b = itest_build();
+    char out[8192];
+    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s load soft --file %s --prefix mlp. --topk 4",
+                         b, d.dir, path), 0);
+    CHECK_STR_CONTAINS(out, "loaded soft");
+    CHECK_EQ_INT(run_cmd(out, sizeof(out),
+                         "%s/moectl -r %s load sig --file %s --prefix mlp. --topk 2 --routing sigmoid "
+                         "--no-renormalize --dtype fp32", b, d.dir, path), 0);
+    CHECK_EQ_INT(run_cmd(out, sizeof(out),
+                         "%s/moectl -r %s load given --file %s --prefix mlp. --topk 3 --routing given",
+                         b, d.dir, path), 0);
+    const char *layers[] = {"soft", "sig", "given", "demo"};
+    for (size_t i = 0; i < ARRAY_LEN(layers); i++) {
+        CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s forward --layer %s --tokens 9 --check",
+                             b, d.dir, layers[i]), 0);
+        CHECK_STR_CONTAINS(out, ": ok");
+    }
+    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s layers", b, d.dir), 0);
+    CHECK_STR_CONTAINS(out, "sigmoid");
+    CHECK_STR_CONTAINS(out, "E=16 k=3");
+    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s gemm --layer demo-gemm --rows 50 --check",
+                         b, d.dir), 0);
+    CHECK_STR_CONTAINS(out, ": ok");
+    /* Failures exit non-zero with a message. */
+    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s forward --layer nope --tokens 1 2>&1",
+                         b, d.dir), 1);
+    CHECK_STR_CONTAINS(out, "no layer named 'nope'");
+    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s unload nope 2>&1", b, d.dir), 1);
+    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s frobnicate 2>&1", b, d.dir), 2);
+    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r /nonexistent info 2>&1", b), 1);
+    CHECK_STR_CONTAINS(out, "is moed running?");
+    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s unload sig", b, d.dir), 0);
+    itest_daemon_stop(&d);
+    itest_rmdir(wdir);
+}
+
+TEST(cli_ping_stats_json_and_bench)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--demo", NULL);
+    const char *b = itest_build();
+    char out[16384];
+    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s ping --count 50", b, d.dir), 0);
+    CHECK_STR_CONTAINS(out, "p50");
+    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s info", b, d.dir), 0);
+    CHECK_STR_CONTAINS(out, "backend cpu");
+    CHECK_EQ_INT(run_cmd(out, sizeof(out),
+                         "%s/moectl -r %s bench --clients 3 --tokens 2 --seconds 1 --json", b, d.dir), 0);
+    cJSON *j = cJSON_Parse(out);
+    CHECK(j != NULL);
+    double reqs = cJSON_GetNumberValue(cJSON_GetObjectItem(j, "requests"));
+    CHECK(reqs > 10);
+    CHECK(cJSON_GetNumberValue(cJSON_GetObjectItem(j, "p50_us")) > 0);
+    CHECK_EQ_INT((int)cJSON_GetNumberValue(cJSON_GetObjectItem(j, "errors")), 0);
+    cJSON_Delete(j);
+    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s stats --json", b, d.dir), 0);
+    j = cJSON_Parse(out);
+    CHECK(j != NULL);
+    CHECK(cJSON_GetNumberValue(cJSON_GetObjectItem(j, "requests")) >= reqs);
+    CHECK(cJSON_GetNumberValue(cJSON_GetObjectItem(j, "batches")) > 0);
+    CHECK(cJSON_IsArray(cJSON_GetObjectItem(j, "batch_requests_hist")));
+    CHECK_STR_EQ(cJSON_GetStringValue(cJSON_GetObjectItem(j, "backend")), "cpu");
+    cJSON_Delete(j);
+    itest_daemon_stop(&d);
+}
+
+int main(int argc, char **argv)
+{
+    return test_main(argc, argv, (struct test_case[]){
+        TEST_CASE(cli_forward_check_in_every_routing_mode),
+        TEST_CASE(cli_ping_stats_json_and_bench),
+        {0}});
+}
