@@ -517,11 +517,11 @@ void batch_kick(struct server *s)
         int left = req->tokens - req->next_row;
         int rows = left;
         if (req->kind == REQ_FUSED_MOE) {
-            /* Slices keep the device shared; a lone request may use the
-             * whole batch. */
+            /* Slices keep the device shared: requests that arrive while a
+             * long one runs join its next slice instead of waiting for all
+             * of it. */
             uint64_t room = cap - bj->tokens, slice = s->cfg->max_slice_tokens;
-            if (!first || l->queued > 1)
-                room = room < slice ? room : slice;
+            room = room < slice ? room : slice;
             if ((uint64_t)rows > room)
                 rows = (int)room;
         } else if (!first && bj->tokens + (uint64_t)rows > cap) {
