@@ -63,7 +63,7 @@ CLIENT_O  := $(call obj,$(CLIENT_SRC))
 MOECTL_O  := $(call obj,$(MOECTL_SRC))
 CUDA_O    := $(patsubst %.cu,$(BUILD)/obj/%.o,$(CUDA_SRC))
 
-ifneq ($(NVCC),)
+ifneq ($(CUDA_SRC),)
 CFLAGS     += -DMOE_HAVE_CUDA=1 -I$(CUDA_HOME)/include
 CUDA_LIBS  := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lstdc++ \
               -Wl,-rpath,$(CUDA_HOME)/lib64

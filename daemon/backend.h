@@ -61,6 +61,9 @@ struct backend_ops {
 
     /* Fill up to max devices; returns the count or -errno. */
     int (*devices)(struct backend *b, struct backend_device *out, int max);
+    /* Optional: false once the device is unusable (a CUDA error that
+     * poisons the context); the daemon then exits so it can be restarted. */
+    bool (*healthy)(struct backend *b);
     void (*destroy)(struct backend *b);
 };
 

@@ -1,14 +1,385 @@
 /*
- * backend_cuda.c: the CUDA backend. Built as a stub that reports -ENODEV
- * until the CUDA kernels are compiled in (MOE_HAVE_CUDA).
+ * backend_cuda.c: the CUDA backend. Weights live on the device in the
+ * kernels' own layout (kernels/cuda/moe_cuda.h); a batch is copied from the
+ * daemon's pinned staging memory to device buffers, computed, and copied
+ * back, all on one stream with one synchronisation at the end.
+ *
+ * Small batches (up to GRAPH_MAX_TOKENS rows) run as CUDA graph replays:
+ * the copies in, the routing, both GEMMs and the copy out are captured once
+ * per (layer, token count) and replayed, so launch overhead does not
+ * dominate decode. The graphs name fixed device and staging buffers; when a
+ * buffer must grow, every graph is dropped and recaptured on demand.
+ *
+ * A sticky CUDA error (a kernel fault poisons the context) makes the backend
+ * unhealthy; the daemon then exits non-zero and systemd restarts it.
+ *
+ * Built only with MOE_HAVE_CUDA (nvcc found at build time); otherwise
+ * backend_cuda_new() reports -ENODEV and the CPU backend serves.
  */
 #include "daemon/backend.h"
 
 #include <errno.h>
 #include <stddef.h>
 
+#ifndef MOE_HAVE_CUDA
+
 int backend_cuda_new(int device, struct backend **out)
 {
     *out = NULL;
     return -ENODEV;
 }
+
+#else
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cuda/moe_cuda.h"
+
+#define GRAPH_MAX_TOKENS 64
+
+/* A device buffer that only grows. */
+struct dbuf {
+    void *p;
+    size_t size;
+};
+
+struct cuda_weights {
+    bool gemm;
+    moek_moe_shape shape;
+    moek_dtype dt;
+    moek_scoring scoring;
+    bool renormalize;
+    moek_cuda_moe_layer *moe;
+    moek_cuda_gemm_weights *g;
+    int groups, n, k;
+    /* Graphs by token count; each replays only with the device buffers
+     * (generation) and staging pointers it was captured with. */
+    void *graph[GRAPH_MAX_TOKENS + 1];
+    unsigned graph_gen[GRAPH_MAX_TOKENS + 1];
+    struct backend_moe_io graph_io[GRAPH_MAX_TOKENS + 1];
+};
+
+struct cuda_backend {
+    struct backend base;
+    int device;
+    void *stream;
+    moek_cuda_workspace *ws;
+    struct dbuf x, route, weights, out;
+    unsigned gen;       /* bumped whenever a buffer above moves */
+    bool broken;        /* a sticky error: the context is unusable */
+    char name[96];
+};
+
+static int cuda_check(struct cuda_backend *cb, int rc)
+{
+    if (rc == -EIO && !moek_cuda_context_ok())
+        cb->broken = true;
+    return rc;
+}
+
+static int dbuf_reserve(struct cuda_backend *cb, struct dbuf *b, size_t need)
+{
+    if (need <= b->size)
+        return 0;
+    size_t size = need + need / 4;
+    void *p = NULL;
+    int rc = moek_cuda_stream_sync(cb->stream);
+    if (!rc)
+        rc = moek_cuda_malloc(size, &p);
+    if (rc)
+        return cuda_check(cb, rc);
+    moek_cuda_free(b->p);
+    b->p = p;
+    b->size = size;
+    cb->gen++;
+    return 0;
+}
+
+static int cuda_ws_reserve(struct cuda_backend *cb, size_t need)
+{
+    if (cb->ws && moek_cuda_workspace_bytes(cb->ws) >= need)
+        return 0;
+    int rc = moek_cuda_stream_sync(cb->stream);
+    if (rc)
+        return cuda_check(cb, rc);
+    moek_cuda_workspace_free(cb->ws);
+    cb->ws = NULL;
+    rc = moek_cuda_workspace_new(cb->device, need + need / 4, &cb->ws);
+    cb->gen++;
+    return cuda_check(cb, rc);
+}
+
+static int cuda_moe_new(struct backend *b, const moek_moe_shape *shape, moek_dtype dt,
+                        moek_scoring scoring, bool renormalize, const void *w1, const void *w3,
+                        const void *w2, void **handle)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)b;
+    struct cuda_weights *w = calloc(1, sizeof(*w));
+    if (!w)
+        return -ENOMEM;
+    w->shape = *shape;
+    w->dt = dt;
+    w->scoring = scoring;
+    w->renormalize = renormalize;
+    int rc = moek_cuda_set_device(cb->device);
+    if (!rc)
+        rc = moek_cuda_moe_layer_new(shape, dt, w1, w3, w2, cb->device, &w->moe);
+    if (rc) {
+        free(w);
+        return cuda_check(cb, rc);
+    }
+    *handle = w;
+    return 0;
+}
+
+static int cuda_gemm_new(struct backend *b, moek_dtype dt, int groups, int n, int k,
+                         const void *bw, void **handle)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)b;
+    struct cuda_weights *w = calloc(1, sizeof(*w));
+    if (!w)
+        return -ENOMEM;
+    w->gemm = true;
+    w->dt = dt;
+    w->groups = groups;
+    w->n = n;
+    w->k = k;
+    int rc = moek_cuda_set_device(cb->device);
+    if (!rc)
+        rc = moek_cuda_gemm_weights_new(dt, groups, n, k, bw, cb->device, &w->g);
+    if (rc) {
+        free(w);
+        return cuda_check(cb, rc);
+    }
+    *handle = w;
+    return 0;
+}
+
+static void cuda_weights_free(struct backend *b, void *handle)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)b;
+    struct cuda_weights *w = handle;
+    if (!w)
+        return;
+    moek_cuda_set_device(cb->device);
+    for (int t = 0; t <= GRAPH_MAX_TOKENS; t++)
+        moek_cuda_graph_free(w->graph[t]);
+    moek_cuda_moe_layer_free(w->moe);
+    moek_cuda_gemm_weights_free(w->g);
+    free(w);
+}
+
+/* Enqueue one forward on the stream: copies in, kernels, copy out. */
+static int cuda_moe_enqueue(struct cuda_backend *cb, struct cuda_weights *w,
+                            const struct backend_moe_io *io)
+{
+    size_t T = (size_t)io->tokens, H = (size_t)w->shape.hidden, E = (size_t)w->shape.experts,
+           k = (size_t)w->shape.topk, es = moek_dtype_size(w->dt);
+    moek_cuda_routing r = {0};
+    int rc = moek_cuda_copy_async(cb->x.p, io->x, T * H * es, 0, cb->stream);
+    if (!rc && io->logits) {
+        r.kind = MOEK_CUDA_ROUTE_LOGITS;
+        r.logits_dev = cb->route.p;
+        r.scoring = w->scoring;
+        r.renormalize = w->renormalize;
+        rc = moek_cuda_copy_async(cb->route.p, io->logits, T * E * 4, 0, cb->stream);
+    } else if (!rc) {
+        r.kind = MOEK_CUDA_ROUTE_GIVEN;
+        r.ids_dev = cb->route.p;
+        r.weights_dev = cb->weights.p;
+        rc = moek_cuda_copy_async(cb->route.p, io->ids, T * k * 4, 0, cb->stream);
+        if (!rc)
+            rc = moek_cuda_copy_async(cb->weights.p, io->weights, T * k * 4, 0, cb->stream);
+    }
+    if (!rc)
+        rc = moek_cuda_fused_moe(w->moe, cb->ws, cb->x.p, &r, io->tokens, cb->out.p, cb->stream);
+    if (!rc)
+        rc = moek_cuda_copy_async(io->out, cb->out.p, T * H * es, 1, cb->stream);
+    return rc;
+}
+
+static int cuda_moe_run(struct backend *b, void *handle, const struct backend_moe_io *io)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)b;
+    struct cuda_weights *w = handle;
+    if (cb->broken)
+        return -EIO;
+    size_t T = (size_t)io->tokens, H = (size_t)w->shape.hidden, E = (size_t)w->shape.experts,
+           k = (size_t)w->shape.topk, es = moek_dtype_size(w->dt);
+    /* Buffers sized for at least a graph's worth, so small batches never
+     * move them. */
+    size_t Tb = T > GRAPH_MAX_TOKENS ? T : GRAPH_MAX_TOKENS;
+    int rc = moek_cuda_set_device(cb->device);
+    if (!rc)
+        rc = dbuf_reserve(cb, &cb->x, Tb * H * es);
+    if (!rc)
+        rc = dbuf_reserve(cb, &cb->out, Tb * H * es);
+    if (!rc)
+        rc = dbuf_reserve(cb, &cb->route, Tb * (E > k ? E : k) * 4);
+    if (!rc)
+        rc = dbuf_reserve(cb, &cb->weights, Tb * k * 4);
+    if (!rc)
+        rc = cuda_ws_reserve(cb, moek_cuda_moe_workspace_size(w->moe, (int)Tb));
+    if (rc)
+        return cuda_check(cb, rc);
+    if (T <= GRAPH_MAX_TOKENS) {
+        void **g = &w->graph[T];
+        if (*g && (w->graph_gen[T] != cb->gen ||
+                   memcmp(&w->graph_io[T], io, sizeof(*io)) != 0)) {
+            moek_cuda_graph_free(*g);
+            *g = NULL;
+        }
+        if (!*g) {
+            rc = moek_cuda_graph_begin(cb->stream);
+            if (!rc) {
+                int rc2 = cuda_moe_enqueue(cb, w, io);
+                rc = moek_cuda_graph_end(cb->stream, g);
+                if (rc2)
+                    rc = rc2;
+            }
+            if (rc) {
+                moek_cuda_graph_free(*g);
+                *g = NULL;
+                return cuda_check(cb, rc);
+            }
+            w->graph_gen[T] = cb->gen;
+            w->graph_io[T] = *io;
+        }
+        rc = moek_cuda_graph_launch(*g, cb->stream);
+    } else {
+        rc = cuda_moe_enqueue(cb, w, io);
+    }
+    if (!rc)
+        rc = moek_cuda_stream_sync(cb->stream);
+    return cuda_check(cb, rc);
+}
+
+static int cuda_gemm_run(struct backend *b, void *handle, const void *a, const int64_t *m_sizes,
+                         int64_t m, void *c)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)b;
+    struct cuda_weights *w = handle;
+    if (cb->broken)
+        return -EIO;
+    size_t es = moek_dtype_size(w->dt), M = (size_t)m;
+    int rc = moek_cuda_set_device(cb->device);
+    if (!rc)
+        rc = dbuf_reserve(cb, &cb->x, M * (size_t)w->k * es);
+    if (!rc)
+        rc = dbuf_reserve(cb, &cb->out, M * (size_t)w->n * es);
+    if (!rc)
+        rc = dbuf_reserve(cb, &cb->route, (size_t)w->groups * sizeof(int64_t));
+    if (!rc)
+        rc = cuda_ws_reserve(cb, moek_cuda_gemm_workspace_size(w->g, m));
+    if (!rc)
+        rc = moek_cuda_copy_async(cb->x.p, a, M * (size_t)w->k * es, 0, cb->stream);
+    if (!rc)
+        rc = moek_cuda_copy_async(cb->route.p, m_sizes, (size_t)w->groups * sizeof(int64_t), 0,
+                                  cb->stream);
+    if (!rc)
+        rc = moek_cuda_grouped_gemm(w->g, cb->ws, cb->x.p, cb->route.p, m, cb->out.p, cb->stream);
+    if (!rc)
+        rc = moek_cuda_copy_async(c, cb->out.p, M * (size_t)w->n * es, 1, cb->stream);
+    if (!rc)
+        rc = moek_cuda_stream_sync(cb->stream);
+    return cuda_check(cb, rc);
+}
+
+/* Staging memory is pinned, so the copies above are DMA. */
+static void *cuda_host_alloc(struct backend *b, size_t size)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)b;
+    void *p = NULL;
+    if (posix_memalign(&p, 4096, size ? size : 4096) != 0)
+        return NULL;
+    moek_cuda_set_device(cb->device);
+    if (moek_cuda_host_register(p, size ? size : 4096) != 0) {
+        free(p);
+        return NULL;
+    }
+    return p;
+}
+
+static void cuda_host_free(struct backend *b, void *p, size_t size)
+{
+    if (!p)
+        return;
+    moek_cuda_host_unregister(p);
+    free(p);
+}
+
+static int cuda_devices(struct backend *b, struct backend_device *out, int max)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)b;
+    if (max < 1)
+        return 0;
+    int sms = 0;
+    size_t mem = 0;
+    memset(out, 0, sizeof(*out));
+    snprintf(out->name, sizeof(out->name), "%s", cb->name);
+    moek_cuda_device_info(cb->device, NULL, &sms, &mem);
+    out->memory_bytes = mem;
+    out->compute_units = (uint32_t)sms;
+    return 1;
+}
+
+static bool cuda_healthy(struct backend *b)
+{
+    return !((struct cuda_backend *)b)->broken;
+}
+
+static void cuda_destroy(struct backend *b)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)b;
+    moek_cuda_set_device(cb->device);
+    moek_cuda_stream_sync(cb->stream);
+    moek_cuda_free(cb->x.p);
+    moek_cuda_free(cb->route.p);
+    moek_cuda_free(cb->weights.p);
+    moek_cuda_free(cb->out.p);
+    moek_cuda_workspace_free(cb->ws);
+    moek_cuda_stream_free(cb->stream);
+    free(cb);
+}
+
+static const struct backend_ops cuda_ops = {
+    .moe_new = cuda_moe_new,
+    .gemm_new = cuda_gemm_new,
+    .weights_free = cuda_weights_free,
+    .moe_run = cuda_moe_run,
+    .gemm_run = cuda_gemm_run,
+    .host_alloc = cuda_host_alloc,
+    .host_free = cuda_host_free,
+    .devices = cuda_devices,
+    .healthy = cuda_healthy,
+    .destroy = cuda_destroy,
+};
+
+int backend_cuda_new(int device, struct backend **out)
+{
+    *out = NULL;
+    if (device < 0 || device >= moek_cuda_device_count())
+        return -ENODEV;
+    struct cuda_backend *cb = calloc(1, sizeof(*cb));
+    if (!cb)
+        return -ENOMEM;
+    cb->device = device;
+    int rc = moek_cuda_set_device(device);
+    if (!rc)
+        rc = moek_cuda_stream_new(&cb->stream);
+    if (rc) {
+        free(cb);
+        return rc == -EIO ? -ENODEV : rc;
+    }
+    char nm[80] = "";
+    moek_cuda_device_name(device, nm, sizeof(nm));
+    snprintf(cb->name, sizeof(cb->name), "%s (device %d)", nm, device);
+    cb->base.ops = &cuda_ops;
+    cb->base.name = "cuda";
+    *out = &cb->base;
+    return 0;
+}
+
+#endif

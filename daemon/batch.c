@@ -439,6 +439,12 @@ static void batch_done(struct job *job)
     free(bj->items);
     free(bj);
     s->batch_running = false;
+    if (s->backend->ops->healthy && !s->backend->ops->healthy(s->backend)) {
+        /* Nothing more can run on this device; main exits non-zero. */
+        s->fatal = true;
+        loop_stop(s->loop);
+        return;
+    }
     batch_kick(s);
 }
 

@@ -331,6 +331,13 @@ int main(int argc, char **argv)
     rc = loop_run(d.loop);
     if (rc < 0)
         log_err("event loop failed: %s", strerror(-rc));
+    bool fatal = d.server->fatal;
+    if (fatal) {
+        log_err("the %s backend failed and cannot continue; exiting so the service restarts",
+                d.backend->name);
+        /* Pending replies cannot be computed; clients see their sessions close. */
+        _exit(3);
+    }
     log_info("stopped");
     loop_unwatch(d.loop, &d.tick);
     loop_unwatch(d.loop, &d.sig_watch);

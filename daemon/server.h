@@ -148,6 +148,7 @@ struct server {
 
     struct stats stats;
     bool draining;
+    bool fatal;             /* the backend failed for good: exit non-zero */
     /* Staging memory for batches, grown on demand; compute thread only
      * while a batch runs. */
     void *staging;
