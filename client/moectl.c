@@ -4,7 +4,7 @@
  *   moectl [-r DIR] ping [--count N]
  *   moectl [-r DIR] info
  *   moectl [-r DIR] layers
- *   moectl [-r DIR] load NAME --file F [--prefix P] [--kind moe|gemm] [--topk K]
+ *   moectl [-r DIR] load NAME (--file F [--prefix P] | --random [--seed S]) [--kind moe|gemm] [--topk K]
  *                             [--experts E] [--hidden H] [--intermediate I]
  *                             [--dtype bf16|fp16|fp32] [--routing softmax|sigmoid|given]
  *                             [--no-renormalize]
@@ -14,6 +14,8 @@
  *   moectl [-r DIR] gemm --layer L --rows M [--check] [--seed S]
  *   moectl [-r DIR] stats [--json]
  *   moectl [-r DIR] bench [--layer L] [--clients N] [--tokens T] [--seconds S] [--json]
+ *                         [--no-batch]
+ *   moectl zmq-rtt [--count N]
  *
  * Exit status: 0 success, 1 a failed operation or a check past tolerance,
  * 2 bad usage.
@@ -36,17 +38,19 @@ static void usage(FILE *f)
             "  ping [--count N]             round trips to the daemon, p50/p99 latency\n"
             "  info                         daemon version, backend, devices, capabilities\n"
             "  layers                       the loaded layers\n"
-            "  load NAME --file F [--prefix P] [--kind moe|gemm] [--topk K] [--experts E]\n"
+            "  load NAME (--file F [--prefix P] | --random) [--kind moe|gemm] [--topk K] [--experts E]\n"
             "       [--hidden H] [--intermediate I] [--dtype D] [--routing R] [--no-renormalize]\n"
-            "                               load a layer from a safetensors file\n"
+            "                               load a layer from a safetensors file, or upload\n"
+            "                               random weights of the given shape\n"
             "  unload NAME                  unload a layer\n"
-            "  forward --layer L (--tokens T | --input F) [--output F] [--check] [--seed S]\n"
+            "  forward --layer L (--tokens T | --input F) [--output F] [--check] [--seed S] [--repeat N]\n"
             "                               one MoE forward pass on random or given inputs\n"
             "  gemm --layer L --rows M [--check] [--seed S]\n"
             "                               one grouped GEMM on random rows\n"
             "  stats [--json]               the daemon's counters\n"
-            "  bench [--layer L] [--clients N] [--tokens T] [--seconds S] [--json]\n"
-            "                               N client processes sending requests back to back\n\n"
+            "  bench [--layer L] [--clients N] [--tokens T] [--seconds S] [--json] [--no-batch]\n"
+            "                               N client processes sending requests back to back\n"
+            "  zmq-rtt [--count N]          bare ZeroMQ round trips between two processes, no daemon\n\n"
             "The runtime directory defaults to $MOED_RUNTIME_DIR, /run/moed as root,\n"
             "else $XDG_RUNTIME_DIR/moed.\n");
 }
@@ -85,6 +89,7 @@ int main(int argc, char **argv)
         {"ping", cmd_ping},       {"info", cmd_info},     {"layers", cmd_layers},
         {"load", cmd_load},       {"unload", cmd_unload}, {"forward", cmd_forward},
         {"gemm", cmd_gemm},       {"stats", cmd_stats},   {"bench", cmd_bench},
+        {"zmq-rtt", cmd_zmq_rtt},
     };
     for (size_t c = 0; c < sizeof(cmds) / sizeof(cmds[0]); c++)
         if (!strcmp(argv[i], cmds[c].name)) {

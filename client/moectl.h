@@ -19,6 +19,7 @@ int cmd_forward(const char *rt, int argc, char **argv);
 int cmd_gemm(const char *rt, int argc, char **argv);
 int cmd_stats(const char *rt, int argc, char **argv);
 int cmd_bench(const char *rt, int argc, char **argv);
+int cmd_zmq_rtt(const char *rt, int argc, char **argv);
 
 /* Connect or print why not; NULL on failure. */
 moe_client *moectl_connect(const char *rt, const char *who);
@@ -29,6 +30,10 @@ int moectl_layer(moe_client *c, const char *name, moe_layer_info *out);
 /* Parse a non-negative integer option or exit 2. */
 unsigned long long moectl_num(const char *opt, const char *v);
 const char *moectl_dtype_name(moe_dtype dt);
+/* For `load --random`: a region holding weights drawn from N(0, 1/fan_in)
+ * (uniform with that variance) for the layer d describes, and d's tensors
+ * pointed at it. Caller frees *r. 0 or the error (printed). */
+int moectl_random_weights(moe_client *c, moe_layer_desc *d, uint64_t seed, moe_region **r);
 uint64_t moectl_now_us(void);
 
 #endif

@@ -7,7 +7,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <time.h>
+#include <unistd.h>
+#include <zmq.h>
 
 #include "client/moectl.h"
 
@@ -126,6 +130,78 @@ int cmd_ping(const char *rt, int argc, char **argv)
     return 0;
 }
 
+/* The floor under `ping`: a bare ZeroMQ DEALER/ROUTER round trip of 64
+ * bytes between two processes of this machine over ipc, no daemon. */
+int cmd_zmq_rtt(const char *rt, int argc, char **argv)
+{
+    static const struct option o[] = {{"count", required_argument, NULL, 'n'}, {0}};
+    unsigned long long count = 10000;
+    int c;
+    while ((c = getopt_long(argc, argv, "n:", o, NULL)) != -1) {
+        if (c == 'n')
+            count = moectl_num("--count", optarg);
+        else
+            return 2;
+    }
+    if (count == 0)
+        count = 1;
+    char dir[] = "/tmp/moectl-rtt.XXXXXX", ep[64];
+    if (!mkdtemp(dir)) {
+        perror("moectl: mkdtemp");
+        return 1;
+    }
+    snprintf(ep, sizeof(ep), "ipc://%s/rtt.zmq", dir);
+    pid_t pid = fork();
+    if (pid == 0) {
+        void *ctx = zmq_ctx_new(), *s = zmq_socket(ctx, ZMQ_ROUTER);
+        if (zmq_bind(s, ep) < 0)
+            _exit(1);
+        for (unsigned long long i = 0; i <= count; i++) {
+            char id[256], msg[256];
+            int n = zmq_recv(s, id, sizeof(id), 0), m = zmq_recv(s, msg, sizeof(msg), 0);
+            if (n < 0 || m < 0 || zmq_send(s, id, (size_t)n, ZMQ_SNDMORE) < 0 ||
+                zmq_send(s, msg, (size_t)m, 0) < 0)
+                _exit(1);
+        }
+        zmq_close(s);
+        zmq_ctx_term(ctx);
+        _exit(0);
+    }
+    void *ctx = zmq_ctx_new(), *s = zmq_socket(ctx, ZMQ_DEALER);
+    int linger = 0;
+    zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof(linger));
+    zmq_connect(s, ep);
+    uint64_t *lat = malloc(count * sizeof(*lat));
+    char msg[64] = {0}, back[256];
+    int rc = 0;
+    for (unsigned long long i = 0; i <= count && !rc; i++) {
+        uint64_t t0 = moectl_now_us();
+        if (zmq_send(s, msg, sizeof(msg), 0) < 0 || zmq_recv(s, back, sizeof(back), 0) < 0)
+            rc = 1;
+        if (i > 0) /* the first waits for the connection */
+            lat[i - 1] = moectl_now_us() - t0;
+    }
+    zmq_close(s);
+    zmq_ctx_term(ctx);
+    waitpid(pid, NULL, 0);
+    char path[96];
+    snprintf(path, sizeof(path), "%s/rtt.zmq", dir);
+    unlink(path);
+    rmdir(dir);
+    if (rc) {
+        fprintf(stderr, "moectl: zmq-rtt: the echo process failed\n");
+        free(lat);
+        return 1;
+    }
+    qsort(lat, count, sizeof(*lat), cmp_u64);
+    printf("zmq-rtt: %llu bare ZeroMQ DEALER/ROUTER ipc round trips of 64 bytes: p50 %llu us, "
+           "p99 %llu us\n", count, (unsigned long long)lat[count / 2],
+           (unsigned long long)lat[(count * 99) / 100 < count ? (count * 99) / 100 : count - 1]);
+    free(lat);
+    (void)rt;
+    return 0;
+}
+
 int cmd_info(const char *rt, int argc, char **argv)
 {
     moe_client *cl = moectl_connect(rt, "moectl info");
@@ -180,7 +256,7 @@ int cmd_layers(const char *rt, int argc, char **argv)
 int cmd_load(const char *rt, int argc, char **argv)
 {
     enum { O_FILE = 1, O_PREFIX, O_KIND, O_TOPK, O_E, O_H, O_I, O_DT, O_ROUTE, O_NORENORM,
-           O_G, O_N, O_K };
+           O_G, O_N, O_K, O_RANDOM, O_SEED };
     static const struct option o[] = {
         {"file", required_argument, NULL, O_FILE}, {"prefix", required_argument, NULL, O_PREFIX},
         {"kind", required_argument, NULL, O_KIND}, {"topk", required_argument, NULL, O_TOPK},
@@ -189,10 +265,12 @@ int cmd_load(const char *rt, int argc, char **argv)
         {"routing", required_argument, NULL, O_ROUTE},
         {"no-renormalize", no_argument, NULL, O_NORENORM},
         {"groups", required_argument, NULL, O_G}, {"n", required_argument, NULL, O_N},
-        {"k", required_argument, NULL, O_K}, {0},
+        {"k", required_argument, NULL, O_K}, {"random", no_argument, NULL, O_RANDOM},
+        {"seed", required_argument, NULL, O_SEED}, {0},
     };
     moe_layer_desc d = {.renormalize = 1, .topk = 0};
-    int c;
+    int c, random = 0;
+    uint64_t seed = 1;
     while ((c = getopt_long(argc, argv, "", o, NULL)) != -1) {
         switch (c) {
         case O_FILE: d.path = optarg; break;
@@ -222,11 +300,13 @@ int cmd_load(const char *rt, int argc, char **argv)
             else { fprintf(stderr, "moectl: --routing is softmax, sigmoid or given\n"); return 2; }
             break;
         case O_NORENORM: d.renormalize = 0; break;
+        case O_RANDOM: random = 1; break;
+        case O_SEED: seed = moectl_num("--seed", optarg); break;
         default: return 2;
         }
     }
-    if (optind + 1 != argc || !d.path) {
-        fprintf(stderr, "usage: moectl load NAME --file FILE [options]\n");
+    if (optind + 1 != argc || (!d.path) == !random) {
+        fprintf(stderr, "usage: moectl load NAME (--file FILE | --random) [options]\n");
         return 2;
     }
     d.name = argv[optind];
@@ -235,8 +315,13 @@ int cmd_load(const char *rt, int argc, char **argv)
     moe_client *cl = moectl_connect(rt, "moectl load");
     if (!cl)
         return 1;
+    moe_region *r = NULL;
+    int rc = random ? moectl_random_weights(cl, &d, seed, &r) : 0;
     moe_layer_info info;
-    int rc = moe_layer_load(cl, &d, &info);
+    if (!rc)
+        rc = moe_layer_load(cl, &d, &info);
+    if (r)
+        moe_region_free(cl, &r);
     moe_disconnect(&cl);
     if (rc)
         return moectl_fail("load", rc);
@@ -330,11 +415,11 @@ int cmd_stats(const char *rt, int argc, char **argv)
         cJSON_AddItemToObject(j, "batch_tokens_hist", hist_json(s.n_batch_tokens, bt));
         cJSON *ls = cJSON_AddArrayToObject(j, "layers");
         for (int i = 0; i < nl && i < 256; i++) {
-            cJSON *o = cJSON_CreateObject();
-            cJSON_AddStringToObject(o, "name", layers[i].name);
-            cJSON_AddNumberToObject(o, "requests", (double)layers[i].requests);
-            cJSON_AddNumberToObject(o, "tokens", (double)layers[i].tokens);
-            cJSON_AddItemToArray(ls, o);
+            cJSON *lo = cJSON_CreateObject();
+            cJSON_AddStringToObject(lo, "name", layers[i].name);
+            cJSON_AddNumberToObject(lo, "requests", (double)layers[i].requests);
+            cJSON_AddNumberToObject(lo, "tokens", (double)layers[i].tokens);
+            cJSON_AddItemToArray(ls, lo);
         }
         char *txt = cJSON_Print(j);
         printf("%s\n", txt);

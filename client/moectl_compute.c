@@ -33,6 +33,12 @@ static float rng_unit(uint64_t *s)
     return (float)((double)(rng_next(s) >> 11) * (2.0 / 9007199254740992.0) - 1.0);
 }
 
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
 static moek_dtype kdt(moe_dtype dt)
 {
     return dt == MOE_DTYPE_BF16 ? MOEK_DTYPE_BF16 : dt == MOE_DTYPE_FP16 ? MOEK_DTYPE_FP16
@@ -132,6 +138,53 @@ static int read_into(const struct st_file *f, const char *name, int st_dt, uint6
 static int st_of(moe_dtype dt)
 {
     return dt == MOE_DTYPE_BF16 ? ST_BF16 : dt == MOE_DTYPE_FP16 ? ST_F16 : ST_F32;
+}
+
+/* Fill n elements with uniform values of variance 1/fan_in, converting in
+ * chunks so a multi-gigabyte layer needs no second copy. */
+static void fill_random(moe_dtype dt, void *dst, size_t n, double fan_in, uint64_t *seed)
+{
+    float buf[4096];
+    float a = (float)(1.7320508075688772 / sqrt(fan_in));
+    size_t es = moe_dtype_size(dt);
+    for (size_t i = 0; i < n; i += 4096) {
+        size_t m = n - i < 4096 ? n - i : 4096;
+        for (size_t j = 0; j < m; j++)
+            buf[j] = rng_unit(seed) * a;
+        moek_from_f32(kdt(dt), buf, (uint8_t *)dst + i * es, m);
+    }
+}
+
+int moectl_random_weights(moe_client *c, moe_layer_desc *d, uint64_t seed, moe_region **r)
+{
+    if (!d->dtype)
+        d->dtype = MOE_DTYPE_BF16;
+    size_t es = moe_dtype_size(d->dtype);
+    bool moe = d->kind == MOE_LAYER_MOE;
+    uint64_t E = d->experts, H = d->hidden, I = d->intermediate;
+    if (moe ? (!E || !H || !I) : (!d->groups || !d->n || !d->k)) {
+        fprintf(stderr, "moectl: --random needs %s\n",
+                moe ? "--experts, --hidden and --intermediate" : "--groups, --n and --k");
+        return -EINVAL;
+    }
+    size_t per = moe ? (size_t)(E * H * I) : (size_t)d->groups * d->n * d->k;
+    size_t bytes = per * es;
+    int rc = moe_region_create(c, moe ? 3 * bytes : bytes, "moectl-weights", r);
+    if (rc)
+        return moectl_fail("create a region for the weights", rc), rc;
+    uint8_t *base = moe_region_data(*r);
+    if (moe) {
+        fill_random(d->dtype, base, per, (double)H, &seed);
+        fill_random(d->dtype, base + bytes, per, (double)H, &seed);
+        fill_random(d->dtype, base + 2 * bytes, per, (double)I, &seed);
+        d->w1 = moe_tensor_3d(*r, 0, d->dtype, E, I, H);
+        d->w3 = moe_tensor_3d(*r, bytes, d->dtype, E, I, H);
+        d->w2 = moe_tensor_3d(*r, 2 * bytes, d->dtype, E, H, I);
+    } else {
+        fill_random(d->dtype, base, per, (double)d->k, &seed);
+        d->w1 = moe_tensor_3d(*r, 0, d->dtype, d->groups, d->n, d->k);
+    }
+    return 0;
 }
 
 int cmd_forward(const char *rt, int argc, char **argv)
@@ -248,23 +301,40 @@ int cmd_forward(const char *rt, int argc, char **argv)
         a.logits = moe_tensor_2d(r, r_off, MOE_DTYPE_FP32, T, E);
     }
     moe_timings tm = {0};
-    uint64_t best = UINT64_MAX, total = 0;
+    uint64_t *lat = calloc(repeat, sizeof(*lat)), *comp = calloc(repeat, sizeof(*comp));
+    if (!lat || !comp) {
+        free(lat);
+        free(comp);
+        goto out;
+    }
     for (uint64_t it = 0; it < repeat; it++) {
         memset(base + o_off, 0xff, T * H * es); /* NaN: an unwritten row cannot pass */
         uint64_t t0 = moectl_now_us();
         if ((rc = moe_forward(cl, &a, &tm)) < 0) {
             moectl_fail("forward", rc);
+            free(lat);
+            free(comp);
             goto out;
         }
-        uint64_t dt = moectl_now_us() - t0;
-        total += dt;
-        best = dt < best ? dt : best;
+        lat[it] = moectl_now_us() - t0;
+        comp[it] = tm.compute_us;
     }
-    printf("forward: layer %s, %zu tokens: round trip %llu us (best of %llu; mean %llu us), "
-           "daemon compute %llu us, queue %llu us, batch of %u requests\n",
-           layer, T, (unsigned long long)best, (unsigned long long)repeat,
-           (unsigned long long)(total / repeat), (unsigned long long)tm.compute_us,
-           (unsigned long long)tm.queue_us, tm.batch_requests);
+    qsort(lat, repeat, sizeof(*lat), cmp_u64);
+    qsort(comp, repeat, sizeof(*comp), cmp_u64);
+    size_t p99 = (size_t)((repeat * 99) / 100 < repeat ? (repeat * 99) / 100 : repeat - 1);
+    if (repeat > 1)
+        printf("forward: layer %s, %zu tokens, %llu runs: round trip p50 %llu us p99 %llu us "
+               "min %llu us; daemon compute p50 %llu us\n",
+               layer, T, (unsigned long long)repeat, (unsigned long long)lat[repeat / 2],
+               (unsigned long long)lat[p99], (unsigned long long)lat[0],
+               (unsigned long long)comp[repeat / 2]);
+    else
+        printf("forward: layer %s, %zu tokens: round trip %llu us, daemon compute %llu us, "
+               "queue %llu us, batch of %u requests\n",
+               layer, T, (unsigned long long)lat[0], (unsigned long long)tm.compute_us,
+               (unsigned long long)tm.queue_us, tm.batch_requests);
+    free(lat);
+    free(comp);
     status = 0;
     if (output) {
         struct st_out so = {.name = "out", .dtype = (enum st_dtype)st_of(li.dtype), .ndim = 2,
