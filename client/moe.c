@@ -43,6 +43,13 @@ struct pending {
     struct pending *next;
 };
 
+/*
+ * A client survives a daemon restart: when the session socket reports the
+ * daemon gone, the call in flight fails with -ECONNRESET and the next call
+ * opens a new session, re-registers every region (the client still holds
+ * their memfds; their ids change, the moe_region handles stay valid) and
+ * replaces the request socket. Requests of the old connection are lost.
+ */
 struct moe_client {
     pthread_mutex_t mu;
     int sfd;
@@ -55,10 +62,15 @@ struct moe_client {
     int timeout_ms;
     struct moe_region *regions;
     struct pending *pending;
+    unsigned generation;  /* connections made so far */
+    bool broken;          /* the daemon went away; reconnect before the next call */
+    char dir[PATH_MAX];
+    char name[64];
 };
 
 struct moe_request {
     uint64_t id;
+    unsigned generation;
 };
 
 static _Thread_local char moe_err_buf[512];
@@ -116,16 +128,20 @@ static int session_call(moe_client *c, Moe__SessionRequest *req, int fd,
         cm->cmsg_len = CMSG_LEN(sizeof(int));
         memcpy(CMSG_DATA(cm), &fd, sizeof(int));
     }
-    if (sendmsg(c->sfd, &mh, MSG_NOSIGNAL) < 0)
-        return seterr(errno == EPIPE ? -ECONNRESET : -errno, "cannot reach the daemon: %s",
+    if (sendmsg(c->sfd, &mh, MSG_NOSIGNAL) < 0) {
+        c->broken = errno == EPIPE || errno == ECONNRESET || errno == ENOTCONN;
+        return seterr(c->broken ? -ECONNRESET : -errno, "cannot reach the daemon: %s",
                       strerror(errno));
+    }
     struct pollfd p = {c->sfd, POLLIN, 0};
     int pr = poll(&p, 1, c->timeout_ms);
     if (pr == 0)
         return seterr(-ETIMEDOUT, "the daemon did not answer within %d ms", c->timeout_ms);
     ssize_t r = recv(c->sfd, buf, sizeof(buf), 0);
-    if (r <= 0)
+    if (r <= 0) {
+        c->broken = true;
         return seterr(-ECONNRESET, "the daemon closed the session");
+    }
     Moe__SessionReply *rep = moe__session_reply__unpack(NULL, (size_t)r, buf);
     if (!rep)
         return seterr(-EPROTO, "malformed session reply");
@@ -159,49 +175,55 @@ void moe_set_timeout(moe_client *c, int timeout_ms)
     c->timeout_ms = timeout_ms;
 }
 
-int moe_connect(const char *runtime_dir, const char *client_name, moe_client **out)
+/* Close the sockets of the current connection (not the regions). */
+static void connection_close(moe_client *c)
 {
-    char dir[PATH_MAX];
-    *out = NULL;
-    moe_err_buf[0] = '\0';
-    if (runtime_dir)
-        snprintf(dir, sizeof(dir), "%s", runtime_dir);
-    else if (default_runtime_dir(dir, sizeof(dir)) < 0)
-        return seterr(-ENAMETOOLONG, "runtime directory path too long");
-    struct sockaddr_un sa = {.sun_family = AF_UNIX};
-    if (snprintf(sa.sun_path, sizeof(sa.sun_path), "%s/moed.sock", dir) >= (int)sizeof(sa.sun_path))
-        return seterr(-ENAMETOOLONG, "runtime directory path too long for a socket");
-    moe_client *c = calloc(1, sizeof(*c));
-    if (!c)
-        return seterr(-ENOMEM, "out of memory");
-    pthread_mutex_init(&c->mu, NULL);
-    c->timeout_ms = 60000;
-    c->sfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-    int rc;
-    if (c->sfd < 0) {
-        rc = seterr(-errno, "socket: %s", strerror(errno));
-        goto fail;
+    if (c->zsock)
+        zmq_close(c->zsock);
+    c->zsock = NULL;
+    if (c->sfd >= 0)
+        close(c->sfd);
+    c->sfd = -1;
+    while (c->pending) {
+        struct pending *p = c->pending;
+        c->pending = p->next;
+        moe__reply__free_unpacked(p->reply, NULL);
+        free(p);
     }
+}
+
+static int region_register(moe_client *c, struct moe_region *r, const char *name);
+
+/* Open the session socket, say OpenSession, connect the request socket and
+ * register the regions the client already holds. Caller holds mu (or owns c
+ * alone). */
+static int connection_open(moe_client *c)
+{
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    if (snprintf(sa.sun_path, sizeof(sa.sun_path), "%s/moed.sock", c->dir) >= (int)sizeof(sa.sun_path))
+        return seterr(-ENAMETOOLONG, "runtime directory path too long for a socket");
+    c->sfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (c->sfd < 0)
+        return seterr(-errno, "socket: %s", strerror(errno));
     if (connect(c->sfd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
         int e = errno;
-        rc = seterr(e == ENOENT || e == ECONNREFUSED ? -ECONNREFUSED : -e,
-                    "cannot connect to %s: %s%s", sa.sun_path, strerror(e),
-                    e == ENOENT || e == ECONNREFUSED ? " (is moed running?)" : "");
-        goto fail;
+        return seterr(e == ENOENT || e == ECONNREFUSED ? -ECONNREFUSED : -e,
+                      "cannot connect to %s: %s%s", sa.sun_path, strerror(e),
+                      e == ENOENT || e == ECONNREFUSED ? " (is moed running?)" : "");
     }
     Moe__SessionRequest req = MOE__SESSION_REQUEST__INIT;
     Moe__OpenSession open = MOE__OPEN_SESSION__INIT;
     open.protocol_version = MOE_PROTOCOL_VERSION;
-    open.client_name = (char *)(client_name ? client_name : "");
+    open.client_name = c->name;
     req.body_case = MOE__SESSION_REQUEST__BODY_OPEN;
     req.open = &open;
     Moe__SessionReply *rep = NULL;
-    if ((rc = session_call(c, &req, -1, &rep)) < 0)
-        goto fail;
+    int rc = session_call(c, &req, -1, &rep);
+    if (rc < 0)
+        return rc;
     if (rep->token.len != sizeof(c->token) || !rep->request_endpoint) {
         moe__session_reply__free_unpacked(rep, NULL);
-        rc = seterr(-EPROTO, "daemon sent no session token");
-        goto fail;
+        return seterr(-EPROTO, "daemon sent no session token");
     }
     memcpy(c->token, rep->token.data, rep->token.len);
     c->token_len = rep->token.len;
@@ -210,23 +232,83 @@ int moe_connect(const char *runtime_dir, const char *client_name, moe_client **o
     snprintf(endpoint, sizeof(endpoint), "%s", rep->request_endpoint);
     moe__session_reply__free_unpacked(rep, NULL);
 
-    c->zctx = zmq_ctx_new();
-    c->zsock = c->zctx ? zmq_socket(c->zctx, ZMQ_DEALER) : NULL;
-    if (!c->zsock) {
-        rc = seterr(-ENOMEM, "cannot create a ZeroMQ socket");
-        goto fail;
-    }
+    c->zsock = zmq_socket(c->zctx, ZMQ_DEALER);
+    if (!c->zsock)
+        return seterr(-ENOMEM, "cannot create a ZeroMQ socket");
     int linger = 0;
     zmq_setsockopt(c->zsock, ZMQ_LINGER, &linger, sizeof(linger));
-    if (zmq_connect(c->zsock, endpoint) < 0) {
-        rc = seterr(-zmq_errno(), "cannot connect to %s: %s", endpoint, zmq_strerror(zmq_errno()));
-        goto fail;
+    if (zmq_connect(c->zsock, endpoint) < 0)
+        return seterr(-zmq_errno(), "cannot connect to %s: %s", endpoint, zmq_strerror(zmq_errno()));
+    for (struct moe_region *r = c->regions; r; r = r->next)
+        if ((rc = region_register(c, r, "moe-region")) < 0)
+            return rc;
+    c->generation++;
+    c->broken = false;
+    return 0;
+}
+
+/* Make sure the connection is usable: reconnect after the daemon went
+ * away. Caller holds mu. */
+static int connection_ensure(moe_client *c)
+{
+    if (!c->broken && c->sfd >= 0) {
+        /* A closed session socket means the daemon stopped or restarted. */
+        struct pollfd p = {c->sfd, POLLIN, 0};
+        char b;
+        if (poll(&p, 1, 0) == 1 &&
+            ((p.revents & (POLLHUP | POLLERR)) || recv(c->sfd, &b, 1, MSG_PEEK | MSG_DONTWAIT) == 0))
+            c->broken = true;
+    }
+    if (!c->broken)
+        return 0;
+    connection_close(c);
+    int rc = connection_open(c);
+    if (rc < 0)
+        connection_close(c);
+    else
+        c->broken = false;
+    if (rc < 0)
+        c->broken = true;
+    return rc;
+}
+
+/* Reconnect if needed before a request names regions: their ids change
+ * when a new session re-registers them. */
+static int connection_ready(moe_client *c)
+{
+    pthread_mutex_lock(&c->mu);
+    int rc = connection_ensure(c);
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
+
+int moe_connect(const char *runtime_dir, const char *client_name, moe_client **out)
+{
+    *out = NULL;
+    moe_err_buf[0] = '\0';
+    moe_client *c = calloc(1, sizeof(*c));
+    if (!c)
+        return seterr(-ENOMEM, "out of memory");
+    pthread_mutex_init(&c->mu, NULL);
+    c->timeout_ms = 60000;
+    c->sfd = -1;
+    snprintf(c->name, sizeof(c->name), "%s", client_name ? client_name : "");
+    int rc = 0;
+    if (runtime_dir)
+        snprintf(c->dir, sizeof(c->dir), "%s", runtime_dir);
+    else if (default_runtime_dir(c->dir, sizeof(c->dir)) < 0)
+        rc = seterr(-ENAMETOOLONG, "runtime directory path too long");
+    c->zctx = rc ? NULL : zmq_ctx_new();
+    if (!rc && !c->zctx)
+        rc = seterr(-ENOMEM, "cannot create a ZeroMQ context");
+    if (!rc)
+        rc = connection_open(c);
+    if (rc) {
+        moe_disconnect(&c);
+        return rc;
     }
     *out = c;
     return 0;
-fail:
-    moe_disconnect(&c);
-    return rc;
 }
 
 static void region_unmap(struct moe_region *r)
@@ -242,22 +324,13 @@ void moe_disconnect(moe_client **cp)
     *cp = NULL;
     if (!c)
         return;
-    if (c->zsock)
-        zmq_close(c->zsock);
+    connection_close(c);
     if (c->zctx)
         zmq_ctx_term(c->zctx);
-    if (c->sfd >= 0)
-        close(c->sfd);
     while (c->regions) {
         struct moe_region *r = c->regions;
         c->regions = r->next;
         region_unmap(r);
-    }
-    while (c->pending) {
-        struct pending *p = c->pending;
-        c->pending = p->next;
-        moe__reply__free_unpacked(p->reply, NULL);
-        free(p);
     }
     pthread_mutex_destroy(&c->mu);
     free(c);
@@ -302,10 +375,22 @@ static Moe__Reply *pending_take(moe_client *c, uint64_t id)
  * for the first message. Caller holds mu. */
 static int receive_some(moe_client *c, int wait_ms)
 {
-    zmq_pollitem_t it = {c->zsock, 0, ZMQ_POLLIN, 0};
-    int pr = zmq_poll(&it, 1, wait_ms);
+    if (c->broken || !c->zsock)
+        return seterr(-ECONNRESET, "the daemon stopped or restarted; the request is lost");
+    /* The session socket wakes us too: it only becomes readable (EOF)
+     * when the daemon goes away, and then no reply will come. */
+    zmq_pollitem_t it[2] = {{c->zsock, 0, ZMQ_POLLIN, 0}, {NULL, c->sfd, ZMQ_POLLIN, 0}};
+    int pr = zmq_poll(it, 2, wait_ms);
     if (pr < 0)
         return zmq_errno() == EINTR ? 0 : seterr(-zmq_errno(), "%s", zmq_strerror(zmq_errno()));
+    if (it[1].revents) {
+        char b;
+        ssize_t n = recv(c->sfd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+            c->broken = true;
+            return seterr(-ECONNRESET, "the daemon stopped or restarted; the request is lost");
+        }
+    }
     for (;;) {
         zmq_msg_t msg;
         zmq_msg_init(&msg);
@@ -373,7 +458,9 @@ static int reply_status(const Moe__Reply *rep)
 static int call(moe_client *c, Moe__Request *req, Moe__Reply **out)
 {
     pthread_mutex_lock(&c->mu);
-    int rc = send_request(c, req);
+    int rc = connection_ensure(c);
+    if (!rc)
+        rc = send_request(c, req);
     pthread_mutex_unlock(&c->mu);
     if (rc)
         return rc;
@@ -424,6 +511,24 @@ int moe_hello(moe_client *c, moe_server_info *info)
 
 /* ---- regions ----------------------------------------------------------- */
 
+/* Pass the region's memfd to the daemon; sets r->id. Caller holds mu. */
+static int region_register(moe_client *c, struct moe_region *r, const char *name)
+{
+    Moe__SessionRequest req = MOE__SESSION_REQUEST__INIT;
+    Moe__RegisterRegion reg = MOE__REGISTER_REGION__INIT;
+    reg.size = r->size;
+    reg.name = (char *)(name ? name : "");
+    req.body_case = MOE__SESSION_REQUEST__BODY_REGISTER_REGION;
+    req.register_region = &reg;
+    Moe__SessionReply *rep = NULL;
+    int rc = session_call(c, &req, r->fd, &rep);
+    if (!rc) {
+        r->id = rep->region;
+        moe__session_reply__free_unpacked(rep, NULL);
+    }
+    return rc;
+}
+
 int moe_region_create(moe_client *c, size_t size, const char *name, moe_region **out)
 {
     *out = NULL;
@@ -454,18 +559,11 @@ int moe_region_create(moe_client *c, size_t size, const char *name, moe_region *
         return rc;
     }
     r->size = size;
-    Moe__SessionRequest req = MOE__SESSION_REQUEST__INIT;
-    Moe__RegisterRegion reg = MOE__REGISTER_REGION__INIT;
-    reg.size = size;
-    reg.name = (char *)(name ? name : "");
-    req.body_case = MOE__SESSION_REQUEST__BODY_REGISTER_REGION;
-    req.register_region = &reg;
-    Moe__SessionReply *rep = NULL;
     pthread_mutex_lock(&c->mu);
-    rc = session_call(c, &req, r->fd, &rep);
+    rc = connection_ensure(c);
+    if (!rc)
+        rc = region_register(c, r, name);
     if (!rc) {
-        r->id = rep->region;
-        moe__session_reply__free_unpacked(rep, NULL);
         r->next = c->regions;
         c->regions = r;
     }
@@ -491,8 +589,10 @@ int moe_region_free(moe_client *c, moe_region **rp)
     req.unregister_region = &un;
     Moe__SessionReply *rep = NULL;
     pthread_mutex_lock(&c->mu);
-    int rc = session_call(c, &req, -1, &rep);
-    if (!rc)
+    /* After a daemon restart the region was never registered with the new
+     * one; there is nothing to tell it. */
+    int rc = c->broken ? 0 : session_call(c, &req, -1, &rep);
+    if (!rc && rep)
         moe__session_reply__free_unpacked(rep, NULL);
     for (moe_region **pp = &c->regions; *pp; pp = &(*pp)->next)
         if (*pp == r) {
@@ -592,6 +692,9 @@ static void layer_info_from(const Moe__LayerInfo *li, moe_layer_info *o)
 
 int moe_layer_load(moe_client *c, const moe_layer_desc *d, moe_layer_info *info)
 {
+    int rc = connection_ready(c);
+    if (rc)
+        return rc;
     Moe__Request req = MOE__REQUEST__INIT;
     Moe__LoadLayer m = MOE__LOAD_LAYER__INIT;
     Moe__Tensor t1, t3, t2;
@@ -615,7 +718,7 @@ int moe_layer_load(moe_client *c, const moe_layer_desc *d, moe_layer_info *info)
     req.body_case = MOE__REQUEST__BODY_LOAD_LAYER;
     req.load_layer = &m;
     Moe__Reply *rep = NULL;
-    int rc = call(c, &req, &rep);
+    rc = call(c, &req, &rep);
     if (rc)
         return rc;
     if (info && rep->body_case == MOE__REPLY__BODY_LAYER)
@@ -676,7 +779,10 @@ static int submit(moe_client *c, Moe__Request *req, moe_request **out)
     if (!r)
         return seterr(-ENOMEM, "out of memory");
     pthread_mutex_lock(&c->mu);
-    int rc = send_request(c, req);
+    int rc = connection_ensure(c);
+    if (!rc)
+        rc = send_request(c, req);
+    r->generation = c->generation;
     pthread_mutex_unlock(&c->mu);
     if (rc) {
         free(r);
@@ -689,6 +795,10 @@ static int submit(moe_client *c, Moe__Request *req, moe_request **out)
 
 int moe_forward_submit(moe_client *c, const moe_forward_args *a, moe_request **out)
 {
+    *out = NULL;
+    int rc = connection_ready(c);
+    if (rc)
+        return rc;
     Moe__Request req = MOE__REQUEST__INIT;
     Moe__FusedMoe m = MOE__FUSED_MOE__INIT;
     Moe__Tensor tx, tl, ti, tw, to;
@@ -707,6 +817,10 @@ int moe_forward_submit(moe_client *c, const moe_forward_args *a, moe_request **o
 
 int moe_gemm_submit(moe_client *c, const moe_gemm_args *a, moe_request **out)
 {
+    *out = NULL;
+    int rc = connection_ready(c);
+    if (rc)
+        return rc;
     Moe__Request req = MOE__REQUEST__INIT;
     Moe__GroupedGemm m = MOE__GROUPED_GEMM__INIT;
     Moe__Tensor ta, tc;
@@ -728,7 +842,14 @@ int moe_wait(moe_client *c, moe_request **rp, int timeout_ms, moe_timings *timin
     if (!r)
         return seterr(-EINVAL, "no request");
     Moe__Reply *rep = NULL;
-    int rc = wait_reply(c, r->id, timeout_ms < 0 ? c->timeout_ms : timeout_ms, &rep);
+    int rc;
+    pthread_mutex_lock(&c->mu);
+    bool lost = r->generation != c->generation;
+    pthread_mutex_unlock(&c->mu);
+    if (lost)
+        rc = seterr(-ECONNRESET, "the daemon restarted since the request was sent; it is lost");
+    else
+        rc = wait_reply(c, r->id, timeout_ms < 0 ? c->timeout_ms : timeout_ms, &rep);
     if (rc == -ETIMEDOUT)
         return rc; /* still the caller's: wait again or give up */
     free(r);
@@ -744,7 +865,12 @@ int moe_wait(moe_client *c, moe_request **rp, int timeout_ms, moe_timings *timin
 int moe_poll(moe_client *c, moe_request *r)
 {
     pthread_mutex_lock(&c->mu);
-    int rc = receive_some(c, 0);
+    /* A request of an earlier connection is settled: moe_wait says lost. */
+    int rc = r->generation != c->generation ? 1 : receive_some(c, 0);
+    if (rc == 1) {
+        pthread_mutex_unlock(&c->mu);
+        return 1;
+    }
     bool found = false;
     for (struct pending *p = c->pending; p && !found; p = p->next)
         found = p->id == r->id;

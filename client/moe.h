@@ -36,6 +36,13 @@
  * Threads: a moe_client may be used from several threads at once; calls on
  * it are serialised where they touch its sockets. moe_request handles belong
  * to the client that made them.
+ *
+ * Daemon restarts: when moed stops or restarts, the call in flight fails
+ * with -ECONNRESET (requests already submitted are lost and moe_wait says
+ * so) and calls fail with -ECONNREFUSED while it is down. The next call
+ * after it is back opens a new session and re-registers the client's
+ * regions: moe_region handles stay valid (their ids change). Layers that the
+ * client uploaded died with the old daemon and must be loaded again.
  */
 #ifndef MOE_H
 #define MOE_H

@@ -64,6 +64,8 @@ struct region *session_region(struct session *se, uint64_t region_id)
     return NULL;
 }
 
+/* One datagram per reply. A reply must not pack to zero bytes: on a
+ * seqpacket socket an empty datagram is indistinguishable from EOF. */
 static void session_send(struct server *s, struct session *se, Moe__SessionReply *rep)
 {
     uint8_t buf[SESSION_MSG_MAX];
@@ -175,6 +177,7 @@ static void session_unregister(struct server *s, struct session *se, uint64_t id
         se->region_bytes -= r->size;
         region_unref(&r); /* batches in flight keep their own references */
         Moe__SessionReply rep = MOE__SESSION_REPLY__INIT;
+        rep.region = id; /* never an empty datagram: that reads as EOF */
         session_send(s, se, &rep);
         return;
     }

@@ -54,15 +54,15 @@ static inline void itest_sleep_ms(int ms)
     nanosleep(&ts, NULL);
 }
 
-/* Start moed with extra arguments (NULL-terminated list); waits until a
- * client can connect. Fails the test on error. */
-static inline void itest_daemon_start(struct itest_daemon *d, ...)
+static inline void itest_daemon_spawn(struct itest_daemon *d, bool reuse_dir, va_list ap)
 {
     const char *argv[64];
     int argc = 0;
     char bin[256];
-    snprintf(d->dir, sizeof(d->dir), "/tmp/moed-itest.XXXXXX");
-    CHECK(mkdtemp(d->dir) != NULL);
+    if (!reuse_dir) {
+        snprintf(d->dir, sizeof(d->dir), "/tmp/moed-itest.XXXXXX");
+        CHECK(mkdtemp(d->dir) != NULL);
+    }
     snprintf(d->log, sizeof(d->log), "%s/moed.log", d->dir);
     snprintf(bin, sizeof(bin), "%s/moed", itest_build());
     argv[argc++] = bin;
@@ -72,12 +72,9 @@ static inline void itest_daemon_start(struct itest_daemon *d, ...)
     argv[argc++] = "cpu";
     argv[argc++] = "--log-level";
     argv[argc++] = "debug";
-    va_list ap;
-    va_start(ap, d);
     const char *a;
     while ((a = va_arg(ap, const char *)) != NULL && argc < 62)
         argv[argc++] = a;
-    va_end(ap);
     argv[argc] = NULL;
     fflush(stdout);
     fflush(stderr);
@@ -112,6 +109,25 @@ static inline void itest_daemon_start(struct itest_daemon *d, ...)
     FAIL_AT("moed did not start within 6 s");
 }
 
+/* Start moed with extra arguments (NULL-terminated list) in a new runtime
+ * directory; waits until a client can connect. Fails the test on error. */
+static inline void itest_daemon_start(struct itest_daemon *d, ...)
+{
+    va_list ap;
+    va_start(ap, d);
+    itest_daemon_spawn(d, false, ap);
+    va_end(ap);
+}
+
+/* Start moed again in the runtime directory of a daemon that stopped. */
+static inline void itest_daemon_restart(struct itest_daemon *d, ...)
+{
+    va_list ap;
+    va_start(ap, d);
+    itest_daemon_spawn(d, true, ap);
+    va_end(ap);
+}
+
 /* True while the daemon process runs. */
 static inline bool itest_daemon_alive(struct itest_daemon *d)
 {
@@ -126,8 +142,9 @@ static inline void itest_rmdir(const char *dir)
     if (system(cmd) < 0) {}
 }
 
-/* SIGTERM, then expect exit status 0 within 10 s. */
-static inline void itest_daemon_stop(struct itest_daemon *d)
+/* SIGTERM, then expect exit status 0 within 10 s; the runtime directory
+ * stays. */
+static inline void itest_daemon_stop_keep(struct itest_daemon *d)
 {
     CHECK_MSG(itest_daemon_alive(d), "moed died during the test; log in %s", d->log);
     kill(d->pid, SIGTERM);
@@ -143,7 +160,21 @@ static inline void itest_daemon_stop(struct itest_daemon *d)
         }
     }
     CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "moed exit status %d", st);
+}
+
+/* SIGTERM, expect exit status 0, remove the runtime directory. */
+static inline void itest_daemon_stop(struct itest_daemon *d)
+{
+    itest_daemon_stop_keep(d);
     itest_rmdir(d->dir);
+}
+
+/* SIGKILL: the daemon dies as a crash would kill it; the runtime
+ * directory stays (with its stale socket files). */
+static inline void itest_daemon_kill(struct itest_daemon *d)
+{
+    kill(d->pid, SIGKILL);
+    waitpid(d->pid, NULL, 0);
 }
 
 static inline moe_client *itest_connect(struct itest_daemon *d, const char *name)

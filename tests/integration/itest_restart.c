@@ -1,0 +1,70 @@
+/*
+ * itest_restart.c: a client survives a daemon restart. The call in flight
+ * when the daemon dies fails promptly with -ECONNRESET; the next call opens
+ * a new session and re-registers the client's regions behind the same
+ * handles, with no code of the client's own.
+ */
+#include "tests/integration/itest.h"
+
+TEST(client_reconnects_after_a_daemon_restart)
+{
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    moe_client *c = itest_connect(&d, "survivor");
+    struct itest_layer L = {.name = "r", .dt = MOE_DTYPE_BF16, .sh = {8, 2, 256, 512},
+                            .routing = MOE_ROUTING_SOFTMAX, .renorm = true};
+    itest_layer_upload(c, &L, &seed);
+    struct itest_fwd f;
+    itest_fwd_make(c, &L, 2048, &seed, &f); /* long enough to be in flight */
+    uint64_t id0 = moe_region_id(f.r);
+    CHECK(moe_forward(c, &f.args, NULL) == 0);
+    CHECK(itest_fwd_error(&L, &f) <= itest_tolerance(L.dt));
+
+    /* Killed mid-request: the wait ends at once, not at its timeout. */
+    moe_request *rq;
+    CHECK(moe_forward_submit(c, &f.args, &rq) == 0);
+    itest_sleep_ms(10);
+    itest_daemon_kill(&d);
+    uint64_t t0 = now_ms();
+    int rc = moe_wait(c, &rq, 30000, NULL);
+    CHECK_MSG(rc == -ECONNRESET, "wait after the kill: %d %s", rc, moe_errmsg());
+    CHECK(now_ms() - t0 < 5000);
+    CHECK_STR_CONTAINS(moe_errmsg(), "restarted");
+    /* While it is down, calls fail clearly. */
+    CHECK_EQ_INT(moe_hello(c, NULL), -ECONNREFUSED);
+
+    itest_daemon_restart(&d, NULL);
+    /* The uploaded layer died with the daemon; load it again through the
+     * same region handles, which reconnect underneath. */
+    CHECK_EQ_INT(moe_forward(c, &f.args, NULL), -ENOENT);
+    CHECK(moe_region_id(f.r) != id0); /* re-registered */
+    itest_layer_free(&L);
+    itest_layer_upload(c, &L, &seed);
+    memset((uint8_t *)moe_region_data(f.r) + f.o_off, 0xff, f.T * 256 * 2);
+    CHECK_MSG(moe_forward(c, &f.args, NULL) == 0, "%s", moe_errmsg());
+    CHECK(itest_fwd_error(&L, &f) <= itest_tolerance(L.dt));
+
+    /* A clean restart (SIGTERM) works the same way. */
+    itest_daemon_stop_keep(&d);
+    itest_daemon_restart(&d, NULL);
+    moe_server_info info;
+    CHECK_MSG(moe_hello(c, &info) == 0, "%s", moe_errmsg());
+    CHECK_STR_EQ(info.backend, "cpu");
+    moe_stats s;
+    CHECK(moe_stats_get(c, &s) == 0);
+    CHECK_EQ_INT(s.regions, 1); /* f's region came back with us */
+    CHECK(moe_region_free(c, &f.r) == 0);
+    CHECK(moe_stats_get(c, &s) == 0);
+    CHECK_EQ_INT(s.regions, 0);
+    moe_disconnect(&c);
+    itest_layer_free(&L);
+    itest_daemon_stop(&d);
+}
+
+int main(int argc, char **argv)
+{
+    return test_main(argc, argv, (struct test_case[]){
+        TEST_CASE(client_reconnects_after_a_daemon_restart),
+        {0}});
+}
