@@ -35,6 +35,26 @@ struct itest_daemon {
     char log[300];
 };
 
+/* The backend under test: $MOE_TEST_BACKEND (cpu, the default, or cuda on
+ * a GPU machine). */
+static inline const char *itest_backend(void)
+{
+    const char *b = getenv("MOE_TEST_BACKEND");
+    return b && b[0] ? b : "cpu";
+}
+
+static inline bool itest_on_gpu(void)
+{
+    return strcmp(itest_backend(), "cpu") != 0;
+}
+
+/* The CUDA kernels compute bf16 and fp16 only: an fp32 case becomes fp16
+ * there (same checks, the dtype's own tolerance). */
+static inline moe_dtype itest_dt(moe_dtype dt)
+{
+    return itest_on_gpu() && dt == MOE_DTYPE_FP32 ? MOE_DTYPE_FP16 : dt;
+}
+
 static inline const char *itest_build(void)
 {
     const char *b = getenv("BUILD");
@@ -69,7 +89,7 @@ static inline void itest_daemon_spawn(struct itest_daemon *d, bool reuse_dir, va
     argv[argc++] = "--runtime-dir";
     argv[argc++] = d->dir;
     argv[argc++] = "--backend";
-    argv[argc++] = "cpu";
+    argv[argc++] = itest_backend();
     argv[argc++] = "--log-level";
     argv[argc++] = "debug";
     const char *a;
@@ -220,6 +240,7 @@ struct itest_layer {
 
 static inline void itest_layer_upload(moe_client *c, struct itest_layer *L, uint64_t *seed)
 {
+    L->dt = itest_dt(L->dt);
     size_t es = moe_dtype_size(L->dt);
     size_t E = (size_t)L->sh.experts, H = (size_t)L->sh.hidden, I = (size_t)L->sh.intermediate;
     size_t n = E * H * I, bytes = n * es;

@@ -99,7 +99,7 @@ TEST(grouped_gemm_matches_reference)
     moe_client *c = itest_connect(&d, "itest");
     moe_dtype dts[] = {MOE_DTYPE_BF16, MOE_DTYPE_FP16, MOE_DTYPE_FP32};
     for (size_t di = 0; di < ARRAY_LEN(dts); di++) {
-        moe_dtype dt = dts[di];
+        moe_dtype dt = itest_dt(dts[di]);
         size_t G = 6, N = 40, K = 24, es = moe_dtype_size(dt);
         moe_region *wr;
         CHECK(moe_region_create(c, G * N * K * es, "B", &wr) == 0);

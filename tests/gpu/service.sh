@@ -1,0 +1,60 @@
+#!/bin/sh
+# tests/gpu/service.sh: moed as a service on a GPU machine, with the
+# binaries that tests/gpu/carry.sh gathered. Checks the daemon's CUDA path
+# against the reference (demo layers, --check), runs the integration tests
+# against the CUDA backend, then measures on a mixtral-8x7b-shaped layer
+# with random weights:
+#   - the bare ZeroMQ round trip (moectl zmq-rtt), the daemon's ping, and a
+#     T=1 FusedMoe round trip through the daemon (p50/p99);
+#   - moectl bench with 1, 4, 16 and 32 clients, batching on and off.
+# Logs and JSON go to $OUT (or /tmp/moed-gpu-out).
+set -u
+OUT=${OUT:-/tmp/moed-gpu-out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/../.."
+export LD_LIBRARY_PATH="$PWD/.carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+B=.carry/bin
+SECONDS_PER=${SECONDS_PER:-4}
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+$B/moed --version || { echo "moed does not run here"; ldd $B/moed; exit 1; }
+
+start_daemon() { # runtime dir, extra args
+    rt=$1; shift
+    rm -rf "$rt"
+    $B/moed --runtime-dir "$rt" --backend cuda "$@" >"$OUT/moed-$(basename "$rt").log" 2>&1 &
+    for _ in $(seq 300); do
+        $B/moectl -r "$rt" info >/dev/null 2>&1 && return 0
+        sleep 0.1
+    done
+    echo "moed did not start"; cat "$OUT/moed-$(basename "$rt").log"; return 1
+}
+
+echo "### correctness through the daemon (demo layers, CUDA backend)"
+start_daemon /tmp/moed-demo --demo || exit 1
+M="$B/moectl -r /tmp/moed-demo"
+$M info
+for t in 1 3 16 100 700; do $M forward --layer demo --tokens $t --check; done
+for m in 1 50 333; do $M gemm --layer demo-gemm --rows $m --check; done
+kill %1; wait
+
+echo "### integration tests against the CUDA backend"
+for t in itest_service itest_batch itest_badinput; do
+    MOE_TEST_BACKEND=cuda BUILD=.carry/bin .carry/tests/$t 2>&1 | grep -E "^(PASS|FAIL|SKIP)|check failed|  [a-z].*:[0-9]+:" | tee -a "$OUT/itests.txt"
+done
+
+echo "### service latency and batching, mixtral-8x7b shape, random bf16 weights"
+start_daemon /tmp/moed-svc || exit 1
+M="$B/moectl -r /tmp/moed-svc"
+$M load mixtral --random --experts 8 --topk 2 --hidden 4096 --intermediate 14336 || exit 1
+$M zmq-rtt --count 20000 | tee "$OUT/zmq-rtt.txt"
+$M ping --count 20000 | tee "$OUT/ping.txt"
+$M forward --layer mixtral --tokens 1 --repeat 3000 | tee "$OUT/forward-t1.txt"
+for c in 1 4 16 32; do
+    for mode in "" "--no-batch"; do
+        $M bench --layer mixtral --clients $c --tokens 1 --seconds "$SECONDS_PER" $mode --json \
+            | tee -a "$OUT/bench.jsonl"
+    done
+done
+$M stats | tee "$OUT/stats.txt"
+kill %1; wait
+echo "### done"
