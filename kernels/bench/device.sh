@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# device.sh: build, check and benchmark the CUDA kernels in one call on the
+# GPU machine (the `run` tool of this workplace; any machine with nvcc works).
+#
+#   bash kernels/bench/device.sh                 everything
+#   STEPS="build quick bench" bash kernels/bench/device.sh
+#
+# Steps: build (nvcc here, the bench Makefile: no daemon libraries needed),
+# quick (the test cases that exercise every kernel variant, short timeout:
+# a hang ends the run early), bench (bench_moe --sweep --csv), variants (the
+# T=1 cases again without early weight loads, and without PDL), peers
+# (peers.py), test (the whole CUDA unit test), report (report.py). Logs and
+# the tables go to $OUT (8 files at most, or /tmp/moek-out); the report
+# table prints last.
+set -u -o pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/moek-out}
+mkdir -p "$OUT"
+STEPS=${STEPS:-"build quick bench variants peers test report"}
+B=$PWD/build-dev
+# The tests run a debug build whose pipeline waits trap after 4 s instead of
+# hanging (MOEK_WATCHDOG); the benchmark runs the daemon's exact code.
+T=$B-dbg/bench/test_cuda_kernels
+has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
+echo "# $(git rev-parse --short HEAD 2>/dev/null || echo 'uncommitted') $(date -u +%FT%TZ)"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw \
+  --format=csv 2>&1
+
+if has build; then
+  t0=$(date +%s)
+  make -C kernels/bench BUILD="$B" -j8 all >"$OUT/build.log" 2>&1 &
+  make -C kernels/bench BUILD="$B-dbg" -j8 test EXTRA_NVCCFLAGS=-DMOEK_WATCHDOG \
+    >"$OUT/build-dbg.log" 2>&1 || { tail -n 40 "$OUT/build-dbg.log"; echo "BUILD FAILED"; exit 1; }
+  wait $! || { tail -n 40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
+  cat "$OUT/build-dbg.log" >>"$OUT/build.log"; rm -f "$OUT/build-dbg.log"
+  echo "# build: $(( $(date +%s) - t0 )) s"
+fi
+if has quick; then
+  for c in cuda_device refuses_unsupported moe_every_tile grouped_gemm; do
+    timeout 60 "$T" "$c" >>"$OUT/test-quick.log" 2>&1
+    rc=$?
+    grep -E "^(PASS|FAIL|SKIP)" "$OUT/test-quick.log" | tail -n 1
+    if [ $rc -eq 124 ]; then echo "QUICK TEST $c TIMED OUT"; tail -n 30 "$OUT/test-quick.log"; exit 1; fi
+  done
+  grep -E "FAIL|failed|rel err|error" "$OUT/test-quick.log" | head -n 60
+fi
+if has bench; then
+  timeout 200 "$B/bench/bench_moe" --csv "$OUT/ours.csv" ${SWEEP---sweep} >"$OUT/bench.log" 2>&1
+  echo "# bench rc=$?"
+  grep -E "^#|^\|" "$OUT/bench.log" | grep -v "^|---" | head -n 60
+  tail -n 5 "$OUT/bench.log" | grep -v "^|" || true
+fi
+if has variants; then
+  for v in MOEK_CUDA_NO_EARLY MOEK_CUDA_NO_PDL; do
+    for m in qwen3-30b-a3b mixtral-8x7b; do
+      env $v=1 timeout 60 "$B/bench/bench_moe" --only $m --tokens 1 2>&1 | grep "^| $m" | sed "s/^/$v /"
+    done
+  done | tee -a "$OUT/bench.log"
+fi
+if has peers; then
+  PYTHONUNBUFFERED=1 timeout 200 python3 kernels/bench/peers.py --out "$OUT/peers.txt" \
+    >"$OUT/peers.log" 2>&1
+  echo "# peers rc=$?"
+  tail -n 25 "$OUT/peers.log"
+fi
+if has test; then
+  timeout 200 "$T" >"$OUT/test.log" 2>&1
+  echo "# test rc=$?"
+  grep -E "^(PASS|FAIL|SKIP)" "$OUT/test.log"
+  grep -E "check failed|FAIL|timed out" -A2 "$OUT/test.log" | head -n 20
+fi
+if has report && [ -f "$OUT/ours.csv" ]; then
+  python3 kernels/bench/report.py "$OUT/ours.csv" "$OUT/peers.txt" | tee "$OUT/report.md"
+fi

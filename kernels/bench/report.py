@@ -1,0 +1,47 @@
+#!/usr/bin/env python3
+"""report.py: the benchmark report table (markdown) from bench_moe --csv
+output and peers.py's file; no GPU needed.
+
+  python3 kernels/bench/report.py OURS.csv PEERS.txt
+"""
+import sys
+
+
+def merge(ours_path, peers_path):
+    """The report table: our rows (bench_moe --csv) next to the peers."""
+    peers = {}
+    try:
+        for line in open(peers_path):
+            if line.startswith("#") or not line.strip():
+                continue
+            m, t, tri, gro = line.split()[:4]
+            peers[(m, int(t))] = (float(tri), float(gro))
+    except OSError as e:
+        print(f"# no peer figures: {e}")
+    head = ""
+    rows = []
+    for line in open(ours_path):
+        if line.startswith("# read_gbs"):
+            head = line[2:].strip()
+        if line.startswith("#") or not line.strip():
+            continue
+        m, t, tile, us, floor_us, hit, err = line.split()[:7]
+        rows.append((m, int(t), int(tile), float(us), float(floor_us),
+                     float(hit), float(err)))
+    print(f"# {head}")
+    print("| case | T | tile | us | floor us | % of floor | Triton us "
+          "| grouped_mm us | best peer / ours | rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for m, t, tile, us, fl, hit, err in rows:
+        tri, gro = peers.get((m, t), (-1.0, -1.0))
+        cands = [p for p in (tri, gro) if p > 0]
+        ratio = f"{min(cands) / us:.2f}" if cands else "-"
+        fmt = lambda v: f"{v:.1f}" if v > 0 else "-"  # noqa: E731
+        print(f"| {m} | {t} | {tile} | {us:.1f} | {fl:.1f} | "
+              f"{100 * fl / us:.1f} | {fmt(tri)} | {fmt(gro)} | {ratio} "
+              f"| {err:.1e} |")
+
+
+
+if __name__ == "__main__":
+    merge(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "peers.txt")

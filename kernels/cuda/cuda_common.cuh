@@ -1,0 +1,374 @@
+/*
+ * cuda_common.cuh: what the .cu files of kernels/cuda share and nothing
+ * outside them sees: limits, the device-side tile list every GEMM walks, the
+ * GEMM argument block, dtype helpers and the error plumbing of the C ABI.
+ *
+ * The tile list. Routing (route.cu) counts the rows of each group (expert,
+ * or GEMM group), keeps only the non-empty ones ("compact groups", cg) and,
+ * for each GEMM that will run, the number of work items before each compact
+ * group. An item is (compact group, token tile of BN rows, weight tile of 128
+ * rows, K split). A persistent GEMM grid walks items i = blockIdx.x,
+ * blockIdx.x + gridDim.x, ...; decode_item() maps i to the tile. Items of one
+ * group are ordered chunk of weight tiles -> token tile -> weight tile ->
+ * split, so the CTAs running at one time share weight tiles (read from DRAM
+ * once, then from L2) and reuse each token tile over a chunk of weight tiles.
+ */
+#ifndef MOEK_CUDA_COMMON_CUH
+#define MOEK_CUDA_COMMON_CUH
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <utility>
+
+#include "moe_cuda.h"
+
+#define MOEK_MAX_EXPERTS 512 /* routing keeps E/32 logits per lane */
+#define MOEK_MAX_TOPK 32     /* one pick per lane */
+#define MOEK_MAX_GROUPS 2048 /* the align kernel holds 2 per thread */
+#define MOEK_ALIGN_THREADS 1024
+#define MOEK_WTILE 128 /* weight rows per GEMM tile (two warpgroups of 64) */
+#define MOEK_KTILE 64  /* K per pipeline stage: one 128-byte swizzle row */
+
+/* Epilogues. */
+enum { MOEK_EPI_SWIGLU = 0, MOEK_EPI_COMBINE = 1, MOEK_EPI_STORE = 2 };
+
+/* plan[] written by the align kernels, read by the GEMMs. */
+enum {
+    MOEK_PLAN_NCG = 0,    /* compact groups */
+    MOEK_PLAN_SPLIT0 = 1, /* K splits of GEMM 0 */
+    MOEK_PLAN_ITEMS0 = 2, /* items of GEMM 0 on main token tiles */
+    MOEK_PLAN_TAIL0 = 3,  /* items of GEMM 0 on tail token tiles */
+    MOEK_PLAN_SPLIT1 = 4,
+    MOEK_PLAN_ITEMS1 = 5,
+    MOEK_PLAN_TAIL1 = 6,
+    MOEK_PLAN_INTS = 8,
+};
+
+/*
+ * Token tiles of a group of cnt rows. Tiles of bn < 256 rows cover it all.
+ * With the 256-row tile (prefill, hundreds of rows per group), whole tiles
+ * come first and the rest goes to "tail" tiles of MOEK_TAIL_TILE rows, run by
+ * the same GEMM launch in a second loop with a narrower wgmma, so a group's
+ * last tile costs about what it holds; a rest above 3/4 of a tile takes one
+ * more whole tile instead. Tails run after every main tile, when the group's
+ * weights have left L2, so they pay off only where the tile is wide and the
+ * layer compute-bound: with 128 or 192-row tiles they were measured slower
+ * (RESULTS.md, run 3).
+ */
+#define MOEK_TAIL_TILE 64
+__host__ __device__ __forceinline__ int moek_main_tiles(int cnt, int bn)
+{
+    if (bn < 256)
+        return (cnt + bn - 1) / bn;
+    const int full = cnt / bn, rem = cnt - full * bn;
+    return full + (rem * 4 > bn * 3 ? 1 : 0);
+}
+__host__ __device__ __forceinline__ int moek_tail_tiles(int cnt, int bn)
+{
+    if (bn < 256)
+        return 0;
+    const int rem = cnt - moek_main_tiles(cnt, bn) * bn;
+    return rem > 0 ? (rem + MOEK_TAIL_TILE - 1) / MOEK_TAIL_TILE : 0;
+}
+
+/* Per-GEMM shape description the align kernel needs to count items. */
+struct moek_gemm_dims {
+    int n_tiles;   /* weight tiles per group: ceil(rows / 128) */
+    int kblocks;   /* ceil(K / 64) */
+    int can_split; /* epilogue accumulates in fp32 atomics */
+};
+
+/* Everything a GEMM launch reads. Device pointers point into the workspace,
+ * the weights or the caller's tensors. */
+struct moek_gemm_args {
+    /* tile list */
+    const int *plan;
+    const int *cg_group, *cg_start, *cg_count;
+    const int *cg_before;      /* items before each group, main tiles */
+    const int *cg_before_tail; /* the same for tail tiles */
+    int which;            /* 0 or 1: which plan split/items */
+    int bn;               /* token rows per tile */
+    int chunk;            /* weight tiles per raster chunk */
+    /* weights [groups * rows_pad, K], K-major */
+    const void *w;
+    int rows_pad;  /* rows per group in w (multiple of 16) */
+    int n_valid;   /* output features (I for SWIGLU, H, or N) */
+    int n_tiles;
+    int k, kblocks;
+    /* token operand: row r of the tile is row b_rows[pos] (or pos) of b */
+    const void *b;
+    int ldb;
+    const int *b_rows;
+    /* epilogue */
+    int epi;
+    void *out;
+    int ldo;
+    const int *pos_token;    /* COMBINE: slot -> token */
+    const float *pos_weight; /* COMBINE: slot -> routing weight */
+    /* The weights may be loaded before the previous kernel finishes: only
+     * the token rows depend on it (GEMM 2 of a MoE forward). */
+    int early_a;
+};
+
+struct moek_item {
+    int g;    /* group (expert) */
+    int pos;  /* first sorted row of the token tile */
+    int mlen; /* valid rows in the token tile, 1..bn */
+    int nt;   /* weight tile */
+    int kb0, kb1;
+};
+
+/* Map work item `idx` (< items of its kind) to its tile; see the comment at
+ * the top. */
+__device__ __forceinline__ moek_item moek_decode_item(const moek_gemm_args &a,
+                                                      int ncg, int split,
+                                                      int idx, bool tail)
+{
+    const int *before = tail ? a.cg_before_tail : a.cg_before;
+    int lo = 0, hi = ncg;
+    while (hi - lo > 1) {
+        int mid = (lo + hi) >> 1;
+        if (__ldg(before + mid) <= idx)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    int l = idx - __ldg(before + lo);
+    int cnt = __ldg(a.cg_count + lo);
+    const int bn = tail ? MOEK_TAIL_TILE : a.bn;
+    const int nmain = moek_main_tiles(cnt, a.bn);
+    const int np = tail ? moek_tail_tiles(cnt, a.bn) : nmain;
+    const int base = tail ? nmain * a.bn : 0;
+    int per_chunk = np * a.chunk * split;
+    int ch = l / per_chunk;
+    int r = l - ch * per_chunk;
+    int cw = min(a.chunk, a.n_tiles - ch * a.chunk);
+    int p = r / (cw * split);
+    int r2 = r - p * cw * split;
+    int s = r2 % split;
+    moek_item it;
+    it.nt = ch * a.chunk + r2 / split;
+    it.g = __ldg(a.cg_group + lo);
+    it.pos = __ldg(a.cg_start + lo) + base + p * bn;
+    it.mlen = min(bn, cnt - base - p * bn);
+    it.kb0 = (int)((long long)s * a.kblocks / split);
+    it.kb1 = (int)((long long)(s + 1) * a.kblocks / split);
+    return it;
+}
+
+/* dtype helpers */
+template <typename T> struct moek_dt;
+template <> struct moek_dt<__nv_bfloat16> {
+    static __device__ __forceinline__ float to_f(__nv_bfloat16 v)
+    {
+        return __bfloat162float(v);
+    }
+    static __device__ __forceinline__ __nv_bfloat16 from_f(float v)
+    {
+        return __float2bfloat16_rn(v);
+    }
+    static __device__ __forceinline__ uint32_t pack2(float a, float b)
+    {
+        __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+        return *reinterpret_cast<uint32_t *>(&h);
+    }
+};
+template <> struct moek_dt<__half> {
+    static __device__ __forceinline__ float to_f(__half v)
+    {
+        return __half2float(v);
+    }
+    static __device__ __forceinline__ __half from_f(float v)
+    {
+        return __float2half_rn(v);
+    }
+    static __device__ __forceinline__ uint32_t pack2(float a, float b)
+    {
+        __half2 h = __floats2half2_rn(a, b);
+        return *reinterpret_cast<uint32_t *>(&h);
+    }
+};
+
+__device__ __forceinline__ float moek_silu(float v)
+{
+    return v / (1.0f + __expf(-v));
+}
+
+/*
+ * The epilogue of one pair of accumulators: a thread of either GEMM kernel
+ * holds, for token column c of the tile, the values of weight rows R_lo and
+ * R_lo + 8 of its group (R_lo % 16 < 8). The weight layouts (layer.cu) make
+ * that pair either (gate, up) of one intermediate feature (SWIGLU) or two
+ * adjacent output features (COMBINE, STORE), so no data crosses threads.
+ */
+template <typename T>
+__device__ __forceinline__ void moek_epi_pair(const moek_gemm_args &a,
+                                              const moek_item &it, int R_lo,
+                                              int c, float lo, float hi)
+{
+    if (c >= it.mlen)
+        return;
+    const int pos = it.pos + c;
+    const int b = R_lo >> 4, r = R_lo & 7;
+    if (a.epi == MOEK_EPI_SWIGLU) {
+        const int f = b * 8 + r;
+        if (f >= a.n_valid)
+            return;
+        reinterpret_cast<T *>(a.out)[(size_t)pos * a.ldo + f] =
+            moek_dt<T>::from_f(moek_silu(lo) * hi);
+        return;
+    }
+    const int f = b * 16 + 2 * r;
+    if (f >= a.n_valid)
+        return;
+    if (a.epi == MOEK_EPI_COMBINE) {
+        const int tok = a.pos_token[pos];
+        const float w = a.pos_weight[pos];
+        float *dst = reinterpret_cast<float *>(a.out) + (size_t)tok * a.ldo + f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        atomicAdd(reinterpret_cast<float2 *>(dst), make_float2(w * lo, w * hi));
+#else
+        atomicAdd(dst, w * lo);
+        atomicAdd(dst + 1, w * hi);
+#endif
+    } else {
+        *reinterpret_cast<uint32_t *>(reinterpret_cast<T *>(a.out) +
+                                      (size_t)pos * a.ldo + f) =
+            moek_dt<T>::pack2(lo, hi);
+    }
+}
+
+/* Programmatic dependent launch: wait for the previous kernel in the stream
+ * (a no-op when the launch had no programmatic dependency), and let the next
+ * one start its prologue. */
+__device__ __forceinline__ void moek_pdl_wait(void)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void moek_pdl_trigger(void)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+/* ---- host side ---------------------------------------------------------- */
+
+/* Record a CUDA error for moek_cuda_last_error() and map it to an errno. */
+int moek_cuda_fail(cudaError_t e, const char *what);
+/* Set the error string to a message of our own and return err. */
+int moek_cuda_refuse(int err, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+#define MOEK_CU(call)                                                         \
+    do {                                                                      \
+        cudaError_t e_ = (call);                                              \
+        if (e_ != cudaSuccess)                                                \
+            return moek_cuda_fail(e_, #call);                                 \
+    } while (0)
+
+/* Launch with the programmatic-dependency attribute when pdl is set. */
+template <typename... KArgs, typename... Args>
+static inline cudaError_t moek_launch(void (*kernel)(KArgs...), dim3 grid,
+                                      dim3 block, size_t smem,
+                                      cudaStream_t stream, bool pdl,
+                                      Args &&...args)
+{
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
+/* The objects of the C ABI (weights.cu creates them, layer.cu runs them). */
+struct moek_cuda_moe_layer {
+    CUtensorMap tm13; /* w13 [E * 2I, H] */
+    CUtensorMap tm2;  /* w2p [E * H16, I] */
+    moek_moe_shape shape;
+    moek_dtype dt;
+    int device, sms, cc;
+    int h16;    /* H rounded up to 16: rows per expert of w2p */
+    void *w13;  /* gate/up interleaved by 8 rows: [E][2I][H] */
+    void *w2p;  /* down, rows paired: [E][H16][I] */
+    moek_cuda_tuning tune;
+    bool pdl;
+    bool early; /* GEMM 2 loads weights before GEMM 1 ends (early_a) */
+};
+struct moek_cuda_gemm_weights {
+    CUtensorMap tm; /* b [G * N16, K] */
+    moek_dtype dt;
+    int groups, n, k, n16;
+    int device, sms, cc;
+    void *b; /* rows paired: [G][N16][K] */
+    moek_cuda_tuning tune;
+    bool pdl;
+};
+struct moek_cuda_workspace {
+    int device;
+    size_t bytes;
+    void *base;
+};
+
+/* route.cu */
+struct moek_route_args {
+    const float *logits; /* [T, E] or NULL for given routing */
+    int scoring, renorm;
+    const int *ids_in;   /* given: [T, k] */
+    const float *w_in;
+    int tokens, experts, topk, hidden;
+    int *ids;     /* computed: [T, k] */
+    float *wts;
+    int *rank;    /* [T, k] rank of the slot inside its expert */
+    int *counts;  /* [E] (multi-block path; zeroed before) */
+    float *acc;   /* [T, H] fp32, zeroed here */
+};
+struct moek_align_args {
+    const int *counts;      /* per group, or NULL when m_sizes is used */
+    const int64_t *m_sizes; /* grouped GEMM */
+    int64_t total_m;
+    int groups;
+    int bn;
+    int sms;
+    moek_gemm_dims d[2];
+    int ngemm;
+    /* outputs */
+    int *plan;
+    int *cg_group, *cg_start, *cg_count;
+    int *cg_before; /* [2 GEMMs][main, tail][groups + 1] */
+    /* slot scatter (MoE only) */
+    const int *ids;
+    const float *wts;
+    const int *rank;
+    int slots, topk;
+    int *pos_token;
+    float *pos_weight;
+};
+cudaError_t moek_launch_route(const moek_route_args &ra,
+                              const moek_align_args &aa, int *counts_dev,
+                              cudaStream_t stream, bool pdl);
+cudaError_t moek_launch_align_groups(const moek_align_args &aa,
+                                     cudaStream_t stream, bool pdl);
+
+/* gemm_wgmma.cu / gemm_simt.cu */
+cudaError_t moek_gemm_wgmma_prepare(moek_dtype dt);
+cudaError_t moek_launch_gemm_wgmma(moek_dtype dt, const void *tmap,
+                                   const moek_gemm_args &a, int grid,
+                                   cudaStream_t stream, bool pdl);
+cudaError_t moek_launch_gemm_simt(moek_dtype dt, const moek_gemm_args &a,
+                                  int grid, cudaStream_t stream, bool pdl);
+bool moek_wgmma_tile_ok(int bn);
+
+#endif

@@ -1,0 +1,448 @@
+/*
+ * gemm_wgmma.cu: the Hopper (sm_90a) GEMM behind every MoE and grouped-GEMM
+ * call: persistent, warp-specialised, TMA + wgmma, "swap AB".
+ *
+ * Swap AB: the weights sit on wgmma's M side (a tile is 128 weight rows, two
+ * consumer warpgroups of 64) and the tokens on the narrow N side (BN = 16 ..
+ * 256 token rows), so a decode step with one token per expert still streams
+ * whole weight tiles at full width, and the same kernel grows into a
+ * 128 x 256 prefill tile.
+ *
+ * Per CTA (384 threads, one per SM):
+ *   warpgroup 0, producer: for each work item (cuda_common.cuh) and each
+ *     64-wide K block, waits for a free stage, TMA-loads the 128 x 64 weight
+ *     tile (128-byte swizzle) and gathers the BN token rows with cp.async
+ *     into the same swizzled layout (rows of x picked through the sorted
+ *     slot -> token map, so the activations are never copied to a sorted
+ *     buffer); both complete on the stage's "full" mbarrier (1 expect-tx
+ *     arrival + 128 cp.async no-increment arrivals).
+ *   warpgroups 1, 2, consumers: wait "full", issue 4 wgmma m64nBNk16, keep
+ *     one wgmma group in flight and release the previous stage on its
+ *     "empty" mbarrier; after the item's last K block, the epilogue
+ *     (moek_epi_pair) fuses SiLU(gate)*up, the routing weight with an fp32
+ *     vector atomic add, or a plain store. The producer runs ahead into the
+ *     next item meanwhile.
+ * Inside one instance:
+ *   - two phases: the main token tiles of BN rows, then (BN = 256) the
+ *     groups' remainders in tail tiles of 64 rows with an m64n64 wgmma
+ *     (cuda_common.cuh, moek_tail_tiles). Each phase is its own loop with
+ *     one wgmma shape: a wgmma chosen by a branch inside the K loop makes
+ *     ptxas serialise every wgmma (C7520), measured 30-40% slower;
+ *   - early_a (GEMM 2): the producer issues the first stages' weight tiles
+ *     before waiting for the previous kernel (programmatic dependent
+ *     launch), so GEMM 2 streams weights while GEMM 1 drains.
+ * Stages: as many as fit in 227 KB (12 for BN = 16, 4 for BN = 256), so
+ * 130-200 KB of weights are in flight per SM on the memory-bound path.
+ *
+ * Variants are template instances by token tile BN; moek_launch_gemm_wgmma
+ * picks one. The kernel body exists only in the sm_90a pass
+ * (__CUDA_ARCH_FEAT_SM90_ALL); the compute_90 PTX gets an empty body, and the
+ * host never picks this kernel on a device that is not sm_90.
+ */
+#include <cuda.h>
+
+#include "cuda_common.cuh"
+#include "wgmma_ops.cuh"
+
+namespace {
+
+constexpr int SMEM_MAX = 232448; /* 227 KB: the opt-in limit on sm_90 */
+constexpr int A_BYTES = MOEK_WTILE * MOEK_KTILE * 2;
+
+template <int BN> struct tile_cfg {
+    static constexpr int B_BYTES = BN * MOEK_KTILE * 2;
+    static constexpr int STAGE = A_BYTES + B_BYTES;
+    static constexpr int FIT = (SMEM_MAX - 2048) / STAGE;
+    static constexpr int STAGES = FIT > 12 ? 12 : FIT;
+    static constexpr int SMEM = STAGES * STAGE + 1024 + 2 * STAGES * 8;
+    static_assert(STAGE % 1024 == 0, "stages must keep 1024-byte alignment");
+    static_assert(SMEM <= SMEM_MAX, "shared memory");
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ uint32_t smem_u32(const void *p)
+{
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t *bar, int count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)),
+                 "r"(count));
+}
+
+/* MOEK_WATCHDOG (debug builds): a wait longer than 4 s traps, so a broken
+ * pipeline fails the launch instead of hanging the GPU. */
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity)
+{
+    uint32_t done = 0;
+    const uint32_t addr = smem_u32(bar);
+#ifdef MOEK_WATCHDOG
+    uint64_t t0 = 0;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    uint32_t spins = 0;
+#endif
+    while (!done) {
+        asm volatile("{\n\t.reg .pred p;\n\t"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                     "selp.u32 %0, 1, 0, p;\n\t}"
+                     : "=r"(done)
+                     : "r"(addr), "r"(parity)
+                     : "memory");
+#ifdef MOEK_WATCHDOG
+        if (!done && (++spins & 1023) == 0) {
+            uint64_t t;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+            if (t - t0 > 4000000000ull)
+                __trap();
+        }
+#endif
+    }
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t *bar)
+{
+    asm volatile("{\n\t.reg .b64 st;\n\t"
+                 "mbarrier.arrive.shared::cta.b64 st, [%0];\n\t}" ::"r"(
+                     smem_u32(bar))
+                 : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, uint32_t bytes)
+{
+    asm volatile("{\n\t.reg .b64 st;\n\t"
+                 "mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n\t}" ::
+                     "r"(smem_u32(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void tma_load_2d(void *dst, const CUtensorMap *map,
+                                            int c0, int c1, uint64_t *bar)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::"
+                 "complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+                     smem_u32(dst)),
+                 "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1),
+                 "r"(smem_u32(bar))
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_16(void *dst, const void *src,
+                                            uint32_t bytes)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
+                     smem_u32(dst)),
+                 "l"(src), "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t *bar)
+{
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(
+                     smem_u32(bar))
+                 : "memory");
+}
+
+/* K-major operand in shared memory, 128-byte swizzle: rows of 128 bytes,
+ * 8-row groups 1024 bytes apart (SBO), leading offset unused. */
+__device__ __forceinline__ uint64_t smem_desc(const void *p)
+{
+    uint64_t d = (uint64_t)((smem_u32(p) & 0x3ffff) >> 4);
+    d |= (uint64_t)1 << 16;            /* LBO (ignored for this layout) */
+    d |= (uint64_t)(1024 >> 4) << 32;  /* SBO */
+    d |= (uint64_t)1 << 62;            /* 128-byte swizzle */
+    return d;
+}
+
+__device__ __forceinline__ void wgmma_fence()
+{
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit()
+{
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void wgmma_wait()
+{
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+#endif
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* Pipeline position shared by the phases of one role. */
+struct pipe_pos {
+    int stage, used;
+    uint32_t phase;
+    __device__ __forceinline__ void advance(int stages)
+    {
+        used++;
+        if (++stage == stages) {
+            stage = 0;
+            phase ^= 1;
+        }
+    }
+};
+
+/* early_a: issue the weight tiles of the first stages (in the order the
+ * producer will use them) before waiting for the previous kernel. */
+template <int BN>
+__device__ __forceinline__ int preissue(const moek_gemm_args &a,
+                                        const CUtensorMap *tmap, uint8_t *smem,
+                                        uint64_t *full, int ncg, int split,
+                                        int idx, int items, bool tail, int pre)
+{
+    using C = tile_cfg<BN>;
+    for (; idx < items && pre < C::STAGES; idx += gridDim.x) {
+        const moek_item it = moek_decode_item(a, ncg, split, idx, tail);
+        const int wrow = it.g * a.rows_pad + it.nt * MOEK_WTILE;
+        for (int kb = it.kb0; kb < it.kb1 && pre < C::STAGES; kb++, pre++) {
+            if (threadIdx.x == 0) {
+                mbar_expect_tx(&full[pre], A_BYTES);
+                tma_load_2d(smem + pre * C::STAGE, tmap, kb * MOEK_KTILE, wrow,
+                            &full[pre]);
+            }
+        }
+    }
+    return pre;
+}
+
+/* Producer, one phase: items idx, idx + gridDim.x, ... < items of token
+ * tiles of N rows (N = BN, or the tail tile). Thread t copies 16-byte chunk
+ * (t & 7) of token rows (t >> 3) + 16 i. */
+template <typename T, int BN, int N>
+__device__ __forceinline__ void produce(const moek_gemm_args &a,
+                                        const CUtensorMap *tmap, uint8_t *smem,
+                                        uint64_t *full, uint64_t *empty,
+                                        int ncg, int split, int idx, int items,
+                                        bool tail, int pre, pipe_pos &pp)
+{
+    using C = tile_cfg<BN>;
+    const T *b = reinterpret_cast<const T *>(a.b);
+    const int tid = threadIdx.x, c8 = tid & 7, r0 = tid >> 3;
+    for (; idx < items; idx += gridDim.x) {
+        const moek_item it = moek_decode_item(a, ncg, split, idx, tail);
+        long long off[N / 16];
+#pragma unroll
+        for (int i = 0; i < N / 16; i++) {
+            const int r = r0 + 16 * i;
+            off[i] = -1;
+            if (r < it.mlen) {
+                const int p = it.pos + r;
+                const int row = a.b_rows ? a.b_rows[p] : p;
+                off[i] = (long long)row * a.ldb;
+            }
+        }
+        const int wrow = it.g * a.rows_pad + it.nt * MOEK_WTILE;
+        for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
+            uint8_t *sA = smem + pp.stage * C::STAGE;
+            uint8_t *sB = sA + A_BYTES;
+            if (pp.used >= pre) {
+                mbar_wait(&empty[pp.stage], pp.phase ^ 1);
+                if (tid == 0) {
+                    mbar_expect_tx(&full[pp.stage], A_BYTES);
+                    tma_load_2d(sA, tmap, kb * MOEK_KTILE, wrow,
+                                &full[pp.stage]);
+                }
+            }
+            const int kcol = kb * MOEK_KTILE + c8 * 8;
+            const bool kok = kcol < a.k;
+#pragma unroll
+            for (int i = 0; i < N / 16; i++) {
+                const int r = r0 + 16 * i;
+                const bool ok = kok && off[i] >= 0;
+                const T *src = ok ? b + off[i] + kcol : b;
+                cp_async_16(sB + r * 128 + ((c8 ^ (r & 7)) << 4), src,
+                            ok ? 16 : 0);
+            }
+            cp_async_arrive_noinc(&full[pp.stage]);
+        }
+    }
+}
+
+/* Consumer warpgroup cw, one phase: weight rows 64 cw .. 64 cw + 63 of each
+ * tile against its N token rows, then the epilogue. */
+template <typename T, int BN, int N>
+__device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
+                                        uint64_t *full, uint64_t *empty,
+                                        int ncg, int split, int idx, int items,
+                                        bool tail, pipe_pos &pp)
+{
+    using C = tile_cfg<BN>;
+    const int tid = threadIdx.x, cw = (tid >> 7) - 1;
+    const int warp = (tid >> 5) & 3, lane = tid & 31;
+    float d[N / 2];
+    for (; idx < items; idx += gridDim.x) {
+        const moek_item it = moek_decode_item(a, ncg, split, idx, tail);
+#pragma unroll
+        for (int i = 0; i < N / 2; i++)
+            d[i] = 0.f;
+        int prev = -1;
+        for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
+            mbar_wait(&full[pp.stage], pp.phase);
+            /* The token rows were written by cp.async (generic proxy);
+             * wgmma reads through the async proxy. */
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            uint8_t *sA = smem + pp.stage * C::STAGE + cw * (A_BYTES / 2);
+            uint8_t *sB = smem + pp.stage * C::STAGE + A_BYTES;
+            const uint64_t da = smem_desc(sA), db = smem_desc(sB);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < MOEK_KTILE / 16; kk++)
+                moek_wgmma<T, N>::mma(d, da + 2 * kk, db + 2 * kk);
+            wgmma_commit();
+            wgmma_wait<1>();
+            if (prev >= 0 && lane == 0)
+                mbar_arrive(&empty[prev]);
+            prev = pp.stage;
+        }
+        wgmma_wait<0>();
+        if (prev >= 0 && lane == 0)
+            mbar_arrive(&empty[prev]);
+        const int R_lo = it.nt * MOEK_WTILE + cw * 64 + warp * 16 + (lane >> 2);
+        const int c0 = 2 * (lane & 3);
+#pragma unroll
+        for (int j = 0; j < N / 8; j++) {
+            moek_epi_pair<T>(a, it, R_lo, j * 8 + c0, d[j * 4 + 0],
+                             d[j * 4 + 2]);
+            moek_epi_pair<T>(a, it, R_lo, j * 8 + c0 + 1, d[j * 4 + 1],
+                             d[j * 4 + 3]);
+        }
+    }
+}
+#endif
+
+template <typename T, int BN>
+__global__ void __launch_bounds__(384, 1)
+    gemm_wgmma_kernel(const __grid_constant__ CUtensorMap tmap,
+                      const moek_gemm_args a)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using C = tile_cfg<BN>;
+    constexpr int TN = BN >= 256 ? MOEK_TAIL_TILE : BN; /* tail tile */
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t *smem = reinterpret_cast<uint8_t *>(
+        (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~(uintptr_t)1023);
+    uint64_t *full = reinterpret_cast<uint64_t *>(smem + C::STAGES * C::STAGE);
+    uint64_t *empty = full + C::STAGES;
+    const int tid = threadIdx.x, wg = tid >> 7;
+
+    if (tid == 0) {
+        for (int s = 0; s < C::STAGES; s++) {
+            mbar_init(&full[s], 1 + 128);
+            mbar_init(&empty[s], 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("prefetch.tensormap [%0];" ::"l"(
+                         reinterpret_cast<uint64_t>(&tmap))
+                     : "memory");
+    }
+    __syncthreads();
+    /* The tile list comes from the align kernel. With early_a it finished
+     * before the previous kernel (which waited for it) let this one launch,
+     * so only the producer's token rows need the wait below. */
+    if (!a.early_a)
+        moek_pdl_wait();
+    moek_pdl_trigger();
+
+    const int ncg = a.plan[MOEK_PLAN_NCG];
+    const int split = a.plan[a.which ? MOEK_PLAN_SPLIT1 : MOEK_PLAN_SPLIT0];
+    const int items = a.plan[a.which ? MOEK_PLAN_ITEMS1 : MOEK_PLAN_ITEMS0];
+    const int tails =
+        BN >= 256 ? a.plan[a.which ? MOEK_PLAN_TAIL1 : MOEK_PLAN_TAIL0] : 0;
+    /* Item i of the CTA's sequence: main items blockIdx.x + j gridDim.x
+     * below `items`, then tail items continuing the same sequence. */
+    const int first = blockIdx.x;
+    const int tfirst = first + ((items - first + gridDim.x - 1) / gridDim.x) *
+                                   (int)gridDim.x - items;
+    const int tstart = items > first ? tfirst : first - items;
+
+    pipe_pos pp = {0, 0, 0};
+    if (wg == 0) {
+        int pre = 0;
+        if (a.early_a) {
+            pre = preissue<BN>(a, &tmap, smem, full, ncg, split, first, items,
+                               false, 0);
+            pre = preissue<BN>(a, &tmap, smem, full, ncg, split, tstart, tails,
+                               true, pre);
+            moek_pdl_wait();
+        }
+        produce<T, BN, BN>(a, &tmap, smem, full, empty, ncg, split, first,
+                           items, false, pre, pp);
+        produce<T, BN, TN>(a, &tmap, smem, full, empty, ncg, split, tstart,
+                           tails, true, pre, pp);
+    } else {
+        consume<T, BN, BN>(a, smem, full, empty, ncg, split, first, items,
+                           false, pp);
+        consume<T, BN, TN>(a, smem, full, empty, ncg, split, tstart, tails,
+                           true, pp);
+    }
+#endif
+}
+
+template <typename T, int BN>
+cudaError_t launch_bn(const void *tmap, const moek_gemm_args &a, int grid,
+                      cudaStream_t stream, bool pdl)
+{
+    return moek_launch(gemm_wgmma_kernel<T, BN>, dim3(grid), dim3(384),
+                       (size_t)tile_cfg<BN>::SMEM, stream, pdl,
+                       *reinterpret_cast<const CUtensorMap *>(tmap), a);
+}
+
+template <typename T>
+cudaError_t launch_t(const void *tmap, const moek_gemm_args &a, int grid,
+                     cudaStream_t stream, bool pdl)
+{
+    switch (a.bn) {
+    case 16: return launch_bn<T, 16>(tmap, a, grid, stream, pdl);
+    case 32: return launch_bn<T, 32>(tmap, a, grid, stream, pdl);
+    case 64: return launch_bn<T, 64>(tmap, a, grid, stream, pdl);
+    case 128: return launch_bn<T, 128>(tmap, a, grid, stream, pdl);
+    case 192: return launch_bn<T, 192>(tmap, a, grid, stream, pdl);
+    case 256: return launch_bn<T, 256>(tmap, a, grid, stream, pdl);
+    default: return cudaErrorInvalidValue;
+    }
+}
+
+template <typename T, int BN> cudaError_t prepare_bn()
+{
+    return cudaFuncSetAttribute(gemm_wgmma_kernel<T, BN>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                tile_cfg<BN>::SMEM);
+}
+
+template <typename T> cudaError_t prepare_t()
+{
+    cudaError_t e;
+    if ((e = prepare_bn<T, 16>()) != cudaSuccess ||
+        (e = prepare_bn<T, 32>()) != cudaSuccess ||
+        (e = prepare_bn<T, 64>()) != cudaSuccess ||
+        (e = prepare_bn<T, 128>()) != cudaSuccess ||
+        (e = prepare_bn<T, 192>()) != cudaSuccess ||
+        (e = prepare_bn<T, 256>()) != cudaSuccess)
+        return e;
+    return cudaSuccess;
+}
+
+} // namespace
+
+bool moek_wgmma_tile_ok(int bn)
+{
+    return bn == 16 || bn == 32 || bn == 64 || bn == 128 || bn == 192 ||
+           bn == 256;
+}
+
+cudaError_t moek_gemm_wgmma_prepare(moek_dtype dt)
+{
+    return dt == MOEK_DTYPE_BF16 ? prepare_t<__nv_bfloat16>()
+                                 : prepare_t<__half>();
+}
+
+cudaError_t moek_launch_gemm_wgmma(moek_dtype dt, const void *tmap,
+                                   const moek_gemm_args &a, int grid,
+                                   cudaStream_t stream, bool pdl)
+{
+    return dt == MOEK_DTYPE_BF16
+               ? launch_t<__nv_bfloat16>(tmap, a, grid, stream, pdl)
+               : launch_t<__half>(tmap, a, grid, stream, pdl);
+}

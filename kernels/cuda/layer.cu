@@ -1,0 +1,488 @@
+/*
+ * layer.cu: the drivers behind moek_cuda_fused_moe and moek_cuda_grouped_gemm
+ * (the kernel sequence of one call), the workspace, and the token-tile
+ * choice.
+ *
+ * A fused MoE forward of T tokens is, on one stream, with no host sync:
+ *   1. routing + alignment (route.cu): one kernel for T <= 64, else a memset
+ *      of the expert counts, a routing kernel and an align kernel;
+ *   2. GEMM 1 (x . w13^T, SiLU(gate)*up in the epilogue) -> inter [T*k, I];
+ *   3. GEMM 2 (inter . w2^T, times the routing weight, fp32 atomic adds into
+ *      acc [T, H], split over K when there are few tiles); its weight loads
+ *      start before GEMM 1 ends (early_a);
+ *   4. finalize: out = acc rounded to the dtype.
+ * Every kernel is launched with programmatic dependent launch (PDL) so its
+ * launch and prologue overlap the previous kernel's tail; MOEK_CUDA_NO_PDL=1
+ * in the environment turns that off, MOEK_CUDA_NO_EARLY=1 only GEMM 2's early
+ * weight loads. A grouped GEMM is an align kernel and
+ * one GEMM with the plain store epilogue.
+ */
+#include <errno.h>
+#include <math.h>
+#include <new>
+
+#include "cuda_common.cuh"
+
+namespace {
+
+/* Pick the token tile for `avg` expected rows per non-empty group. Decode
+ * (few rows per group): the tile of 16, 32 or 64 with the fewest
+ * column-equivalents, counting 32 columns of fixed cost per tile and sizing
+ * for avg + 1.5 sigma (counts are roughly Poisson). Around 100-190 rows: one
+ * 192-row tile per group. More: 256-row tiles, the remainders in 64-row tail
+ * tiles (moek_tail_tiles). The sweeps in RESULTS.md are the evidence. */
+int pick_tile(double avg)
+{
+    if (avg >= 192)
+        return 256;
+    if (avg >= 96)
+        return 192;
+    static const int tiles[] = {16, 32, 64};
+    const double want = avg + 1.5 * sqrt(avg > 0 ? avg : 0);
+    int best = 16;
+    double best_cost = 1e300;
+    for (int bn : tiles) {
+        const double cost = ceil(want / bn) * (bn + 32);
+        if (cost < best_cost) {
+            best_cost = cost;
+            best = bn;
+        }
+    }
+    return best;
+}
+
+int moe_tile(const moek_cuda_moe_layer *L, int T)
+{
+    if (L->tune.generic || L->cc != 90)
+        return 16;
+    if (L->tune.token_tile)
+        return L->tune.token_tile;
+    const double E = L->shape.experts, k = L->shape.topk;
+    double hit = E * (1.0 - pow(1.0 - k / E, (double)T));
+    if (hit < 1)
+        hit = 1;
+    return pick_tile((double)T * k / hit);
+}
+
+/* The workspace carved for one call. */
+struct moe_ws {
+    int *counts, *ids, *rank, *plan, *cg_group, *cg_start, *cg_count,
+        *cg_before, *pos_token;
+    float *wts, *pos_weight, *acc;
+    void *inter;
+};
+
+struct carver {
+    char *base;
+    size_t off;
+    template <typename P> P *take(size_t bytes)
+    {
+        off = (off + 255) & ~(size_t)255;
+        P *p = reinterpret_cast<P *>(base + off);
+        off += bytes;
+        return p;
+    }
+};
+
+size_t carve_moe(const moek_moe_shape &s, moek_dtype dt, int T, char *base,
+                 moe_ws *w)
+{
+    carver c = {base, 0};
+    const size_t slots = (size_t)T * s.topk;
+    moe_ws x;
+    x.counts = c.take<int>(sizeof(int) * s.experts);
+    x.ids = c.take<int>(sizeof(int) * slots);
+    x.wts = c.take<float>(sizeof(float) * slots);
+    x.rank = c.take<int>(sizeof(int) * slots);
+    x.plan = c.take<int>(sizeof(int) * MOEK_PLAN_INTS);
+    x.cg_group = c.take<int>(sizeof(int) * s.experts);
+    x.cg_start = c.take<int>(sizeof(int) * s.experts);
+    x.cg_count = c.take<int>(sizeof(int) * s.experts);
+    x.cg_before = c.take<int>(sizeof(int) * 4 * (s.experts + 1));
+    x.pos_token = c.take<int>(sizeof(int) * slots);
+    x.pos_weight = c.take<float>(sizeof(float) * slots);
+    x.acc = c.take<float>(sizeof(float) * (size_t)T * s.hidden);
+    x.inter = c.take<char>((size_t)2 * slots * s.intermediate);
+    if (w)
+        *w = x;
+    return c.off + 256;
+}
+
+struct gemm_ws {
+    int *plan, *cg_group, *cg_start, *cg_count, *cg_before;
+};
+
+size_t carve_gemm(int groups, char *base, gemm_ws *w)
+{
+    carver c = {base, 0};
+    gemm_ws x;
+    x.plan = c.take<int>(sizeof(int) * MOEK_PLAN_INTS);
+    x.cg_group = c.take<int>(sizeof(int) * groups);
+    x.cg_start = c.take<int>(sizeof(int) * groups);
+    x.cg_count = c.take<int>(sizeof(int) * groups);
+    x.cg_before = c.take<int>(sizeof(int) * 4 * (groups + 1));
+    if (w)
+        *w = x;
+    return c.off + 256;
+}
+
+/* Weight tiles per raster chunk: about 24 MB of weights, so a chunk's tiles
+ * stay in L2 while every token tile of the group passes over them. */
+int raster_chunk(int K, int n_tiles)
+{
+    long long bytes = (long long)MOEK_WTILE * K * 2;
+    int c = (int)((24LL << 20) / (bytes > 0 ? bytes : 1));
+    c = c < 1 ? 1 : c;
+    return c < n_tiles ? c : n_tiles;
+}
+
+template <typename T>
+__global__ void finalize_kernel(const float4 *acc, uint2 *out, size_t n4)
+{
+    moek_pdl_wait();
+    moek_pdl_trigger();
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n4;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const float4 v = acc[i];
+        out[i] = make_uint2(moek_dt<T>::pack2(v.x, v.y),
+                            moek_dt<T>::pack2(v.z, v.w));
+    }
+}
+
+cudaError_t run_gemm(moek_dtype dt, bool wgmma, const CUtensorMap *tm,
+                     const moek_gemm_args &a, int grid, cudaStream_t st,
+                     bool pdl)
+{
+    if (grid < 1)
+        grid = 1;
+    return wgmma ? moek_launch_gemm_wgmma(dt, tm, a, grid, st, pdl)
+                 : moek_launch_gemm_simt(dt, a, grid, st, pdl);
+}
+
+} // namespace
+
+int moek_cuda_workspace_new(int device, size_t bytes, moek_cuda_workspace **out)
+{
+    if (!out)
+        return -EINVAL;
+    *out = nullptr;
+    int r = moek_cuda_set_device(device);
+    if (r)
+        return r;
+    moek_cuda_workspace *w = new (std::nothrow) moek_cuda_workspace();
+    if (!w)
+        return -ENOMEM;
+    w->device = device;
+    w->bytes = bytes;
+    cudaError_t e = cudaMalloc(&w->base, bytes ? bytes : 256);
+    if (e != cudaSuccess) {
+        delete w;
+        return moek_cuda_fail(e, "cudaMalloc(workspace)");
+    }
+
+    *out = w;
+    return 0;
+}
+
+void moek_cuda_workspace_free(moek_cuda_workspace *ws)
+{
+    if (!ws)
+        return;
+    cudaFree(ws->base);
+    delete ws;
+}
+
+size_t moek_cuda_workspace_bytes(const moek_cuda_workspace *ws)
+{
+    return ws ? ws->bytes : 0;
+}
+
+size_t moek_cuda_moe_workspace_size(const moek_cuda_moe_layer *layer,
+                                    int max_tokens)
+{
+    if (!layer || max_tokens < 0)
+        return 0;
+    return carve_moe(layer->shape, layer->dt, max_tokens, nullptr, nullptr);
+}
+
+size_t moek_cuda_gemm_workspace_size(const moek_cuda_gemm_weights *w,
+                                     int64_t max_m)
+{
+    (void)max_m; /* the grouped GEMM keeps only per-group lists */
+    return w ? carve_gemm(w->groups, nullptr, nullptr) : 0;
+}
+
+int moek_cuda_moe_layer_tune(moek_cuda_moe_layer *layer,
+                             const moek_cuda_tuning *t)
+{
+    if (!layer || !t)
+        return -EINVAL;
+    if (t->token_tile && !moek_wgmma_tile_ok(t->token_tile))
+        return moek_cuda_refuse(-EINVAL, "token tile %d is not offered",
+                                t->token_tile);
+    layer->tune = *t;
+    return 0;
+}
+
+int moek_cuda_gemm_weights_tune(moek_cuda_gemm_weights *w,
+                                const moek_cuda_tuning *t)
+{
+    if (!w || !t)
+        return -EINVAL;
+    if (t->token_tile && !moek_wgmma_tile_ok(t->token_tile))
+        return moek_cuda_refuse(-EINVAL, "token tile %d is not offered",
+                                t->token_tile);
+    w->tune = *t;
+    return 0;
+}
+
+int moek_cuda_moe_layer_token_tile(const moek_cuda_moe_layer *layer, int tokens)
+{
+    return layer ? moe_tile(layer, tokens) : -EINVAL;
+}
+
+int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
+                        const void *x, const moek_cuda_routing *routing,
+                        int T, void *out, void *stream)
+{
+    if (!L || !ws || !routing || T < 0)
+        return moek_cuda_refuse(-EINVAL, "fused_moe: bad argument");
+    if (T == 0)
+        return 0;
+    if (!x || !out)
+        return moek_cuda_refuse(-EINVAL, "fused_moe: NULL x or out");
+    if (ws->device != L->device)
+        return moek_cuda_refuse(-EINVAL,
+                                "fused_moe: workspace on device %d, layer on %d",
+                                ws->device, L->device);
+    const bool logits = routing->kind == MOEK_CUDA_ROUTE_LOGITS;
+    if (logits ? (!routing->logits_dev ||
+                  (routing->scoring != MOEK_SCORING_SOFTMAX &&
+                   routing->scoring != MOEK_SCORING_SIGMOID))
+               : (routing->kind != MOEK_CUDA_ROUTE_GIVEN || !routing->ids_dev ||
+                  !routing->weights_dev))
+        return moek_cuda_refuse(-EINVAL, "fused_moe: bad routing");
+    if ((long long)T * L->shape.topk >= (1LL << 31) / 2)
+        return moek_cuda_refuse(-ENOTSUP, "fused_moe: %d tokens is too many",
+                                T);
+    const size_t need = carve_moe(L->shape, L->dt, T, nullptr, nullptr);
+    if (need > ws->bytes)
+        return moek_cuda_refuse(-ENOSPC,
+                                "fused_moe: %d tokens need %zu bytes of "
+                                "workspace, it has %zu",
+                                T, need, ws->bytes);
+    MOEK_CU(cudaSetDevice(L->device));
+    moe_ws w;
+    carve_moe(L->shape, L->dt, T, (char *)ws->base, &w);
+    const moek_moe_shape &s = L->shape;
+    const int E = s.experts, k = s.topk, H = s.hidden, I = s.intermediate;
+    const bool wgmma = L->cc == 90 && !L->tune.generic;
+    const int bn = moe_tile(L, T);
+    cudaStream_t st = (cudaStream_t)stream;
+    /* PDL needs a real stream; the legacy default stream gets plain launches. */
+    const bool pdl = L->pdl && st != nullptr;
+
+    moek_gemm_args g1 = {};
+    g1.bn = bn;
+    g1.w = L->w13;
+    g1.rows_pad = 2 * I;
+    g1.n_valid = I;
+    g1.n_tiles = (2 * I + MOEK_WTILE - 1) / MOEK_WTILE;
+    g1.k = H;
+    g1.kblocks = (H + MOEK_KTILE - 1) / MOEK_KTILE;
+    g1.chunk = raster_chunk(H, g1.n_tiles);
+    g1.b = x;
+    g1.ldb = H;
+    g1.b_rows = w.pos_token;
+    g1.epi = MOEK_EPI_SWIGLU;
+    g1.out = w.inter;
+    g1.ldo = I;
+    g1.which = 0;
+    moek_gemm_args g2 = g1;
+    g2.early_a = L->early;
+    g2.w = L->w2p;
+    g2.rows_pad = L->h16;
+    g2.n_valid = H;
+    g2.n_tiles = (L->h16 + MOEK_WTILE - 1) / MOEK_WTILE;
+    g2.k = I;
+    g2.kblocks = (I + MOEK_KTILE - 1) / MOEK_KTILE;
+    g2.chunk = raster_chunk(I, g2.n_tiles);
+    g2.b = w.inter;
+    g2.ldb = I;
+    g2.b_rows = nullptr;
+    g2.epi = MOEK_EPI_COMBINE;
+    g2.out = w.acc;
+    g2.ldo = H;
+    g2.pos_token = w.pos_token;
+    g2.pos_weight = w.pos_weight;
+    g2.which = 1;
+    for (moek_gemm_args *g : {&g1, &g2}) {
+        g->plan = w.plan;
+        g->cg_group = w.cg_group;
+        g->cg_start = w.cg_start;
+        g->cg_count = w.cg_count;
+    }
+    g1.cg_before = w.cg_before;
+    g1.cg_before_tail = w.cg_before + (E + 1);
+    g2.cg_before = w.cg_before + 2 * (E + 1);
+    g2.cg_before_tail = w.cg_before + 3 * (E + 1);
+
+    moek_route_args ra = {};
+    ra.logits = logits ? routing->logits_dev : nullptr;
+    ra.scoring = routing->scoring;
+    ra.renorm = routing->renormalize;
+    ra.ids_in = logits ? nullptr : routing->ids_dev;
+    ra.w_in = logits ? nullptr : routing->weights_dev;
+    ra.tokens = T;
+    ra.experts = E;
+    ra.topk = k;
+    ra.hidden = H;
+    ra.ids = w.ids;
+    ra.wts = w.wts;
+    ra.rank = w.rank;
+    ra.counts = w.counts;
+    ra.acc = w.acc;
+    moek_align_args aa = {};
+    aa.counts = w.counts;
+    aa.groups = E;
+    aa.bn = bn;
+    aa.sms = L->sms;
+    aa.d[0] = {g1.n_tiles, g1.kblocks, 0};
+    aa.d[1] = {g2.n_tiles, g2.kblocks, 1};
+    aa.ngemm = 2;
+    aa.plan = w.plan;
+    aa.cg_group = w.cg_group;
+    aa.cg_start = w.cg_start;
+    aa.cg_count = w.cg_count;
+    aa.cg_before = w.cg_before;
+    aa.ids = logits ? w.ids : routing->ids_dev;
+    aa.wts = logits ? w.wts : routing->weights_dev;
+    aa.rank = w.rank;
+    aa.slots = T * k;
+    aa.topk = k;
+    aa.pos_token = w.pos_token;
+    aa.pos_weight = w.pos_weight;
+    MOEK_CU(moek_launch_route(ra, aa, w.counts, st, pdl));
+
+    /* Grid bounds: GEMM 1 has at most (hit experts + T k / 64) token tiles
+     * times its weight tiles; GEMM 2 may split, so it takes every SM. */
+    const long long pairs_max = (long long)(T * k < E ? T * k : E) +
+                                (long long)T * k / (bn < 64 ? bn : 64);
+    const long long items1 = pairs_max * g1.n_tiles;
+    const int grid1 = (int)(items1 < L->sms ? items1 : L->sms);
+    MOEK_CU(run_gemm(L->dt, wgmma, &L->tm13, g1, grid1, st, pdl));
+    MOEK_CU(run_gemm(L->dt, wgmma, &L->tm2, g2, L->sms, st, pdl));
+
+    const size_t n4 = (size_t)T * H / 4;
+    long long blocks = (long long)((n4 + 255) / 256);
+    int grid3 = (int)(blocks < 4LL * L->sms ? blocks : 4LL * L->sms);
+    if (L->dt == MOEK_DTYPE_BF16)
+        MOEK_CU(moek_launch(finalize_kernel<__nv_bfloat16>, dim3(grid3),
+                            dim3(256), 0, st, pdl, (const float4 *)w.acc,
+                            (uint2 *)out, n4));
+    else
+        MOEK_CU(moek_launch(finalize_kernel<__half>, dim3(grid3), dim3(256), 0,
+                            st, pdl, (const float4 *)w.acc, (uint2 *)out, n4));
+    return 0;
+}
+
+int moek_cuda_moe_read_routing(const moek_cuda_moe_layer *L,
+                               const moek_cuda_workspace *ws, int T,
+                               int32_t *ids, float *weights, void *stream)
+{
+    if (!L || !ws || T < 0 || !ids || !weights)
+        return -EINVAL;
+    if (carve_moe(L->shape, L->dt, T, nullptr, nullptr) > ws->bytes)
+        return -ENOSPC;
+    moe_ws w;
+    carve_moe(L->shape, L->dt, T, (char *)ws->base, &w);
+    MOEK_CU(cudaStreamSynchronize((cudaStream_t)stream));
+    const size_t n = (size_t)T * L->shape.topk;
+    MOEK_CU(cudaMemcpy(ids, w.ids, n * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    MOEK_CU(cudaMemcpy(weights, w.wts, n * sizeof(float),
+                       cudaMemcpyDeviceToHost));
+    return 0;
+}
+
+int moek_cuda_grouped_gemm(moek_cuda_gemm_weights *W, moek_cuda_workspace *ws,
+                           const void *a, const int64_t *m_sizes,
+                           int64_t total_m, void *c, void *stream)
+{
+    if (!W || !ws || total_m < 0 || !m_sizes)
+        return moek_cuda_refuse(-EINVAL, "grouped_gemm: bad argument");
+    if (total_m == 0)
+        return 0;
+    if (!a || !c)
+        return moek_cuda_refuse(-EINVAL, "grouped_gemm: NULL a or c");
+    if (total_m >= (1LL << 31))
+        return moek_cuda_refuse(-ENOTSUP, "grouped_gemm: %lld rows is too many",
+                                (long long)total_m);
+    if (ws->device != W->device)
+        return moek_cuda_refuse(-EINVAL, "grouped_gemm: workspace on device "
+                                         "%d, weights on %d",
+                                ws->device, W->device);
+    const size_t need = carve_gemm(W->groups, nullptr, nullptr);
+    if (need > ws->bytes)
+        return moek_cuda_refuse(-ENOSPC,
+                                "grouped_gemm: needs %zu bytes of workspace, "
+                                "it has %zu",
+                                need, ws->bytes);
+    MOEK_CU(cudaSetDevice(W->device));
+    gemm_ws w;
+    carve_gemm(W->groups, (char *)ws->base, &w);
+    const bool wgmma = W->cc == 90 && !W->tune.generic;
+    int bn = 16;
+    if (wgmma) {
+        if (W->tune.token_tile) {
+            bn = W->tune.token_tile;
+        } else {
+            const double g = (double)(total_m < W->groups ? total_m : W->groups);
+            bn = pick_tile((double)total_m / g);
+        }
+    }
+    moek_gemm_args g = {};
+    g.plan = w.plan;
+    g.cg_group = w.cg_group;
+    g.cg_start = w.cg_start;
+    g.cg_count = w.cg_count;
+    g.cg_before = w.cg_before;
+    g.cg_before_tail = w.cg_before + (W->groups + 1);
+    g.which = 0;
+    g.bn = bn;
+    g.w = W->b;
+    g.rows_pad = W->n16;
+    g.n_valid = W->n;
+    g.n_tiles = (W->n16 + MOEK_WTILE - 1) / MOEK_WTILE;
+    g.k = W->k;
+    g.kblocks = (W->k + MOEK_KTILE - 1) / MOEK_KTILE;
+    g.chunk = raster_chunk(W->k, g.n_tiles);
+    g.b = a;
+    g.ldb = W->k;
+    g.b_rows = nullptr;
+    g.epi = MOEK_EPI_STORE;
+    g.out = c;
+    g.ldo = W->n;
+
+    moek_align_args aa = {};
+    aa.m_sizes = m_sizes;
+    aa.total_m = total_m;
+    aa.groups = W->groups;
+    aa.bn = bn;
+    aa.sms = W->sms;
+    aa.d[0] = {g.n_tiles, g.kblocks, 0};
+    aa.ngemm = 1;
+    aa.plan = w.plan;
+    aa.cg_group = w.cg_group;
+    aa.cg_start = w.cg_start;
+    aa.cg_count = w.cg_count;
+    aa.cg_before = w.cg_before;
+    cudaStream_t st = (cudaStream_t)stream;
+    const bool pdl = W->pdl && st != nullptr;
+    MOEK_CU(moek_launch_align_groups(aa, st, pdl));
+    long long pairs = (long long)(total_m < W->groups ? total_m : W->groups) +
+                      total_m / (bn < 64 ? bn : 64);
+    long long items = pairs * g.n_tiles;
+    int grid = (int)(items < W->sms ? items : W->sms);
+    MOEK_CU(run_gemm(W->dt, wgmma, &W->tm, g, grid, st, pdl));
+    return 0;
+}

@@ -1,0 +1,252 @@
+/*
+ * moe_cuda.h: the C ABI of moed's CUDA kernels (the .cu files beside it).
+ *
+ * Plain C11, free of CUDA types: streams, graphs and device pointers are
+ * `void *`, so the daemon's CUDA backend, the tests and the benchmarks compile
+ * as C and link the objects nvcc made from those .cu files (with
+ * -lcudart_static). Semantics (layouts, routing tie rules, the MoE formula)
+ * are those of kernels/moe_kernels.h; this file adds only what the GPU needs:
+ * weights re-laid out once at load time, a workspace, and streams.
+ *
+ * A forward pass is a short fixed sequence of kernels on one stream with no
+ * host synchronisation inside (routing, counts and tile lists stay on the
+ * device), so a call can be captured in a CUDA graph once per token count and
+ * replayed. Empty experts and empty groups cost nothing: the GEMMs walk a
+ * compact list of (expert, token tile) pairs built on the device.
+ *
+ * Errors: every function returns 0 or a negative errno and never logs:
+ *   -EINVAL   a bad argument (NULL pointer, negative size, T above the
+ *             workspace's bound, ...);
+ *   -ENOTSUP  a shape or dtype these kernels do not compute (fp32 weights,
+ *             H, I, N or K not a multiple of 8, E above 512, k above 32, no
+ *             usable GPU); never computed wrong, always refused;
+ *   -ENOMEM   device memory exhausted;
+ *   -ENOSPC   the workspace is smaller than the call needs;
+ *   -ENODEV   no CUDA device, or the device number is out of range;
+ *   -EIO      any other CUDA error; moek_cuda_last_error() says which.
+ * After -EIO the CUDA context may be poisoned (a sticky error such as an
+ * illegal address); moek_cuda_context_ok() tells, and the daemon's design
+ * says such an error is fatal.
+ *
+ * Threads: objects are not locked. A layer, weight set or workspace may be
+ * used by one stream at a time; the error string is per thread.
+ */
+#ifndef MOE_CUDA_H
+#define MOE_CUDA_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "moe_kernels.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- devices, errors, memory ------------------------------------------- */
+
+/* Number of CUDA devices (0 when there is no driver or no GPU; never < 0). */
+int moek_cuda_device_count(void);
+
+/* Name of device `device` into buf (NUL-terminated, truncated to size). */
+int moek_cuda_device_name(int device, char *buf, size_t size);
+
+/* Compute capability (e.g. 90), multiprocessor count and global memory in
+ * bytes of a device; any out pointer may be NULL. */
+int moek_cuda_device_info(int device, int *cc, int *sms, size_t *mem_bytes);
+
+/* Make `device` current for the calling thread. */
+int moek_cuda_set_device(int device);
+
+/* The last CUDA error seen by this thread inside moek_cuda_* ("no error" if
+ * none). Borrowed; valid until the next moek_cuda_* call on this thread. */
+const char *moek_cuda_last_error(void);
+
+/* false when the current context holds a sticky error (a kernel fault). */
+bool moek_cuda_context_ok(void);
+
+/* Device memory on the current device. Caller owns *out; release with
+ * moek_cuda_free(), which accepts NULL. */
+int moek_cuda_malloc(size_t bytes, void **out);
+void moek_cuda_free(void *p);
+
+/* Synchronous copies and fill (they wait for the device). */
+int moek_cuda_copy_to_device(void *dst_dev, const void *src_host, size_t bytes);
+int moek_cuda_copy_to_host(void *dst_host, const void *src_dev, size_t bytes);
+int moek_cuda_memset(void *dst_dev, int byte, size_t bytes);
+
+/* Asynchronous copy on a stream (host memory should be pinned). kind: 0 host
+ * to device, 1 device to host, 2 device to device. */
+int moek_cuda_copy_async(void *dst, const void *src, size_t bytes, int kind,
+                         void *stream);
+
+/*
+ * Test and benchmark data without host traffic: element i of dst_dev (n
+ * elements of dtype dt, fp32 allowed) becomes moek_cuda_uniform_value(seed,
+ * i, scale) rounded to dt (round to nearest even). The generator is
+ * counter-based (splitmix64 of seed + (i + 1) * golden ratio, top 24 bits u,
+ * value scale * (u * 2^-23 - 1), so uniform in [-scale, scale)), so a host
+ * reference can rebuild any slice of a tensor bit for bit.
+ */
+int moek_cuda_fill_uniform(void *dst_dev, moek_dtype dt, size_t n,
+                           uint64_t seed, float scale, void *stream);
+float moek_cuda_uniform_value(uint64_t seed, uint64_t i, float scale);
+
+/* Pin / unpin host memory already mapped (e.g. a client region). */
+int moek_cuda_host_register(void *p, size_t bytes);
+int moek_cuda_host_unregister(void *p);
+
+/* Streams. Caller owns *out; moek_cuda_stream_free accepts NULL. */
+int moek_cuda_stream_new(void **out);
+void moek_cuda_stream_free(void *stream);
+int moek_cuda_stream_sync(void *stream);
+
+/* CUDA graphs of a stream's work: begin capture, run the moek_cuda_* calls
+ * on that stream, end capture; then launch the graph as often as wanted.
+ * Caller owns *out; moek_cuda_graph_free accepts NULL. A graph replays with
+ * the pointers and token count it was captured with. */
+int moek_cuda_graph_begin(void *stream);
+int moek_cuda_graph_end(void *stream, void **out);
+int moek_cuda_graph_launch(void *graph, void *stream);
+void moek_cuda_graph_free(void *graph);
+
+/* ---- workspace ---------------------------------------------------------- */
+
+/*
+ * Scratch device memory for the calls below (routing, tile lists, the
+ * intermediate activations, the fp32 output accumulator). Size it with
+ * moek_cuda_moe_workspace_size() / moek_cuda_gemm_workspace_size() for the
+ * largest call it will serve; one workspace serves any number of layers, one
+ * call at a time. Caller owns *out; free with moek_cuda_workspace_free(),
+ * which accepts NULL.
+ */
+typedef struct moek_cuda_workspace moek_cuda_workspace;
+int moek_cuda_workspace_new(int device, size_t bytes, moek_cuda_workspace **out);
+void moek_cuda_workspace_free(moek_cuda_workspace *ws);
+size_t moek_cuda_workspace_bytes(const moek_cuda_workspace *ws);
+
+/* ---- fused MoE layer ---------------------------------------------------- */
+
+/*
+ * A MoE layer's weights resident on a device, re-laid out for the kernels:
+ * gate and up rows interleaved in blocks of 8 (so SiLU(gate)·up happens in the
+ * first GEMM's epilogue), down rows paired for vector accumulation. dt is
+ * MOEK_DTYPE_BF16 or MOEK_DTYPE_FP16 (-ENOTSUP otherwise). w1, w3 [E, I, H]
+ * and w2 [E, H, I] are host memory, only read during the call. Caller owns
+ * *out; free with moek_cuda_moe_layer_free(), which accepts NULL.
+ */
+typedef struct moek_cuda_moe_layer moek_cuda_moe_layer;
+int moek_cuda_moe_layer_new(const moek_moe_shape *shape, moek_dtype dt,
+                            const void *w1, const void *w3, const void *w2,
+                            int device, moek_cuda_moe_layer **out);
+/* Same, from tensors already on `device` (only read during the call; they
+ * may be freed afterwards). */
+int moek_cuda_moe_layer_new_from_device(const moek_moe_shape *shape,
+                                        moek_dtype dt, const void *w1_dev,
+                                        const void *w3_dev, const void *w2_dev,
+                                        int device, moek_cuda_moe_layer **out);
+void moek_cuda_moe_layer_free(moek_cuda_moe_layer *layer);
+
+/* Bytes of workspace a forward of up to max_tokens tokens needs. */
+size_t moek_cuda_moe_workspace_size(const moek_cuda_moe_layer *layer,
+                                    int max_tokens);
+
+/* How the tokens are routed. */
+typedef enum moek_cuda_routing_kind {
+    MOEK_CUDA_ROUTE_LOGITS = 0, /* top-k over router logits, on the device */
+    MOEK_CUDA_ROUTE_GIVEN = 1,  /* top-k ids and weights given */
+} moek_cuda_routing_kind;
+
+typedef struct moek_cuda_routing {
+    moek_cuda_routing_kind kind;
+    /* MOEK_CUDA_ROUTE_LOGITS: logits_dev fp32 [T, E]. */
+    const float *logits_dev;
+    moek_scoring scoring;
+    bool renormalize;
+    /* MOEK_CUDA_ROUTE_GIVEN: ids_dev int32 [T, k], weights_dev fp32 [T, k].
+     * An id outside [0, E) contributes nothing (validate on the host; the
+     * device cannot report it without a synchronisation). */
+    const int32_t *ids_dev;
+    const float *weights_dev;
+} moek_cuda_routing;
+
+/*
+ * out[t] = sum_j w[t][j] * W2[e] (silu(W1[e] x[t]) * (W3[e] x[t])) for
+ * T = tokens tokens; x_dev and out_dev [T, H] of the layer's dtype, on the
+ * layer's device. Asynchronous on `stream` (NULL: the legacy default stream),
+ * no host synchronisation inside, capturable in a CUDA graph. Ordered after
+ * earlier work on the stream; the workspace is busy until the stream passes
+ * this call. tokens == 0 does nothing.
+ */
+int moek_cuda_fused_moe(moek_cuda_moe_layer *layer, moek_cuda_workspace *ws,
+                        const void *x_dev, const moek_cuda_routing *routing,
+                        int tokens, void *out_dev, void *stream);
+
+/*
+ * The routing the last forward computed, copied out of the workspace
+ * (ids [T, k], weights [T, k] on the host); synchronises the stream. For
+ * tests and the daemon's --check mode.
+ */
+int moek_cuda_moe_read_routing(const moek_cuda_moe_layer *layer,
+                               const moek_cuda_workspace *ws, int tokens,
+                               int32_t *ids, float *weights, void *stream);
+
+/* ---- grouped GEMM ------------------------------------------------------- */
+
+/*
+ * A stacked weight tensor B [G, N, K] resident on a device for grouped GEMMs
+ * (dt bf16 or fp16; N and K multiples of 8, else -ENOTSUP). b_host is only
+ * read during the call. Caller owns *out; free with
+ * moek_cuda_gemm_weights_free(), which accepts NULL.
+ */
+typedef struct moek_cuda_gemm_weights moek_cuda_gemm_weights;
+int moek_cuda_gemm_weights_new(moek_dtype dt, int groups, int n, int k,
+                               const void *b_host, int device,
+                               moek_cuda_gemm_weights **out);
+int moek_cuda_gemm_weights_new_from_device(moek_dtype dt, int groups, int n,
+                                           int k, const void *b_dev, int device,
+                                           moek_cuda_gemm_weights **out);
+void moek_cuda_gemm_weights_free(moek_cuda_gemm_weights *w);
+
+size_t moek_cuda_gemm_workspace_size(const moek_cuda_gemm_weights *w,
+                                     int64_t max_m);
+
+/*
+ * C[rows of g] = A[rows of g] . B[g]^T: a_dev [total_m, K], c_dev
+ * [total_m, N] (the weights' dtype), m_sizes_dev int64 [G] on the device.
+ * total_m must equal the sum of m_sizes (the host knows it: it sized A);
+ * group sizes are clamped so no row past total_m is touched, and negative
+ * sizes count as 0. Groups of size 0 cost nothing. Asynchronous, no host
+ * synchronisation inside, capturable.
+ */
+int moek_cuda_grouped_gemm(moek_cuda_gemm_weights *w, moek_cuda_workspace *ws,
+                           const void *a_dev, const int64_t *m_sizes_dev,
+                           int64_t total_m, void *c_dev, void *stream);
+
+/* ---- tuning knobs (benchmarks and tests) -------------------------------- */
+
+/*
+ * Kernel choices for later calls on this layer / weight set. token_tile: the
+ * tokens per GEMM tile (16, 32, 64, 128, 192 or 256; 0 = pick from the token
+ * count). generic: true forces the portable SIMT kernels that run on any
+ * GPU (what a non-Hopper device gets); false uses wgmma+TMA on sm_90.
+ */
+typedef struct moek_cuda_tuning {
+    int token_tile;
+    bool generic;
+} moek_cuda_tuning;
+int moek_cuda_moe_layer_tune(moek_cuda_moe_layer *layer,
+                             const moek_cuda_tuning *t);
+int moek_cuda_gemm_weights_tune(moek_cuda_gemm_weights *w,
+                                const moek_cuda_tuning *t);
+
+/* The token tile a call of `tokens` tokens would use (for reports). */
+int moek_cuda_moe_layer_token_tile(const moek_cuda_moe_layer *layer,
+                                   int tokens);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,387 @@
+/*
+ * route.cu: routing and alignment, everything between the router logits and
+ * the first GEMM, with no host synchronisation.
+ *
+ *   route_one       one warp routes one token: scores (softmax over E, or
+ *                   sigmoid), top-k by a warp arg-max on 64-bit keys (score
+ *                   bits, then the inverted expert index, so ties go to the
+ *                   lower index and NaN ranks below every number), optional
+ *                   renormalisation; or it takes the given ids and weights.
+ *                   It also counts the slot into its expert (the returned
+ *                   atomic value is the slot's rank inside the expert) and
+ *                   zeroes the token's row of the fp32 output accumulator.
+ *   align_block     one block turns the per-group counts into the tile list
+ *                   of cuda_common.cuh: prefix sums, the compact list of
+ *                   non-empty groups, the K split of each GEMM, the items
+ *                   before each group (main and tail token tiles), and
+ *                   (MoE) the slot -> sorted position
+ *                   scatter (token index and routing weight per position).
+ *
+ * Kernels (variants by token count, picked in moek_launch_route):
+ *   route_align_small  T <= 64: one block does both, counts in shared memory:
+ *                      one launch for the whole bookkeeping of a decode step.
+ *   route_kernel + align_kernel
+ *                      larger T: a warp per token over many blocks (counts in
+ *                      global memory, zeroed by a memset node before), then
+ *                      one block aligns.
+ *   align_kernel alone builds a grouped GEMM's tile list from m_sizes.
+ */
+#include <math.h>
+
+#include "cuda_common.cuh"
+
+#define FULL 0xffffffffu
+#define SMALL_T 64
+
+/* Ordered 64-bit key of (score, expert): larger is better. */
+__device__ __forceinline__ unsigned long long route_key(float s, int e)
+{
+    unsigned int u;
+    if (isnan(s)) {
+        u = 0;
+    } else {
+        unsigned int b = __float_as_uint(s + 0.0f); /* -0 -> +0 */
+        u = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    }
+    return ((unsigned long long)u << 32) | (unsigned int)~(unsigned int)e;
+}
+
+__device__ void route_one(const moek_route_args &a, int t, int lane,
+                          int *counts)
+{
+    const int k = a.topk, E = a.experts;
+    float4 *accrow = reinterpret_cast<float4 *>(a.acc + (size_t)t * a.hidden);
+    for (int i = lane; i < a.hidden / 4; i += 32)
+        accrow[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+
+    int my_id = -1;
+    float my_w = 0.f;
+    if (a.logits == nullptr) {
+        if (lane < k) {
+            my_id = a.ids_in[(size_t)t * k + lane];
+            my_w = a.w_in[(size_t)t * k + lane];
+            if (my_id < 0 || my_id >= E)
+                my_id = -1;
+        }
+    } else {
+        const float *row = a.logits + (size_t)t * E;
+        float v[MOEK_MAX_EXPERTS / 32];
+        float mx = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < MOEK_MAX_EXPERTS / 32; i++) {
+            int e = lane + 32 * i;
+            v[i] = e < E ? row[e] : -INFINITY;
+            mx = fmaxf(mx, v[i]); /* fmaxf ignores NaN */
+        }
+        if (a.scoring == MOEK_SCORING_SOFTMAX) {
+#pragma unroll
+            for (int o = 16; o; o >>= 1)
+                mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, o));
+            /* NaN logits stay out of the max and the sum and keep a NaN
+             * score (ranked last), as in moek_ref_route. */
+            float sum = 0.f;
+#pragma unroll
+            for (int i = 0; i < MOEK_MAX_EXPERTS / 32; i++) {
+                int e = lane + 32 * i;
+                bool ok = e < E && !isnan(v[i]);
+                float x = ok ? expf(v[i] - mx) : 0.f;
+                sum += x;
+                v[i] = isnan(v[i]) ? v[i] : x;
+            }
+#pragma unroll
+            for (int o = 16; o; o >>= 1)
+                sum += __shfl_xor_sync(FULL, sum, o);
+#pragma unroll
+            for (int i = 0; i < MOEK_MAX_EXPERTS / 32; i++)
+                v[i] = v[i] / sum;
+        } else {
+#pragma unroll
+            for (int i = 0; i < MOEK_MAX_EXPERTS / 32; i++)
+                v[i] = 1.0f / (1.0f + expf(-v[i]));
+        }
+        unsigned long long key[MOEK_MAX_EXPERTS / 32];
+#pragma unroll
+        for (int i = 0; i < MOEK_MAX_EXPERTS / 32; i++) {
+            int e = lane + 32 * i;
+            key[i] = e < E ? route_key(v[i], e) : 0ull;
+        }
+        for (int j = 0; j < k; j++) {
+            unsigned long long best = 0;
+#pragma unroll
+            for (int i = 0; i < MOEK_MAX_EXPERTS / 32; i++)
+                best = key[i] > best ? key[i] : best;
+#pragma unroll
+            for (int o = 16; o; o >>= 1) {
+                unsigned long long other = __shfl_xor_sync(FULL, best, o);
+                best = other > best ? other : best;
+            }
+            int e = (int)~(unsigned int)(best & 0xffffffffu);
+            float sc = 0.f;
+#pragma unroll
+            for (int i = 0; i < MOEK_MAX_EXPERTS / 32; i++) {
+                if (i == (e >> 5)) {
+                    sc = v[i];
+                    if (lane == (e & 31))
+                        key[i] = 0;
+                }
+            }
+            sc = __shfl_sync(FULL, sc, e & 31);
+            if (lane == j) {
+                my_id = e;
+                my_w = sc;
+            }
+        }
+        if (a.renorm) {
+            float s = lane < k ? my_w : 0.f;
+#pragma unroll
+            for (int o = 16; o; o >>= 1)
+                s += __shfl_xor_sync(FULL, s, o);
+            if (s != 0.f)
+                my_w = my_w / s;
+        }
+        if (lane < k) {
+            a.ids[(size_t)t * k + lane] = my_id;
+            a.wts[(size_t)t * k + lane] = my_w;
+        }
+    }
+    if (lane < k) {
+        int r = my_id >= 0 ? atomicAdd(&counts[my_id], 1) : -1;
+        a.rank[(size_t)t * k + lane] = r;
+    }
+}
+
+/* In-place exclusive scan of n <= 2 * blockDim.x values in shared memory by
+ * the whole block; returns the total. blockDim.x is MOEK_ALIGN_THREADS. */
+template <typename V>
+__device__ V block_exclusive_scan(V *data, int n, V *warp_sums)
+{
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int nwarps = blockDim.x >> 5;
+    const int b = tid * 2, e = min(b + 2, n);
+    V local = 0;
+    for (int i = b; i < e; i++)
+        local += data[i];
+    V x = local;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        V y = __shfl_up_sync(FULL, x, o);
+        if (lane >= o)
+            x += y;
+    }
+    if (lane == 31)
+        warp_sums[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        V w = lane < nwarps ? warp_sums[lane] : 0;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            V y = __shfl_up_sync(FULL, w, o);
+            if (lane >= o)
+                w += y;
+        }
+        warp_sums[lane] = w;
+    }
+    __syncthreads();
+    V excl = x - local + (warp ? warp_sums[warp - 1] : 0);
+    V total = warp_sums[nwarps - 1];
+    for (int i = b; i < e; i++) {
+        V c = data[i];
+        data[i] = excl;
+        excl += c;
+    }
+    __syncthreads();
+    return total;
+}
+
+/* The tile list from per-group counts (counts, or m_sizes clamped to
+ * total_m). Whole block, MOEK_ALIGN_THREADS threads, groups <= 2048. */
+__device__ void align_block(const moek_align_args &a, const int *counts)
+{
+    __shared__ int s_cnt[MOEK_MAX_GROUPS];
+    __shared__ int s_start[MOEK_MAX_GROUPS];
+    __shared__ long long s_scan[MOEK_MAX_GROUPS];
+    __shared__ long long s_warp[32];
+    const int tid = threadIdx.x, G = a.groups;
+
+    for (int g = tid; g < G; g += blockDim.x) {
+        long long c;
+        if (counts) {
+            c = counts[g];
+        } else {
+            c = a.m_sizes[g];
+            c = c < 0 ? 0 : (c > a.total_m ? a.total_m : c);
+        }
+        s_scan[g] = c;
+    }
+    __syncthreads();
+    /* Counts are re-read from s_scan before the scan overwrites them. */
+    long long mine[2] = {0, 0};
+    for (int j = 0; j < 2; j++)
+        if (tid * 2 + j < G)
+            mine[j] = s_scan[tid * 2 + j];
+    long long total = block_exclusive_scan<long long>(s_scan, G, s_warp);
+    long long limit = counts ? total : a.total_m;
+    for (int j = 0; j < 2; j++) {
+        int g = tid * 2 + j;
+        if (g < G) {
+            long long st = s_scan[g] < limit ? s_scan[g] : limit;
+            long long en = s_scan[g] + mine[j];
+            en = en < limit ? en : limit;
+            s_start[g] = (int)st;
+            s_cnt[g] = (int)(en - st);
+        }
+    }
+    __syncthreads();
+    for (int j = 0; j < 2; j++) {
+        int g = tid * 2 + j;
+        if (g < G)
+            s_scan[g] = s_cnt[g] > 0;
+    }
+    __syncthreads();
+    int ncg = (int)block_exclusive_scan<long long>(s_scan, G, s_warp);
+    /* Write the compact groups; keep each one's tile counts. */
+    int cidx[2] = {-1, -1}, np[2] = {0, 0}, npt[2] = {0, 0};
+    long long pairs_local = 0;
+    for (int j = 0; j < 2; j++) {
+        int g = tid * 2 + j;
+        if (g < G && s_cnt[g] > 0) {
+            int c = (int)s_scan[g];
+            cidx[j] = c;
+            np[j] = moek_main_tiles(s_cnt[g], a.bn);
+            npt[j] = moek_tail_tiles(s_cnt[g], a.bn);
+            pairs_local += np[j] + npt[j];
+            a.cg_group[c] = g;
+            a.cg_start[c] = s_start[g];
+            a.cg_count[c] = s_cnt[g];
+        }
+    }
+    __syncthreads();
+    /* Total token tiles, for the split choice. */
+    long long pairs = pairs_local;
+#pragma unroll
+    for (int o = 16; o; o >>= 1)
+        pairs += __shfl_xor_sync(FULL, pairs, o);
+    if ((tid & 31) == 0)
+        s_warp[tid >> 5] = pairs;
+    __syncthreads();
+    if (tid < 32) {
+        long long p = tid < (int)(blockDim.x >> 5) ? s_warp[tid] : 0;
+#pragma unroll
+        for (int o = 16; o; o >>= 1)
+            p += __shfl_xor_sync(FULL, p, o);
+        if (tid == 0)
+            s_warp[0] = p;
+    }
+    __syncthreads();
+    pairs = s_warp[0];
+    __syncthreads();
+
+    if (tid == 0)
+        a.plan[MOEK_PLAN_NCG] = ncg;
+    for (int d = 0; d < a.ngemm; d++) {
+        const moek_gemm_dims dm = a.d[d];
+        int split = 1;
+        if (dm.can_split && pairs > 0) {
+            long long tiles = pairs * dm.n_tiles;
+            long long want = (4LL * a.sms + tiles - 1) / tiles;
+            int cap = dm.kblocks / 4 > 1 ? dm.kblocks / 4 : 1;
+            split = (int)(want < cap ? want : cap);
+            split = split < 1 ? 1 : split;
+        }
+        for (int tail = 0; tail < 2; tail++) {
+            for (int j = 0; j < 2; j++)
+                if (cidx[j] >= 0)
+                    s_scan[cidx[j]] =
+                        (long long)(tail ? npt[j] : np[j]) * dm.n_tiles * split;
+            __syncthreads();
+            long long items =
+                block_exclusive_scan<long long>(s_scan, ncg, s_warp);
+            int *before = a.cg_before + (2 * d + tail) * (G + 1);
+            for (int c = tid; c < ncg; c += blockDim.x)
+                before[c] = (int)s_scan[c];
+            if (tid == 0) {
+                before[ncg] = (int)items;
+                a.plan[d ? MOEK_PLAN_SPLIT1 : MOEK_PLAN_SPLIT0] = split;
+                a.plan[d ? (tail ? MOEK_PLAN_TAIL1 : MOEK_PLAN_ITEMS1)
+                         : (tail ? MOEK_PLAN_TAIL0 : MOEK_PLAN_ITEMS0)] =
+                    (int)items;
+            }
+            __syncthreads();
+        }
+    }
+    /* MoE: scatter the slots to their sorted positions. */
+    if (a.ids) {
+        for (int s = tid; s < a.slots; s += blockDim.x) {
+            int r = a.rank[s];
+            if (r < 0)
+                continue;
+            int pos = s_start[a.ids[s]] + r;
+            a.pos_token[pos] = s / a.topk;
+            a.pos_weight[pos] = a.wts[s];
+        }
+    }
+}
+
+__global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
+    route_align_small(moek_route_args ra, moek_align_args aa)
+{
+    __shared__ int s_counts[MOEK_MAX_EXPERTS];
+    moek_pdl_wait();
+    moek_pdl_trigger();
+    for (int e = threadIdx.x; e < ra.experts; e += blockDim.x)
+        s_counts[e] = 0;
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int t = warp; t < ra.tokens; t += blockDim.x >> 5)
+        route_one(ra, t, lane, s_counts);
+    __syncthreads();
+    align_block(aa, s_counts);
+}
+
+__global__ void __launch_bounds__(256) route_kernel(moek_route_args ra)
+{
+    moek_pdl_wait();
+    moek_pdl_trigger();
+    const int lane = threadIdx.x & 31;
+    const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (t < ra.tokens)
+        route_one(ra, t, lane, ra.counts);
+}
+
+__global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
+    align_kernel(moek_align_args aa)
+{
+    moek_pdl_wait();
+    moek_pdl_trigger();
+    align_block(aa, aa.counts);
+}
+
+cudaError_t moek_launch_route(const moek_route_args &ra,
+                              const moek_align_args &aa, int *counts_dev,
+                              cudaStream_t stream, bool pdl)
+{
+    if (ra.tokens <= SMALL_T)
+        return moek_launch(route_align_small, dim3(1),
+                           dim3(MOEK_ALIGN_THREADS), 0, stream, pdl, ra, aa);
+    cudaError_t e = cudaMemsetAsync(counts_dev, 0,
+                                    sizeof(int) * (size_t)ra.experts, stream);
+    if (e != cudaSuccess)
+        return e;
+    moek_route_args r2 = ra;
+    r2.counts = counts_dev;
+    e = moek_launch(route_kernel, dim3((ra.tokens + 7) / 8), dim3(256), 0,
+                    stream, pdl, r2);
+    if (e != cudaSuccess)
+        return e;
+    moek_align_args a2 = aa;
+    a2.counts = counts_dev;
+    return moek_launch(align_kernel, dim3(1), dim3(MOEK_ALIGN_THREADS), 0,
+                       stream, pdl, a2);
+}
+
+cudaError_t moek_launch_align_groups(const moek_align_args &aa,
+                                     cudaStream_t stream, bool pdl)
+{
+    return moek_launch(align_kernel, dim3(1), dim3(MOEK_ALIGN_THREADS), 0,
+                       stream, pdl, aa);
+}

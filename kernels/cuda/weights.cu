@@ -1,0 +1,360 @@
+/*
+ * weights.cu: weights resident on the device, laid out once at load time for
+ * the GEMM epilogues, and the TMA descriptors that read them.
+ *
+ * Layouts (row = one output feature of a K-major weight matrix; a GEMM tile
+ * thread holds rows R and R + 8 of a 16-row block, see moek_epi_pair):
+ *   w13  [E][2I][H]   block b of 16 rows = gate rows 8b..8b+7, then up rows
+ *                     8b..8b+7, so a thread holds gate and up of the same
+ *                     intermediate feature and applies SiLU(gate)*up itself;
+ *   w2p  [E][H16][I]  row 16b + r = feature 16b + 2r, row 16b + 8 + r =
+ *                     feature 16b + 2r + 1, so a thread holds two adjacent
+ *                     output features and adds them with one 8-byte atomic;
+ *                     H16 = H rounded up to 16, the pad rows are zero;
+ *   b    [G][N16][K]  the grouped GEMM's B, paired like w2p.
+ * The relayout kernel copies 16-byte vectors, one block per destination row.
+ */
+#include <errno.h>
+#include <math.h>
+#include <new>
+
+#include "cuda_common.cuh"
+
+namespace {
+
+enum { RELAYOUT_GATE_UP = 0, RELAYOUT_PAIRS = 1 };
+
+__global__ void relayout_kernel(uint16_t *dst, const uint16_t *a,
+                                const uint16_t *b, int mode, int rows_dst,
+                                int rows_src, int K)
+{
+    const int R = blockIdx.x, g = blockIdx.y;
+    const int blk = R >> 4, r = R & 15;
+    const uint16_t *src = nullptr;
+    if (mode == RELAYOUT_GATE_UP) {
+        src = (r < 8 ? a : b) +
+              ((size_t)g * rows_src + blk * 8 + (r & 7)) * (size_t)K;
+    } else {
+        const int f = blk * 16 + (r < 8 ? 2 * r : 2 * (r - 8) + 1);
+        if (f < rows_src)
+            src = a + ((size_t)g * rows_src + f) * (size_t)K;
+    }
+    uint4 *d = reinterpret_cast<uint4 *>(dst + ((size_t)g * rows_dst + R) *
+                                                   (size_t)K);
+    const uint4 *s = reinterpret_cast<const uint4 *>(src);
+    for (int i = threadIdx.x; i < K / 8; i += blockDim.x)
+        d[i] = s ? s[i] : make_uint4(0, 0, 0, 0);
+}
+
+int relayout(void *dst, const void *a, const void *b, int mode, int groups,
+             int rows_dst, int rows_src, int K)
+{
+    relayout_kernel<<<dim3(rows_dst, groups), 128>>>(
+        (uint16_t *)dst, (const uint16_t *)a, (const uint16_t *)b, mode,
+        rows_dst, rows_src, K);
+    MOEK_CU(cudaGetLastError());
+    return 0;
+}
+
+int make_tmap(CUtensorMap *m, void *base, moek_dtype dt, uint64_t rows,
+              uint64_t K)
+{
+    static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+    if (!encode) {
+        cudaDriverEntryPointQueryResult q;
+        void *fn = nullptr;
+        MOEK_CU(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn,
+                                                 12000, cudaEnableDefault, &q));
+        if (q != cudaDriverEntryPointSuccess || !fn)
+            return moek_cuda_refuse(-ENOTSUP,
+                                    "the driver has no cuTensorMapEncodeTiled");
+        encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
+    }
+    cuuint64_t dims[2] = {K, rows};
+    cuuint64_t strides[1] = {K * 2};
+    cuuint32_t box[2] = {MOEK_KTILE, MOEK_WTILE};
+    cuuint32_t estr[2] = {1, 1};
+    CUresult r = encode(m,
+                        dt == MOEK_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                              : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                        2, base, dims, strides, box, estr,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE,
+                        CU_TENSOR_MAP_SWIZZLE_128B,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+        return moek_cuda_refuse(-EIO, "cuTensorMapEncodeTiled failed (%d)",
+                                (int)r);
+    return 0;
+}
+
+int device_setup(int device, int *sms, int *cc)
+{
+    int r = moek_cuda_device_info(device, cc, sms, nullptr);
+    if (r)
+        return r;
+    MOEK_CU(cudaSetDevice(device));
+    return 0;
+}
+
+/* Switches for measuring (RESULTS.md): MOEK_CUDA_NO_PDL=1 launches every
+ * kernel plainly, MOEK_CUDA_NO_EARLY=1 keeps GEMM 2's weight loads behind
+ * GEMM 1. Read once, when a layer or weight set is made. */
+bool env_off(const char *name)
+{
+    const char *e = getenv(name);
+    return e && *e && *e != '0';
+}
+
+bool pdl_default(void) { return !env_off("MOEK_CUDA_NO_PDL"); }
+
+int check_dtype(moek_dtype dt)
+{
+    if (dt != MOEK_DTYPE_BF16 && dt != MOEK_DTYPE_FP16)
+        return moek_cuda_refuse(-ENOTSUP,
+                                "dtype %d: the CUDA kernels take bf16 or fp16",
+                                (int)dt);
+    return 0;
+}
+
+int check_moe_shape(const moek_moe_shape *s)
+{
+    if (!s || s->experts <= 0 || s->topk <= 0 || s->hidden <= 0 ||
+        s->intermediate <= 0 || s->topk > s->experts)
+        return moek_cuda_refuse(-EINVAL, "bad MoE shape");
+    if (s->experts > MOEK_MAX_EXPERTS)
+        return moek_cuda_refuse(-ENOTSUP, "%d experts: at most %d on CUDA",
+                                s->experts, MOEK_MAX_EXPERTS);
+    if (s->topk > MOEK_MAX_TOPK)
+        return moek_cuda_refuse(-ENOTSUP, "top-%d: at most top-%d on CUDA",
+                                s->topk, MOEK_MAX_TOPK);
+    if (s->hidden % 8 || s->intermediate % 8)
+        return moek_cuda_refuse(-ENOTSUP,
+                                "hidden %d / intermediate %d: both must be "
+                                "multiples of 8 on CUDA",
+                                s->hidden, s->intermediate);
+    if ((long long)s->experts * 2 * s->intermediate >= (1LL << 31) ||
+        (long long)s->experts * (s->hidden + 16) >= (1LL << 31))
+        return moek_cuda_refuse(-ENOTSUP, "MoE layer too large");
+    return 0;
+}
+
+int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
+              const void *w3, const void *w2, bool on_device, int device,
+              moek_cuda_moe_layer **out)
+{
+    if (!out)
+        return -EINVAL;
+    *out = nullptr;
+    int r;
+    if ((r = check_moe_shape(shape)) || (r = check_dtype(dt)))
+        return r;
+    if (!w1 || !w3 || !w2)
+        return moek_cuda_refuse(-EINVAL, "NULL weight tensor");
+    moek_cuda_moe_layer *L = new (std::nothrow) moek_cuda_moe_layer();
+    if (!L)
+        return -ENOMEM;
+    L->shape = *shape;
+    L->dt = dt;
+    L->device = device;
+    L->pdl = pdl_default();
+    L->early = !env_off("MOEK_CUDA_NO_EARLY");
+    if ((r = device_setup(device, &L->sms, &L->cc))) {
+        delete L;
+        return r;
+    }
+    const int E = shape->experts, H = shape->hidden, I = shape->intermediate;
+    L->h16 = (H + 15) / 16 * 16;
+    const size_t n13 = (size_t)E * 2 * I * H, n2 = (size_t)E * L->h16 * I;
+    void *tmp = nullptr;
+    cudaError_t e = cudaMalloc(&L->w13, n13 * 2);
+    if (e == cudaSuccess)
+        e = cudaMalloc(&L->w2p, n2 * 2);
+    if (e == cudaSuccess && !on_device)
+        e = cudaMalloc(&tmp, (size_t)2 * I * H * 2);
+    if (e != cudaSuccess) {
+        r = moek_cuda_fail(e, "cudaMalloc(layer weights)");
+        goto fail;
+    }
+    if (on_device) {
+        if ((r = relayout(L->w13, w1, w3, RELAYOUT_GATE_UP, E, 2 * I, I, H)) ||
+            (r = relayout(L->w2p, w2, nullptr, RELAYOUT_PAIRS, E, L->h16, H, I)))
+            goto fail;
+    } else {
+        /* One expert at a time through a staging buffer. */
+        const size_t ih = (size_t)I * H;
+        uint16_t *t1 = (uint16_t *)tmp, *t3 = t1 + ih;
+        for (int x = 0; x < E; x++) {
+            e = cudaMemcpy(t1, (const uint16_t *)w1 + x * ih, ih * 2,
+                           cudaMemcpyHostToDevice);
+            if (e == cudaSuccess)
+                e = cudaMemcpy(t3, (const uint16_t *)w3 + x * ih, ih * 2,
+                               cudaMemcpyHostToDevice);
+            if (e != cudaSuccess) {
+                r = moek_cuda_fail(e, "cudaMemcpy(w1/w3)");
+                goto fail;
+            }
+            if ((r = relayout((uint16_t *)L->w13 + x * 2 * ih, t1, t3,
+                              RELAYOUT_GATE_UP, 1, 2 * I, I, H)))
+                goto fail;
+            e = cudaMemcpy(t1, (const uint16_t *)w2 + x * ih, ih * 2,
+                           cudaMemcpyHostToDevice);
+            if (e != cudaSuccess) {
+                r = moek_cuda_fail(e, "cudaMemcpy(w2)");
+                goto fail;
+            }
+            if ((r = relayout((uint16_t *)L->w2p + (size_t)x * L->h16 * I, t1,
+                              nullptr, RELAYOUT_PAIRS, 1, L->h16, H, I)))
+                goto fail;
+            /* t1 is overwritten by the next expert's copy only after this
+             * relayout ran: cudaMemcpy from pageable memory waits for it. */
+        }
+    }
+    e = cudaDeviceSynchronize();
+    if (e != cudaSuccess) {
+        r = moek_cuda_fail(e, "relayout");
+        goto fail;
+    }
+    if ((r = make_tmap(&L->tm13, L->w13, dt, (uint64_t)E * 2 * I, H)) ||
+        (r = make_tmap(&L->tm2, L->w2p, dt, (uint64_t)E * L->h16, I)))
+        goto fail;
+    if (L->cc == 90) {
+        e = moek_gemm_wgmma_prepare(dt);
+        if (e != cudaSuccess) {
+            r = moek_cuda_fail(e, "cudaFuncSetAttribute");
+            goto fail;
+        }
+    }
+    cudaFree(tmp);
+    *out = L;
+    return 0;
+fail:
+    cudaFree(tmp);
+    moek_cuda_moe_layer_free(L);
+    return r;
+}
+
+int gemm_weights_new(moek_dtype dt, int groups, int n, int k, const void *b,
+                     bool on_device, int device, moek_cuda_gemm_weights **out)
+{
+    if (!out)
+        return -EINVAL;
+    *out = nullptr;
+    int r;
+    if ((r = check_dtype(dt)))
+        return r;
+    if (!b || groups <= 0 || n <= 0 || k <= 0)
+        return moek_cuda_refuse(-EINVAL, "bad grouped GEMM weights");
+    if (groups > MOEK_MAX_GROUPS)
+        return moek_cuda_refuse(-ENOTSUP, "%d groups: at most %d on CUDA",
+                                groups, MOEK_MAX_GROUPS);
+    if (n % 8 || k % 8)
+        return moek_cuda_refuse(-ENOTSUP,
+                                "N %d / K %d: both must be multiples of 8 on "
+                                "CUDA",
+                                n, k);
+    if ((long long)groups * (n + 16) >= (1LL << 31))
+        return moek_cuda_refuse(-ENOTSUP, "grouped GEMM weights too large");
+    moek_cuda_gemm_weights *W = new (std::nothrow) moek_cuda_gemm_weights();
+    if (!W)
+        return -ENOMEM;
+    W->dt = dt;
+    W->groups = groups;
+    W->n = n;
+    W->k = k;
+    W->n16 = (n + 15) / 16 * 16;
+    W->device = device;
+    W->pdl = pdl_default();
+    if ((r = device_setup(device, &W->sms, &W->cc))) {
+        delete W;
+        return r;
+    }
+    void *tmp = nullptr;
+    const size_t nk = (size_t)n * k;
+    cudaError_t e = cudaMalloc(&W->b, (size_t)groups * W->n16 * k * 2);
+    if (e == cudaSuccess && !on_device)
+        e = cudaMalloc(&tmp, (size_t)groups * nk * 2);
+    if (e != cudaSuccess) {
+        r = moek_cuda_fail(e, "cudaMalloc(gemm weights)");
+        goto fail;
+    }
+    if (!on_device) {
+        e = cudaMemcpy(tmp, b, (size_t)groups * nk * 2, cudaMemcpyHostToDevice);
+        if (e != cudaSuccess) {
+            r = moek_cuda_fail(e, "cudaMemcpy(b)");
+            goto fail;
+        }
+    }
+    if ((r = relayout(W->b, on_device ? b : tmp, nullptr, RELAYOUT_PAIRS,
+                      groups, W->n16, n, k)))
+        goto fail;
+    e = cudaDeviceSynchronize();
+    if (e != cudaSuccess) {
+        r = moek_cuda_fail(e, "relayout");
+        goto fail;
+    }
+    if ((r = make_tmap(&W->tm, W->b, dt, (uint64_t)groups * W->n16, k)))
+        goto fail;
+    if (W->cc == 90) {
+        e = moek_gemm_wgmma_prepare(dt);
+        if (e != cudaSuccess) {
+            r = moek_cuda_fail(e, "cudaFuncSetAttribute");
+            goto fail;
+        }
+    }
+    cudaFree(tmp);
+    *out = W;
+    return 0;
+fail:
+    cudaFree(tmp);
+    moek_cuda_gemm_weights_free(W);
+    return r;
+}
+
+} // namespace
+
+int moek_cuda_moe_layer_new(const moek_moe_shape *shape, moek_dtype dt,
+                            const void *w1, const void *w3, const void *w2,
+                            int device, moek_cuda_moe_layer **out)
+{
+    return layer_new(shape, dt, w1, w3, w2, false, device, out);
+}
+
+int moek_cuda_moe_layer_new_from_device(const moek_moe_shape *shape,
+                                        moek_dtype dt, const void *w1_dev,
+                                        const void *w3_dev, const void *w2_dev,
+                                        int device, moek_cuda_moe_layer **out)
+{
+    return layer_new(shape, dt, w1_dev, w3_dev, w2_dev, true, device, out);
+}
+
+void moek_cuda_moe_layer_free(moek_cuda_moe_layer *layer)
+{
+    if (!layer)
+        return;
+    cudaFree(layer->w13);
+    cudaFree(layer->w2p);
+    delete layer;
+}
+
+int moek_cuda_gemm_weights_new(moek_dtype dt, int groups, int n, int k,
+                               const void *b_host, int device,
+                               moek_cuda_gemm_weights **out)
+{
+    return gemm_weights_new(dt, groups, n, k, b_host, false, device, out);
+}
+
+int moek_cuda_gemm_weights_new_from_device(moek_dtype dt, int groups, int n,
+                                           int k, const void *b_dev, int device,
+                                           moek_cuda_gemm_weights **out)
+{
+    return gemm_weights_new(dt, groups, n, k, b_dev, true, device, out);
+}
+
+void moek_cuda_gemm_weights_free(moek_cuda_gemm_weights *w)
+{
+    if (!w)
+        return;
+    cudaFree(w->b);
+    delete w;
+}

@@ -1,0 +1,692 @@
+/*
+ * test_cuda_kernels.c: the CUDA kernels (kernels/cuda/moe_cuda.h) against the
+ * reference kernels (moek_ref_*), on the GPU; every case skips (exit 77) with
+ * a clear line on a machine without one.
+ *
+ * Inputs are fresh random values each run (MOE_TEST_SEED replays a run),
+ * made on the device by moek_cuda_fill_uniform and rebuilt bit for bit on the
+ * host with moek_cuda_uniform_value for the reference, so even the 22 GB
+ * deepseek layer costs no host-to-device traffic: the reference rebuilds only
+ * the experts that the checked tokens use. Outputs are filled with NaN bytes
+ * before every call; an unwritten element fails the NaN scan.
+ *
+ * Covered: the three BENCH.md layer shapes (small T for the big two), T = 1,
+ * 3, 8, 64, 100, 512, 4096, top-k 1, 2, 8, E = 8, 128, 256 with most experts
+ * empty, routing given or computed (softmax / sigmoid, renormalised or not,
+ * and the NaN rule), bf16 and fp16, every token tile and the portable SIMT
+ * path, a CUDA graph replayed on new data, the grouped GEMM with empty
+ * groups, and the refusals (-ENOTSUP, -EINVAL, -ENOSPC, -ENODEV).
+ */
+#include "tests/harness.h"
+#include "moe_kernels.h"
+#include "cuda/moe_cuda.h"
+
+#include <math.h>
+#include <pthread.h>
+
+#define CK(call)                                                              \
+    do {                                                                      \
+        int r_ = (call);                                                      \
+        if (r_)                                                               \
+            FAIL_AT("%s = %d (%s)", #call, r_, moek_cuda_last_error());       \
+    } while (0)
+
+static void need_gpu(void)
+{
+    if (moek_cuda_device_count() <= 0)
+        TEST_SKIP("no CUDA device on this machine (moek_cuda_device_count() "
+                  "is 0): the CUDA kernels are not checked here");
+}
+
+static void *xmalloc(size_t n)
+{
+    void *p = malloc(n ? n : 1);
+    CHECK(p != NULL);
+    return p;
+}
+
+static void *dmalloc(size_t n)
+{
+    void *p = NULL;
+    CK(moek_cuda_malloc(n, &p));
+    return p;
+}
+
+/* Host copy of elements [first, first + n) of a tensor filled on the device
+ * with moek_cuda_fill_uniform(seed, scale), in dtype dt; on 8 threads, since
+ * the big layers' experts are large. */
+typedef struct fill_job {
+    void *dst;
+    moek_dtype dt;
+    uint64_t seed;
+    size_t first, n;
+    float scale;
+} fill_job;
+
+static void *fill_worker(void *arg)
+{
+    fill_job *j = arg;
+    const size_t chunk = 1 << 16;
+    float *f = xmalloc(chunk * sizeof(float));
+    for (size_t done = 0; done < j->n; done += chunk) {
+        size_t m = j->n - done < chunk ? j->n - done : chunk;
+        for (size_t i = 0; i < m; i++)
+            f[i] = moek_cuda_uniform_value(j->seed, j->first + done + i,
+                                           j->scale);
+        moek_from_f32(j->dt, f, (char *)j->dst + done * moek_dtype_size(j->dt),
+                      m);
+    }
+    free(f);
+    return NULL;
+}
+
+static void host_fill(void *dst, moek_dtype dt, uint64_t seed, size_t first,
+                      size_t n, float scale)
+{
+    enum { NT = 8 };
+    pthread_t th[NT];
+    fill_job jobs[NT];
+    size_t per = (n + NT - 1) / NT;
+    int started = 0;
+    for (int i = 0; i < NT && per * i < n; i++, started++) {
+        size_t b = per * i;
+        jobs[i] = (fill_job){(char *)dst + b * moek_dtype_size(dt), dt, seed,
+                             first + b, b + per > n ? n - b : per, scale};
+        CHECK(pthread_create(&th[i], NULL, fill_worker, &jobs[i]) == 0);
+    }
+    for (int i = 0; i < started; i++)
+        pthread_join(th[i], NULL);
+}
+
+static double tolerance(moek_dtype dt)
+{
+    return dt == MOEK_DTYPE_BF16 ? 1.5e-2 : 4e-3;
+}
+
+static const char *dt_name(moek_dtype dt)
+{
+    return dt == MOEK_DTYPE_BF16 ? "bf16" : "fp16";
+}
+
+/* ---- fused MoE ---------------------------------------------------------- */
+
+enum { ROUTE_GIVEN, ROUTE_SOFTMAX, ROUTE_SIGMOID };
+
+typedef struct moe_case {
+    moek_moe_shape s;
+    moek_dtype dt;
+    int tokens;
+    int route;
+    bool renorm;
+    int used_experts; /* given routing draws from this many experts (0: all) */
+    int check_tokens; /* check at most this many tokens (0: all) */
+    moek_cuda_tuning tune;
+    bool nan_logit;   /* put a NaN into token 0's logits */
+} moe_case;
+
+/* Run one fused MoE on the GPU and compare it with moek_ref_fused_moe. */
+static void run_moe(const moe_case *c, uint64_t *rng)
+{
+    const moek_moe_shape *s = &c->s;
+    const int E = s->experts, k = s->topk, H = s->hidden, I = s->intermediate;
+    const int T = c->tokens;
+    const moek_dtype dt = c->dt;
+    const size_t es = moek_dtype_size(dt), ih = (size_t)I * H;
+    const uint64_t seed = test_rand(rng);
+    const float sc13 = 1.0f / sqrtf((float)H), sc2 = 1.0f / sqrtf((float)I);
+
+    /* Weights: stacked tensors filled on the device, then the layer. */
+    void *w1 = dmalloc(E * ih * es), *w3 = dmalloc(E * ih * es),
+         *w2 = dmalloc(E * ih * es);
+    CK(moek_cuda_fill_uniform(w1, dt, E * ih, seed + 1, sc13, NULL));
+    CK(moek_cuda_fill_uniform(w3, dt, E * ih, seed + 2, sc13, NULL));
+    CK(moek_cuda_fill_uniform(w2, dt, E * ih, seed + 3, sc2, NULL));
+    moek_cuda_moe_layer *layer = NULL;
+    CK(moek_cuda_moe_layer_new_from_device(s, dt, w1, w3, w2, 0, &layer));
+    moek_cuda_free(w1);
+    moek_cuda_free(w2);
+    moek_cuda_free(w3);
+    CK(moek_cuda_moe_layer_tune(layer, &c->tune));
+
+    void *x = dmalloc((size_t)T * H * es), *out = dmalloc((size_t)T * H * es);
+    CK(moek_cuda_fill_uniform(x, dt, (size_t)T * H, seed + 4, 1.0f, NULL));
+    CK(moek_cuda_memset(out, 0xff, (size_t)T * H * es));
+
+    int32_t *ids = xmalloc(sizeof(int32_t) * T * k);
+    float *wts = xmalloc(sizeof(float) * T * k);
+    moek_cuda_routing rt = {0};
+    float *logits = NULL;
+    void *d_logits = NULL, *d_ids = NULL, *d_wts = NULL;
+    if (c->route == ROUTE_GIVEN) {
+        int used = c->used_experts ? c->used_experts : E;
+        for (int t = 0; t < T; t++) {
+            for (int j = 0; j < k; j++) {
+                int e;
+                bool again;
+                do { /* distinct per token when there are enough experts */
+                    e = (int)(test_rand(rng) % (uint64_t)used);
+                    if (used < E)
+                        e = (int)((uint64_t)e * 7919 % (uint64_t)E);
+                    again = false;
+                    for (int q = 0; q < j && used >= k; q++)
+                        again |= ids[t * k + q] == e;
+                } while (again);
+                ids[t * k + j] = e;
+                wts[t * k + j] = (test_randf(rng) + 1.0f) * 0.5f;
+            }
+        }
+        d_ids = dmalloc(sizeof(int32_t) * T * k);
+        d_wts = dmalloc(sizeof(float) * T * k);
+        CK(moek_cuda_copy_to_device(d_ids, ids, sizeof(int32_t) * T * k));
+        CK(moek_cuda_copy_to_device(d_wts, wts, sizeof(float) * T * k));
+        rt.kind = MOEK_CUDA_ROUTE_GIVEN;
+        rt.ids_dev = d_ids;
+        rt.weights_dev = d_wts;
+    } else {
+        d_logits = dmalloc(sizeof(float) * T * E);
+        CK(moek_cuda_fill_uniform(d_logits, MOEK_DTYPE_FP32, (size_t)T * E,
+                                  seed + 5, 4.0f, NULL));
+        logits = xmalloc(sizeof(float) * T * E);
+        host_fill(logits, MOEK_DTYPE_FP32, seed + 5, 0, (size_t)T * E, 4.0f);
+        if (c->nan_logit) {
+            logits[E / 2] = NAN;
+            CK(moek_cuda_copy_to_device(d_logits, logits, sizeof(float) * E));
+        }
+        rt.kind = MOEK_CUDA_ROUTE_LOGITS;
+        rt.logits_dev = d_logits;
+        rt.scoring = c->route == ROUTE_SOFTMAX ? MOEK_SCORING_SOFTMAX
+                                               : MOEK_SCORING_SIGMOID;
+        rt.renormalize = c->renorm;
+    }
+
+    moek_cuda_workspace *ws = NULL;
+    CK(moek_cuda_workspace_new(0, moek_cuda_moe_workspace_size(layer, T), &ws));
+    void *stream = NULL;
+    CK(moek_cuda_stream_new(&stream));
+    CK(moek_cuda_fused_moe(layer, ws, x, &rt, T, out, stream));
+    CK(moek_cuda_stream_sync(stream));
+
+    if (c->route != ROUTE_GIVEN) {
+        /* The GPU's routing against the reference's; a different pick is
+         * allowed only on a near tie of the two scores. The output check
+         * below then uses the GPU's picks. */
+        int32_t *rid = xmalloc(sizeof(int32_t) * T * k);
+        float *rw = xmalloc(sizeof(float) * T * k);
+        moek_ref_route(logits, T, E, k, rt.scoring, c->renorm, rid, rw);
+        CK(moek_cuda_moe_read_routing(layer, ws, T, ids, wts, stream));
+        int differ = 0;
+        for (int t = 0; t < T; t++) {
+            for (int j = 0; j < k; j++) {
+                size_t q = (size_t)t * k + j;
+                if (ids[q] != rid[q]) {
+                    float a = logits[(size_t)t * E + ids[q]];
+                    float b = logits[(size_t)t * E + rid[q]];
+                    CHECK_MSG(fabsf(a - b) <= 1e-5f * fabsf(a) + 1e-6f,
+                              "token %d pick %d: GPU expert %d (logit %g), "
+                              "reference %d (logit %g)",
+                              t, j, ids[q], a, rid[q], b);
+                    differ++;
+                    break;
+                }
+                bool both_nan = isnan(wts[q]) && isnan(rw[q]);
+                CHECK_MSG(both_nan || fabsf(wts[q] - rw[q]) <=
+                                          2e-5f * fabsf(rw[q]) + 1e-7f,
+                          "token %d pick %d: weight %g, reference %g", t, j,
+                          wts[q], rw[q]);
+            }
+        }
+        CHECK_MSG(differ <= T / 100 + 1, "%d of %d tokens routed differently",
+                  differ, T);
+        free(rid);
+        free(rw);
+    }
+
+    /* Output: every element written (no poison left: a NaN logit only
+     * ranks last);
+     * then the checked tokens against the reference. */
+    uint16_t *got = xmalloc((size_t)T * H * es);
+    CK(moek_cuda_copy_to_host(got, out, (size_t)T * H * es));
+    float *gotf = xmalloc(sizeof(float) * T * H);
+    moek_to_f32(dt, got, gotf, (size_t)T * H);
+    for (size_t i = 0; i < (size_t)T * H; i++)
+        CHECK_MSG(isfinite(gotf[i]), "out[%zu][%zu] = %g (unwritten?)", i / H,
+                  i % H, gotf[i]);
+
+    int nt = c->check_tokens && c->check_tokens < T ? c->check_tokens : T;
+    int *tok = xmalloc(sizeof(int) * nt);
+    for (int i = 0; i < nt; i++)
+        tok[i] = (int)((long long)i * T / nt);
+    /* Compact the experts the checked tokens use. */
+    int *map = xmalloc(sizeof(int) * E), ne = 0;
+    for (int e = 0; e < E; e++)
+        map[e] = -1;
+    int32_t *cid = xmalloc(sizeof(int32_t) * nt * k);
+    float *cw = xmalloc(sizeof(float) * nt * k);
+    for (int i = 0; i < nt; i++)
+        for (int j = 0; j < k; j++) {
+            int e = ids[(size_t)tok[i] * k + j];
+            CHECK(e >= 0 && e < E);
+            if (map[e] < 0)
+                map[e] = ne++;
+            cid[i * k + j] = map[e];
+            cw[i * k + j] = wts[(size_t)tok[i] * k + j];
+        }
+    /* The reference wants k <= E: pad with unused zero experts. */
+    const int ce = ne < k ? k : ne;
+    char *c1 = calloc(ce, ih * es), *c3 = calloc(ce, ih * es),
+         *c2 = calloc(ce, ih * es);
+    CHECK(c1 && c2 && c3);
+    for (int e = 0; e < E; e++) {
+        if (map[e] < 0)
+            continue;
+        size_t at = (size_t)map[e] * ih * es;
+        host_fill(c1 + at, dt, seed + 1, e * ih, ih, sc13);
+        host_fill(c3 + at, dt, seed + 2, e * ih, ih, sc13);
+        host_fill(c2 + at, dt, seed + 3, e * ih, ih, sc2);
+    }
+    char *cx = xmalloc((size_t)nt * H * es), *cref = xmalloc((size_t)nt * H * es);
+    for (int i = 0; i < nt; i++)
+        host_fill(cx + (size_t)i * H * es, dt, seed + 4, (size_t)tok[i] * H, H,
+                  1.0f);
+    moek_moe_shape cs = *s;
+    cs.experts = ce;
+    CHECK_EQ_INT(moek_ref_fused_moe(&cs, dt, cx, cid, cw, c1, c3, c2, nt, cref),
+                 0);
+    float *want = xmalloc(sizeof(float) * nt * H), *have = xmalloc(sizeof(float) * nt * H);
+    moek_to_f32(dt, cref, want, (size_t)nt * H);
+    for (int i = 0; i < nt; i++)
+        memcpy(have + (size_t)i * H, gotf + (size_t)tok[i] * H, sizeof(float) * H);
+    double err = moek_rel_error(have, want, (size_t)nt * H);
+    fprintf(stderr,
+            "  E=%d k=%d H=%d I=%d T=%d %s route=%d renorm=%d tile=%d%s: "
+            "rel err %.2e over %d tokens\n",
+            E, k, H, I, T, dt_name(dt), c->route, c->renorm,
+            moek_cuda_moe_layer_token_tile(layer, T),
+            c->tune.generic ? " simt" : "", err, nt);
+    CHECK_MSG(err < tolerance(dt), "rel err %g >= %g", err, tolerance(dt));
+
+    free(want);
+    free(have);
+    free(cx);
+    free(cref);
+    free(c1);
+    free(c2);
+    free(c3);
+    free(cid);
+    free(cw);
+    free(map);
+    free(tok);
+    free(got);
+    free(gotf);
+    free(ids);
+    free(wts);
+    free(logits);
+    moek_cuda_free(d_logits);
+    moek_cuda_free(d_ids);
+    moek_cuda_free(d_wts);
+    moek_cuda_free(x);
+    moek_cuda_free(out);
+    moek_cuda_stream_free(stream);
+    moek_cuda_workspace_free(ws);
+    moek_cuda_moe_layer_free(layer);
+}
+
+TEST(cuda_device)
+{
+    need_gpu();
+    char name[128];
+    int cc = 0, sms = 0;
+    size_t mem = 0;
+    CK(moek_cuda_device_name(0, name, sizeof name));
+    CK(moek_cuda_device_info(0, &cc, &sms, &mem));
+    fprintf(stderr, "  device 0: %s, sm_%d, %d SMs, %.1f GiB\n", name, cc, sms,
+            mem / 1073741824.0);
+    CHECK(sms > 0 && mem > 0);
+    CHECK(moek_cuda_context_ok());
+}
+
+/* E x k x T over small layers; dtype and routing rotate through the runs. */
+TEST(moe_sweep)
+{
+    need_gpu();
+    uint64_t rng = test_seed();
+    static const moek_moe_shape shapes[] = {
+        {8, 0, 256, 192}, {128, 0, 136, 96}, {256, 0, 512, 64}};
+    static const int topks[] = {1, 2, 8};
+    static const int tokens[] = {1, 3, 8, 64, 100, 512};
+    int run = 0;
+    for (int si = 0; si < 3; si++)
+        for (int ki = 0; ki < 3; ki++)
+            for (int ti = 0; ti < 6; ti++, run++) {
+                moe_case c = {0};
+                c.s = shapes[si];
+                c.s.topk = topks[ki];
+                c.dt = run % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16;
+                c.tokens = tokens[ti];
+                switch (run % 6) {
+                case 0: c.route = ROUTE_GIVEN; break;
+                case 1: c.route = ROUTE_GIVEN; c.used_experts = 3; break;
+                case 2: c.route = ROUTE_SOFTMAX; c.renorm = true; break;
+                case 3: c.route = ROUTE_SOFTMAX; break;
+                case 4: c.route = ROUTE_SIGMOID; c.renorm = true; break;
+                default: c.route = ROUTE_SIGMOID; break;
+                }
+                c.check_tokens = 128;
+                run_moe(&c, &rng);
+            }
+}
+
+/* T = 4096 (the multi-block routing path) and the NaN routing rule. */
+TEST(moe_many_tokens_and_nan)
+{
+    need_gpu();
+    uint64_t rng = test_seed();
+    moe_case c = {{256, 8, 512, 64}, MOEK_DTYPE_BF16, 4096, ROUTE_SOFTMAX,
+                  true, 0, 256, {0, false}, false};
+    run_moe(&c, &rng);
+    c.route = ROUTE_SIGMOID;
+    c.dt = MOEK_DTYPE_FP16;
+    run_moe(&c, &rng);
+    moe_case n = {{64, 4, 128, 64}, MOEK_DTYPE_BF16, 8, ROUTE_SOFTMAX, true,
+                  0, 0, {0, false}, true};
+    run_moe(&n, &rng);
+    n.route = ROUTE_SIGMOID;
+    run_moe(&n, &rng);
+}
+
+/* Every token tile of the wgmma kernel and the portable SIMT kernel. */
+TEST(moe_every_tile)
+{
+    need_gpu();
+    uint64_t rng = test_seed();
+    static const int tiles[] = {16, 32, 64, 128, 192, 256};
+    for (int i = 0; i < 8; i++) {
+        moe_case c = {{16, 4, 384, 320}, i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
+                      300, ROUTE_SOFTMAX, true, 0, 64, {0, false}, false};
+        if (i < 6)
+            c.tune.token_tile = tiles[i];
+        else
+            c.tune.generic = true;
+        run_moe(&c, &rng);
+    }
+}
+
+/* The BENCH.md shapes. */
+TEST(moe_qwen3)
+{
+    need_gpu();
+    uint64_t rng = test_seed();
+    static const int tokens[] = {1, 8, 64, 512, 4096};
+    for (int i = 0; i < 5; i++) {
+        moe_case c = {{128, 8, 2048, 768}, MOEK_DTYPE_BF16, tokens[i],
+                      ROUTE_SOFTMAX, true, 0, 8, {0, false}, false};
+        run_moe(&c, &rng);
+    }
+    moe_case f = {{128, 8, 2048, 768}, MOEK_DTYPE_FP16, 100, ROUTE_GIVEN,
+                  false, 0, 8, {0, false}, false};
+    run_moe(&f, &rng);
+}
+
+TEST(moe_mixtral)
+{
+    need_gpu();
+    uint64_t rng = test_seed();
+    moe_case c = {{8, 2, 4096, 14336}, MOEK_DTYPE_BF16, 1, ROUTE_SOFTMAX,
+                  true, 0, 0, {0, false}, false};
+    run_moe(&c, &rng);
+    c.tokens = 3;
+    run_moe(&c, &rng);
+}
+
+TEST(moe_deepseek)
+{
+    need_gpu();
+    uint64_t rng = test_seed();
+    moe_case c = {{256, 8, 7168, 2048}, MOEK_DTYPE_BF16, 1, ROUTE_SIGMOID,
+                  true, 0, 0, {0, false}, false};
+    run_moe(&c, &rng);
+    c.tokens = 3;
+    c.route = ROUTE_SOFTMAX;
+    run_moe(&c, &rng);
+}
+
+/* A forward captured once in a CUDA graph, replayed over new inputs. */
+TEST(moe_graph_replay)
+{
+    need_gpu();
+    uint64_t rng = test_seed();
+    const moek_moe_shape s = {32, 4, 256, 128};
+    const int T = 8, E = s.experts, k = s.topk, H = s.hidden, I = s.intermediate;
+    const moek_dtype dt = MOEK_DTYPE_BF16;
+    const size_t ih = (size_t)I * H;
+    char *w[3];
+    for (int i = 0; i < 3; i++) {
+        w[i] = xmalloc(E * ih * 2);
+        host_fill(w[i], dt, 100 + i, 0, E * ih, 0.1f);
+    }
+    moek_cuda_moe_layer *layer = NULL;
+    CK(moek_cuda_moe_layer_new(&s, dt, w[0], w[1], w[2], 0, &layer));
+    moek_cuda_workspace *ws = NULL;
+    CK(moek_cuda_workspace_new(0, moek_cuda_moe_workspace_size(layer, T), &ws));
+    void *x = dmalloc((size_t)T * H * 2), *out = dmalloc((size_t)T * H * 2),
+         *lg = dmalloc(sizeof(float) * T * E), *stream = NULL, *graph = NULL;
+    CK(moek_cuda_stream_new(&stream));
+    moek_cuda_routing rt = {MOEK_CUDA_ROUTE_LOGITS, lg, MOEK_SCORING_SOFTMAX,
+                            true, NULL, NULL};
+    CK(moek_cuda_graph_begin(stream));
+    CK(moek_cuda_fused_moe(layer, ws, x, &rt, T, out, stream));
+    CK(moek_cuda_graph_end(stream, &graph));
+    for (int rep = 0; rep < 2; rep++) {
+        uint64_t seed = test_rand(&rng);
+        CK(moek_cuda_fill_uniform(x, dt, (size_t)T * H, seed, 1.0f, stream));
+        CK(moek_cuda_fill_uniform(lg, MOEK_DTYPE_FP32, (size_t)T * E, seed + 1,
+                                  4.0f, stream));
+        CK(moek_cuda_memset(out, 0xff, (size_t)T * H * 2));
+        CK(moek_cuda_graph_launch(graph, stream));
+        CK(moek_cuda_stream_sync(stream));
+        char *hx = xmalloc((size_t)T * H * 2), *ref = xmalloc((size_t)T * H * 2),
+             *got = xmalloc((size_t)T * H * 2);
+        float *hl = xmalloc(sizeof(float) * T * E), *rw = xmalloc(sizeof(float) * T * k);
+        int32_t *rid = xmalloc(sizeof(int32_t) * T * k);
+        host_fill(hx, dt, seed, 0, (size_t)T * H, 1.0f);
+        host_fill(hl, MOEK_DTYPE_FP32, seed + 1, 0, (size_t)T * E, 4.0f);
+        moek_ref_route(hl, T, E, k, MOEK_SCORING_SOFTMAX, true, rid, rw);
+        CHECK_EQ_INT(moek_ref_fused_moe(&s, dt, hx, rid, rw, w[0], w[1], w[2],
+                                        T, ref),
+                     0);
+        CK(moek_cuda_copy_to_host(got, out, (size_t)T * H * 2));
+        float *a = xmalloc(sizeof(float) * T * H), *b = xmalloc(sizeof(float) * T * H);
+        moek_to_f32(dt, got, a, (size_t)T * H);
+        moek_to_f32(dt, ref, b, (size_t)T * H);
+        double err = moek_rel_error(a, b, (size_t)T * H);
+        fprintf(stderr, "  graph replay %d: rel err %.2e\n", rep, err);
+        CHECK(err < tolerance(dt));
+        free(hx); free(ref); free(got); free(hl); free(rw); free(rid); free(a); free(b);
+    }
+    moek_cuda_graph_free(graph);
+    moek_cuda_stream_free(stream);
+    for (int i = 0; i < 3; i++)
+        free(w[i]);
+    moek_cuda_free(x);
+    moek_cuda_free(out);
+    moek_cuda_free(lg);
+    moek_cuda_workspace_free(ws);
+    moek_cuda_moe_layer_free(layer);
+}
+
+/* ---- grouped GEMM ------------------------------------------------------- */
+
+static void run_gemm(moek_dtype dt, int G, int N, int K, const int64_t *sizes,
+                     int tile, bool generic, uint64_t *rng)
+{
+    const size_t es = moek_dtype_size(dt);
+    int64_t M = 0;
+    for (int g = 0; g < G; g++)
+        M += sizes[g];
+    const uint64_t seed = test_rand(rng);
+    char *b = xmalloc((size_t)G * N * K * es), *a = xmalloc((size_t)M * K * es + 1);
+    host_fill(b, dt, seed, 0, (size_t)G * N * K, 1.0f / sqrtf((float)K));
+    host_fill(a, dt, seed + 1, 0, (size_t)M * K, 1.0f);
+    moek_cuda_gemm_weights *w = NULL;
+    CK(moek_cuda_gemm_weights_new(dt, G, N, K, b, 0, &w));
+    moek_cuda_tuning tu = {tile, generic};
+    CK(moek_cuda_gemm_weights_tune(w, &tu));
+    moek_cuda_workspace *ws = NULL;
+    CK(moek_cuda_workspace_new(0, moek_cuda_gemm_workspace_size(w, M), &ws));
+    void *da = dmalloc((size_t)M * K * es), *dc = dmalloc((size_t)M * N * es),
+         *dm = dmalloc(sizeof(int64_t) * G);
+    CK(moek_cuda_copy_to_device(da, a, (size_t)M * K * es));
+    CK(moek_cuda_copy_to_device(dm, sizes, sizeof(int64_t) * G));
+    CK(moek_cuda_memset(dc, 0xff, (size_t)M * N * es));
+    CK(moek_cuda_grouped_gemm(w, ws, da, dm, M, dc, NULL));
+    CK(moek_cuda_stream_sync(NULL));
+    char *got = xmalloc((size_t)M * N * es + 1), *ref = xmalloc((size_t)M * N * es + 1);
+    CK(moek_cuda_copy_to_host(got, dc, (size_t)M * N * es));
+    CHECK_EQ_INT(moek_ref_grouped_gemm(dt, G, N, K, a, sizes, b, ref), 0);
+    float *gf = xmalloc(sizeof(float) * M * N + 1), *rf = xmalloc(sizeof(float) * M * N + 1);
+    moek_to_f32(dt, got, gf, (size_t)M * N);
+    moek_to_f32(dt, ref, rf, (size_t)M * N);
+    for (size_t i = 0; i < (size_t)M * N; i++)
+        CHECK_MSG(isfinite(gf[i]), "C[%zu][%zu] = %g (unwritten?)", i / N,
+                  i % N, gf[i]);
+    double err = moek_rel_error(gf, rf, (size_t)M * N);
+    fprintf(stderr, "  grouped G=%d N=%d K=%d M=%lld %s tile=%d%s: rel err %.2e\n",
+            G, N, K, (long long)M, dt_name(dt), tile, generic ? " simt" : "", err);
+    CHECK_MSG(err < tolerance(dt) / 3, "rel err %g", err);
+    free(a); free(b); free(got); free(ref); free(gf); free(rf);
+    moek_cuda_free(da);
+    moek_cuda_free(dc);
+    moek_cuda_free(dm);
+    moek_cuda_workspace_free(ws);
+    moek_cuda_gemm_weights_free(w);
+}
+
+TEST(grouped_gemm)
+{
+    need_gpu();
+    uint64_t rng = test_seed();
+    /* 64 groups, most empty, N with a padded 16-row block, K not a multiple
+     * of the 64-wide K tile. */
+    int64_t sizes[64] = {0};
+    sizes[3] = 1;
+    sizes[17] = 17;
+    sizes[40] = 300;
+    sizes[63] = 5;
+    run_gemm(MOEK_DTYPE_BF16, 64, 72, 200, sizes, 0, false, &rng);
+    run_gemm(MOEK_DTYPE_FP16, 64, 72, 200, sizes, 0, false, &rng);
+    run_gemm(MOEK_DTYPE_BF16, 64, 72, 200, sizes, 0, true, &rng);
+    static const int tiles[] = {16, 32, 64, 128, 192, 256};
+    int64_t big[8] = {0, 1000, 0, 0, 77, 0, 0, 256};
+    for (int i = 0; i < 6; i++)
+        run_gemm(i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16, 8, 256, 512, big,
+                 tiles[i], false, &rng);
+    /* one row in one group of 128 (the decode case FBGEMM's change fixed) */
+    int64_t one[128] = {0};
+    one[77] = 1;
+    run_gemm(MOEK_DTYPE_BF16, 128, 1024, 1024, one, 0, false, &rng);
+    /* nothing at all: returns at once */
+    moek_cuda_gemm_weights *w = NULL;
+    char *b = xmalloc(4 * 16 * 16 * 2);
+    host_fill(b, MOEK_DTYPE_BF16, 1, 0, 4 * 16 * 16, 1.0f);
+    CK(moek_cuda_gemm_weights_new(MOEK_DTYPE_BF16, 4, 16, 16, b, 0, &w));
+    moek_cuda_workspace *ws = NULL;
+    CK(moek_cuda_workspace_new(0, moek_cuda_gemm_workspace_size(w, 0), &ws));
+    void *dm = dmalloc(4 * sizeof(int64_t));
+    CK(moek_cuda_memset(dm, 0, 4 * sizeof(int64_t)));
+    CHECK_EQ_INT(moek_cuda_grouped_gemm(w, ws, NULL, dm, 0, NULL, NULL), 0);
+    moek_cuda_free(dm);
+    moek_cuda_workspace_free(ws);
+    moek_cuda_gemm_weights_free(w);
+    free(b);
+}
+
+/* ---- refusals ------------------------------------------------------------ */
+
+TEST(refuses_unsupported)
+{
+    need_gpu();
+    static char dummy[64];
+    moek_cuda_moe_layer *l = NULL;
+    moek_moe_shape s = {8, 2, 256, 128};
+    CHECK_EQ_INT(moek_cuda_moe_layer_new(&s, MOEK_DTYPE_FP32, dummy, dummy,
+                                         dummy, 0, &l),
+                 -ENOTSUP);
+    CHECK_STR_CONTAINS(moek_cuda_last_error(), "bf16 or fp16");
+    CHECK(l == NULL);
+    moek_moe_shape odd = {8, 2, 100, 128};
+    CHECK_EQ_INT(moek_cuda_moe_layer_new(&odd, MOEK_DTYPE_BF16, dummy, dummy,
+                                         dummy, 0, &l),
+                 -ENOTSUP);
+    CHECK_STR_CONTAINS(moek_cuda_last_error(), "multiple");
+    moek_moe_shape many = {600, 2, 256, 128};
+    CHECK_EQ_INT(moek_cuda_moe_layer_new(&many, MOEK_DTYPE_BF16, dummy, dummy,
+                                         dummy, 0, &l),
+                 -ENOTSUP);
+    moek_moe_shape bigk = {64, 40, 256, 128};
+    CHECK_EQ_INT(moek_cuda_moe_layer_new(&bigk, MOEK_DTYPE_BF16, dummy, dummy,
+                                         dummy, 0, &l),
+                 -ENOTSUP);
+    moek_moe_shape kgte = {4, 5, 256, 128};
+    CHECK_EQ_INT(moek_cuda_moe_layer_new(&kgte, MOEK_DTYPE_BF16, dummy, dummy,
+                                         dummy, 0, &l),
+                 -EINVAL);
+    CHECK_EQ_INT(moek_cuda_moe_layer_new(&s, MOEK_DTYPE_BF16, NULL, dummy,
+                                         dummy, 0, &l),
+                 -EINVAL);
+    CHECK_EQ_INT(moek_cuda_moe_layer_new(&s, MOEK_DTYPE_BF16, dummy, dummy,
+                                         dummy, 99, &l),
+                 -ENODEV);
+    moek_cuda_gemm_weights *g = NULL;
+    CHECK_EQ_INT(moek_cuda_gemm_weights_new(MOEK_DTYPE_BF16, 4, 12, 64, dummy,
+                                            0, &g),
+                 -ENOTSUP);
+    CHECK_EQ_INT(moek_cuda_gemm_weights_new(MOEK_DTYPE_BF16, 5000, 16, 64,
+                                            dummy, 0, &g),
+                 -ENOTSUP);
+    CHECK(g == NULL);
+
+    /* A real layer, then calls it must refuse. */
+    const size_t n = (size_t)8 * 128 * 256;
+    char *w = xmalloc(n * 2);
+    host_fill(w, MOEK_DTYPE_BF16, 7, 0, n, 0.05f);
+    CK(moek_cuda_moe_layer_new(&s, MOEK_DTYPE_BF16, w, w, w, 0, &l));
+    moek_cuda_workspace *ws = NULL;
+    CK(moek_cuda_workspace_new(0, moek_cuda_moe_workspace_size(l, 4), &ws));
+    void *x = dmalloc(64 * 256 * 2), *lg = dmalloc(64 * 8 * 4);
+    moek_cuda_routing rt = {MOEK_CUDA_ROUTE_LOGITS, lg, MOEK_SCORING_SOFTMAX,
+                            false, NULL, NULL};
+    CHECK_EQ_INT(moek_cuda_fused_moe(l, ws, x, &rt, 64, x, NULL), -ENOSPC);
+    CHECK_STR_CONTAINS(moek_cuda_last_error(), "workspace");
+    CHECK_EQ_INT(moek_cuda_fused_moe(l, ws, x, &rt, 0, x, NULL), 0);
+    CHECK_EQ_INT(moek_cuda_fused_moe(l, ws, x, NULL, 4, x, NULL), -EINVAL);
+    moek_cuda_routing bad = {MOEK_CUDA_ROUTE_GIVEN, NULL, 0, false, NULL, NULL};
+    CHECK_EQ_INT(moek_cuda_fused_moe(l, ws, x, &bad, 4, x, NULL), -EINVAL);
+    moek_cuda_tuning tu = {100, false};
+    CHECK_EQ_INT(moek_cuda_moe_layer_tune(l, &tu), -EINVAL);
+    CHECK(moek_cuda_context_ok());
+    moek_cuda_free(x);
+    moek_cuda_free(lg);
+    moek_cuda_workspace_free(ws);
+    moek_cuda_moe_layer_free(l);
+    moek_cuda_moe_layer_free(NULL);
+    moek_cuda_gemm_weights_free(NULL);
+    moek_cuda_workspace_free(NULL);
+    free(w);
+}
+
+int main(int argc, char **argv)
+{
+    return test_main(argc, argv,
+                     (struct test_case[]){
+                         TEST_CASE(cuda_device),
+                         TEST_CASE(refuses_unsupported),
+                         TEST_CASE_TIMEOUT(moe_sweep, 300),
+                         TEST_CASE_TIMEOUT(moe_many_tokens_and_nan, 300),
+                         TEST_CASE_TIMEOUT(moe_every_tile, 300),
+                         TEST_CASE_TIMEOUT(moe_graph_replay, 120),
+                         TEST_CASE_TIMEOUT(grouped_gemm, 300),
+                         TEST_CASE_TIMEOUT(moe_qwen3, 300),
+                         TEST_CASE_TIMEOUT(moe_mixtral, 300),
+                         TEST_CASE_TIMEOUT(moe_deepseek, 300),
+                         {0}});
+}
