@@ -181,7 +181,7 @@ static int daemon_key(struct config *c, const char *k, const char *v)
         for (char *d = strtok_r(copy, ":", &save); d && !rc; d = strtok_r(NULL, ":", &save))
             rc = config_add_allowed_dir(c, d);
         free(copy);
-        return rc;
+        return rc == -ENOENT ? -EINVAL : rc; /* -ENOENT means "unknown key" here */
     }
     if (!strcmp(k, "backend")) {
         if (strcmp(v, "auto") && strcmp(v, "cpu") && strcmp(v, "cuda"))
@@ -191,6 +191,11 @@ static int daemon_key(struct config *c, const char *k, const char *v)
     if (!strcmp(k, "cpu_threads")) {
         int rc = parse_u64(v, 1024, &x);
         c->cpu_threads = (int)x;
+        return rc;
+    }
+    if (!strcmp(k, "device")) {
+        int rc = parse_u64(v, 255, &x);
+        c->device = (int)x;
         return rc;
     }
     if (!strcmp(k, "log_level")) {

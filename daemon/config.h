@@ -7,6 +7,7 @@
  *   allowed_dirs = /var/lib/moed/weights:/srv/models
  *   backend = auto            ; auto | cpu | cuda
  *   cpu_threads = 0           ; 0: one per CPU
+ *   device = 0                ; CUDA device index (the CPU backend ignores it)
  *   log_level = info
  *
  *   [batch]
@@ -59,6 +60,7 @@ struct config {
     size_t n_allowed_dirs;
     char *backend;
     int cpu_threads;
+    int device;              /* CUDA device index */
     int log_level;
 
     uint32_t max_batch_tokens;

@@ -14,6 +14,7 @@
 #include <sys/epoll.h>
 #include <sys/signalfd.h>
 #include <unistd.h>
+#include <zmq.h>
 
 #include "daemon/backend.h"
 #include "daemon/config.h"
@@ -21,13 +22,26 @@
 #include "daemon/log.h"
 #include "daemon/loop.h"
 #include "daemon/notify.h"
+#include "daemon/reload.h"
 #include "daemon/server.h"
 #include "daemon/util.h"
 #include "moe.pb-c.h"
 
+/* What the command line sets: it overrides the file, at start and again on
+ * every reload. */
+struct cli {
+    const char *runtime_dir, *backend;
+    const char *allow[64];
+    int n_allow, threads, log_level;
+    uint32_t mbt, mdu, mst;
+    bool no_batch;
+};
+
 struct daemon {
     struct config cfg;
     char *config_path;
+    struct cli cli;
+    struct reload *reload;
     struct loop *loop;
     struct server *server;
     struct backend *backend;
@@ -36,6 +50,7 @@ struct daemon {
     int sigfd;
     bool stopping;
     uint64_t stop_deadline_us;
+    uint64_t drained_us;
 };
 
 static void usage(FILE *f)
@@ -71,13 +86,104 @@ static int parse_u32_arg(const char *s, uint32_t *out)
     return 0;
 }
 
+static int cli_apply(const struct cli *o, struct config *c, char *err, size_t errlen)
+{
+    int rc;
+    if (o->runtime_dir) {
+        free(c->runtime_dir);
+        if (!(c->runtime_dir = strdup(o->runtime_dir)))
+            return -ENOMEM;
+    }
+    for (int i = 0; i < o->n_allow; i++)
+        if ((rc = config_add_allowed_dir(c, o->allow[i])) < 0) {
+            snprintf(err, errlen, "--allow-dir %s: %s", o->allow[i], strerror(-rc));
+            return rc;
+        }
+    if (o->backend) {
+        free(c->backend);
+        if (!(c->backend = strdup(o->backend)))
+            return -ENOMEM;
+    }
+    if (o->threads >= 0)
+        c->cpu_threads = o->threads;
+    if (o->mbt)
+        c->max_batch_tokens = o->mbt;
+    if (o->mdu != UINT32_MAX)
+        c->max_delay_us = o->mdu;
+    if (o->mst)
+        c->max_slice_tokens = o->mst;
+    if (o->no_batch)
+        c->batching = false;
+    if (o->log_level >= 0)
+        c->log_level = o->log_level;
+    return 0;
+}
+
+/* The configuration: defaults, the file, the command line; at start and as
+ * the reload_read_fn of a SIGHUP reload. */
+static int read_config(void *data, struct config *out, char *err, size_t errlen)
+{
+    struct daemon *d = data;
+    char why[512] = "";
+    int rc = config_init(out);
+    if (rc) {
+        snprintf(err, errlen, "out of memory");
+        return rc;
+    }
+    if (d->config_path && (rc = config_load(out, d->config_path, why, sizeof(why))) < 0) {
+        snprintf(err, errlen, "%s: %s", d->config_path, why);
+        return rc;
+    }
+    if ((rc = cli_apply(&d->cli, out, err, errlen)) == -ENOMEM)
+        snprintf(err, errlen, "out of memory");
+    return rc;
+}
+
+/* backend_open() always takes GPU 0; [daemon] device picks another one. */
+static int open_backend(const struct config *c, struct backend **out)
+{
+    if (c->device == 0 || !strcmp(c->backend, "cpu"))
+        return backend_open(c->backend, c->cpu_threads, out);
+    int rc = backend_cuda_new(c->device, out);
+    if (rc < 0 && !strcmp(c->backend, "auto"))
+        rc = backend_cpu_new(c->cpu_threads, out);
+    return rc;
+}
+
 static void on_signal(void *data, int fd, uint32_t events);
 
+/*
+ * After the drain: write the last replies out before server_free() closes
+ * the sessions, since a client takes a closed session socket for a daemon
+ * that went away and gives up on what it still waits for. The request
+ * socket runs with ZMQ_LINGER 0; closing it with a linger and terminating
+ * its context returns once ZeroMQ has written everything (at most 1 s).
+ */
+static void flush_replies(struct loop *loop, struct server *s)
+{
+    int linger = 1000;
+    if (!s->zsock)
+        return;
+    loop_unwatch(loop, &s->zwatch);
+    zmq_setsockopt(s->zsock, ZMQ_LINGER, &linger, sizeof(linger));
+    zmq_close(s->zsock);
+    s->zsock = NULL;
+    zmq_ctx_term(s->zctx);
+    s->zctx = NULL;
+}
+
+/* Stop once nothing is pending and the last replies have had 100 ms to
+ * reach their clients (see flush_replies()), or at the deadline. */
 static void daemon_check_drained(struct daemon *d)
 {
+    uint64_t now = now_us();
     if (!d->stopping)
         return;
-    if (server_pending(d->server) == 0 || now_us() >= d->stop_deadline_us)
+    if (server_pending(d->server) > 0)
+        d->drained_us = 0;
+    else if (!d->drained_us)
+        d->drained_us = now;
+    if ((d->drained_us && now - d->drained_us >= 100000) || now >= d->stop_deadline_us)
         loop_stop(d->loop);
 }
 
@@ -100,13 +206,19 @@ static void on_signal(void *data, int fd, uint32_t events)
                 return;
             }
             log_notice("stopping: draining %u pending requests", server_pending(d->server));
-            notify_stopping();
+            notify_stopping(d->server);
             d->stopping = true;
             d->server->draining = true;
             d->stop_deadline_us = now_us() + 10 * 1000000ull;
+            /* Notice the end of the drain within 50 ms, not at the next
+             * STATUS tick. */
+            if (d->tick)
+                loop_timer_set(d->tick, 50000, 50000);
             daemon_check_drained(d);
-        } else if (si.ssi_signo == SIGHUP) {
-            notify_reload(d->server, d->config_path);
+        } else if (si.ssi_signo == SIGHUP && !d->stopping) {
+            log_notice("reloading the configuration%s%s", d->config_path ? " from " : "",
+                       d->config_path ? d->config_path : "");
+            notify_reload(d->server, d->reload);
         }
     }
 }
@@ -161,14 +273,10 @@ int main(int argc, char **argv)
         {"version", no_argument, NULL, 'V'},
         {0},
     };
-    struct daemon d = {.sigfd = -1};
+    struct daemon d = {.sigfd = -1, .cli = {.threads = -1, .log_level = -1, .mdu = UINT32_MAX}};
+    struct cli *o = &d.cli;
     char err[512] = "";
     bool check_only = false, demo = false;
-    const char *runtime_dir = NULL, *backend = NULL, *log_level = NULL;
-    const char *allow[64];
-    int n_allow = 0, threads = -1;
-    uint32_t mbt = 0, mdu = UINT32_MAX, mst = 0;
-    bool no_batch = false;
     int c, rc;
 
     log_init(LOG_LEVEL_INFO);
@@ -176,44 +284,45 @@ int main(int argc, char **argv)
         log_err("cannot block signals");
         return 1;
     }
-    if (config_init(&d.cfg) < 0) {
-        log_err("out of memory");
-        return 1;
-    }
     while ((c = getopt_long(argc, argv, "c:r:a:b:t:l:hV", opts, NULL)) != -1) {
         switch (c) {
         case 'c': d.config_path = optarg; break;
         case OPT_CHECK: check_only = true; break;
-        case 'r': runtime_dir = optarg; break;
+        case 'r': o->runtime_dir = optarg; break;
         case 'a':
-            if (n_allow == (int)ARRAY_SIZE(allow)) {
+            if (o->n_allow == (int)ARRAY_SIZE(o->allow)) {
                 log_err("too many --allow-dir options");
                 return 2;
             }
-            allow[n_allow++] = optarg;
+            o->allow[o->n_allow++] = optarg;
             break;
-        case 'b': backend = optarg; break;
-        case 't': threads = atoi(optarg); break;
+        case 'b': o->backend = optarg; break;
+        case 't': o->threads = atoi(optarg); break;
         case OPT_MBT:
-            if (parse_u32_arg(optarg, &mbt) < 0 || mbt == 0) {
+            if (parse_u32_arg(optarg, &o->mbt) < 0 || o->mbt == 0) {
                 log_err("--max-batch-tokens needs a positive number");
                 return 2;
             }
             break;
         case OPT_MDU:
-            if (parse_u32_arg(optarg, &mdu) < 0) {
+            if (parse_u32_arg(optarg, &o->mdu) < 0) {
                 log_err("--max-delay-us needs a number");
                 return 2;
             }
             break;
         case OPT_MST:
-            if (parse_u32_arg(optarg, &mst) < 0 || mst == 0) {
+            if (parse_u32_arg(optarg, &o->mst) < 0 || o->mst == 0) {
                 log_err("--max-slice-tokens needs a positive number");
                 return 2;
             }
             break;
-        case OPT_NOBATCH: no_batch = true; break;
-        case 'l': log_level = optarg; break;
+        case OPT_NOBATCH: o->no_batch = true; break;
+        case 'l':
+            if ((o->log_level = log_level_parse(optarg)) < 0) {
+                log_err("unknown log level '%s'", optarg);
+                return 2;
+            }
+            break;
         case OPT_DEMO: demo = true; break;
         case 'h': usage(stdout); return 0;
         case 'V': printf("moed %s\n", MOE_VERSION); return 0;
@@ -224,51 +333,27 @@ int main(int argc, char **argv)
         log_err("unexpected argument '%s'", argv[optind]);
         return 2;
     }
-    if (d.config_path && (rc = config_load(&d.cfg, d.config_path, err, sizeof(err))) < 0) {
-        log_err("%s: %s", d.config_path, err);
+    if ((rc = read_config(&d, &d.cfg, err, sizeof(err))) < 0) {
+        log_err("%s", err);
+        config_done(&d.cfg);
         return 1;
-    }
-    /* The command line overrides the file. */
-    if (runtime_dir) {
-        free(d.cfg.runtime_dir);
-        d.cfg.runtime_dir = strdup(runtime_dir);
-    }
-    for (int i = 0; i < n_allow; i++)
-        if ((rc = config_add_allowed_dir(&d.cfg, allow[i])) < 0) {
-            log_err("--allow-dir %s: %s", allow[i], strerror(-rc));
-            return 1;
-        }
-    if (backend) {
-        free(d.cfg.backend);
-        d.cfg.backend = strdup(backend);
-    }
-    if (threads >= 0)
-        d.cfg.cpu_threads = threads;
-    if (mbt)
-        d.cfg.max_batch_tokens = mbt;
-    if (mdu != UINT32_MAX)
-        d.cfg.max_delay_us = mdu;
-    if (mst)
-        d.cfg.max_slice_tokens = mst;
-    if (no_batch)
-        d.cfg.batching = false;
-    if (log_level) {
-        int lv = log_level_parse(log_level);
-        if (lv < 0) {
-            log_err("unknown log level '%s'", log_level);
-            return 2;
-        }
-        d.cfg.log_level = lv;
     }
     log_set_level((enum log_level)d.cfg.log_level);
     if (check_only) {
-        printf("configuration OK: %zu allowed directories, %s layers\n", d.cfg.n_allowed_dirs,
-               d.cfg.layers ? "configured" : "no");
+        unsigned n = 0;
+        for (struct layer_conf *lc = d.cfg.layers; lc; lc = lc->next)
+            n++;
+        rc = reload_check_layers(&d.cfg, err, sizeof(err));
+        if (rc < 0)
+            log_err("%s: %s", d.config_path ? d.config_path : "(no file)", err);
+        else
+            printf("%s: configuration OK: %zu allowed directories, %u layers\n",
+                   d.config_path ? d.config_path : "(no file)", d.cfg.n_allowed_dirs, n);
         config_done(&d.cfg);
-        return 0;
+        return rc < 0 ? 1 : 0;
     }
 
-    if ((rc = backend_open(d.cfg.backend, d.cfg.cpu_threads, &d.backend)) < 0) {
+    if ((rc = open_backend(&d.cfg, &d.backend)) < 0) {
         log_err("cannot open the %s backend: %s", d.cfg.backend,
                 rc == -ENODEV ? "no usable GPU (or moed was built without CUDA)" : strerror(-rc));
         return 1;
@@ -278,12 +363,16 @@ int main(int argc, char **argv)
         log_info("backend %s: %s", d.backend->name, dev.name);
 
     if ((rc = loop_new(&d.loop)) < 0 || (rc = setup_signals(&d)) < 0 ||
-        (rc = server_new(&d.cfg, d.backend, d.loop, &d.server)) < 0) {
+        (rc = server_new(&d.cfg, d.backend, d.loop, &d.server)) < 0 ||
+        (rc = reload_new(d.server, read_config, &d, &d.reload)) < 0) {
         log_err("cannot start: %s", strerror(-rc));
         return 1;
     }
     int fd_session = -1, fd_zmq = -1;
-    notify_listen_fds(&fd_session, &fd_zmq);
+    if (notify_listen_fds(d.cfg.runtime_dir, &fd_session, &fd_zmq, err, sizeof(err)) < 0) {
+        log_err("socket activation: %s", err);
+        return 1;
+    }
     if ((rc = server_listen(d.server, fd_session, fd_zmq)) < 0) {
         log_err("cannot listen in %s: %s%s", d.cfg.runtime_dir, strerror(-rc),
                 rc == -EADDRINUSE ? " (another moed serves this runtime directory)" : "");
@@ -311,13 +400,9 @@ int main(int argc, char **argv)
         log_info("demo layers 'demo' (E=8 k=2 H=256 I=512 bf16) and 'demo-gemm' "
                  "(B [8, 512, 256] bf16) from %s", path);
     }
-    for (struct layer_conf *lc = d.cfg.layers; lc; lc = lc->next) {
-        notify_extend_timeout(120 * 1000000ull);
-        if ((rc = layer_load_conf(d.server, lc, err, sizeof(err))) < 0) {
-            log_err("cannot load layer '%s': %s", lc->name, err);
-            return 1;
-        }
-        log_info("layer '%s' loaded from %s", lc->name, lc->path);
+    if ((rc = reload_load_initial(d.reload, err, sizeof(err))) < 0) {
+        log_err("cannot load %s", err);
+        return 1;
     }
     d.tick = loop_timer(d.loop, notify_tick_interval_us(), on_tick, &d);
     if (!d.tick) {
@@ -338,9 +423,11 @@ int main(int argc, char **argv)
         /* Pending replies cannot be computed; clients see their sessions close. */
         _exit(3);
     }
+    flush_replies(d.loop, d.server);
     log_info("stopped");
     loop_unwatch(d.loop, &d.tick);
     loop_unwatch(d.loop, &d.sig_watch);
+    reload_free(&d.reload);
     server_free(&d.server);
     backend_free(&d.backend);
     loop_free(&d.loop);

@@ -4,113 +4,300 @@
 #include "daemon/notify.h"
 
 #include <errno.h>
+#include <pthread.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <systemd/sd-daemon.h>
 #include <time.h>
 
 #include "daemon/log.h"
+#include "daemon/reload.h"
 #include "daemon/server.h"
 #include "daemon/util.h"
 
-static uint64_t watchdog_us;
-static uint64_t last_requests, last_tick_us;
+#define STATUS_EVERY_US 2000000ull
+/* Loading: each extension gives this long from now; progress is checked
+ * this often. */
+#define LOAD_EXTEND_US 30000000ull
+#define LOAD_CHECK_US 5000000ull
 
-void notify_listen_fds(int *session_fd, int *zmq_fd)
+static uint64_t watchdog_us;
+static bool watchdog_read;
+static uint64_t status_requests, status_us;
+
+static uint64_t watchdog_interval(void)
+{
+    if (!watchdog_read) {
+        uint64_t wd = 0;
+        watchdog_us = sd_watchdog_enabled(0, &wd) > 0 ? wd : 0;
+        watchdog_read = true;
+    }
+    return watchdog_us;
+}
+
+/* ---- socket activation --------------------------------------------------- */
+
+static void check_path(int fd, const char *runtime_dir, const char *file, const char *what)
+{
+    char want[sizeof(((struct sockaddr_un *)0)->sun_path)];
+    if (snprintf(want, sizeof(want), "%s/%s", runtime_dir, file) >= (int)sizeof(want))
+        return;
+    if (sd_is_socket_unix(fd, 0, 1, want, 0) <= 0)
+        log_warn("socket activation: the %s socket is not bound to %s, where clients look for it",
+                 what, want);
+}
+
+int notify_listen_fds(const char *runtime_dir, int *session_fd, int *zmq_fd, char *err,
+                      size_t errlen)
 {
     char **names = NULL;
+    int rc = 0;
     *session_fd = *zmq_fd = -1;
     int n = sd_listen_fds_with_names(1, &names);
+    if (n <= 0)
+        return 0;
     for (int i = 0; i < n; i++) {
         int fd = SD_LISTEN_FDS_START + i;
-        const char *nm = names && names[i] ? names[i] : "";
-        if (!strcmp(nm, "zmq") || (n == 2 && i == 1 && strcmp(nm, "session")))
-            *zmq_fd = fd;
-        else if (!strcmp(nm, "session") || (n <= 2 && i == 0))
-            *session_fd = fd;
-        else
-            log_warn("ignoring passed socket '%s'", nm);
+        const char *nm = names && names[i] ? names[i] : "unknown";
+        bool seq = sd_is_socket_unix(fd, SOCK_SEQPACKET, 1, NULL, 0) > 0;
+        bool stream = sd_is_socket_unix(fd, SOCK_STREAM, 1, NULL, 0) > 0;
+        int *slot = NULL;
+        if (!strcmp(nm, "session") || !strcmp(nm, "zmq")) {
+            bool is_session = nm[0] == 's';
+            slot = is_session ? session_fd : zmq_fd;
+            if (!rc && (is_session ? !seq : !stream)) {
+                snprintf(err, errlen, "passed socket '%s' (fd %d) is not a listening AF_UNIX %s "
+                         "socket", nm, fd, is_session ? "SOCK_SEQPACKET" : "SOCK_STREAM");
+                rc = -EINVAL;
+            } else if (!rc && *slot >= 0) {
+                snprintf(err, errlen, "two sockets named '%s' were passed", nm);
+                rc = -EINVAL;
+            }
+        } else if (seq && *session_fd < 0) {
+            slot = session_fd;
+        } else if (stream && *zmq_fd < 0) {
+            slot = zmq_fd;
+        }
+        if (slot && !rc && *slot < 0) {
+            *slot = fd;
+        } else {
+            if (!rc)
+                log_warn("socket activation: ignoring passed socket '%s' (fd %d)", nm, fd);
+            close(fd);
+        }
     }
     if (names) {
         for (int i = 0; i < n; i++)
             free(names[i]);
         free(names);
     }
-    if (n > 0)
-        log_info("socket activation: session fd %d, zmq fd %d", *session_fd, *zmq_fd);
+    if (rc) {
+        close_fd(session_fd);
+        close_fd(zmq_fd);
+        return rc;
+    }
+    if (*session_fd >= 0)
+        check_path(*session_fd, runtime_dir, "moed.sock", "session");
+    if (*zmq_fd >= 0)
+        check_path(*zmq_fd, runtime_dir, "moed.zmq", "ZeroMQ");
+    log_info("socket activation: session socket %s, ZeroMQ socket %s",
+             *session_fd >= 0 ? "passed" : "bound here", *zmq_fd >= 0 ? "passed" : "bound here");
+    return 0;
+}
+
+/* ---- state ------------------------------------------------------------- */
+
+static unsigned layers_ready(const struct server *s)
+{
+    unsigned n = 0;
+    for (const struct layer *l = s->layers; l; l = l->next)
+        n += l->state == LAYER_READY;
+    return n;
+}
+
+static void status_line(struct server *s, char *buf, size_t len)
+{
+    uint64_t now = now_us();
+    double dt = (double)(now - status_us) / 1e6;
+    double rps = status_us && dt > 0 ? (double)(s->stats.requests - status_requests) / dt : 0;
+    status_requests = s->stats.requests;
+    status_us = now;
+    snprintf(buf, len, "%s%u layers, %u sessions, queue %u, %.0f req/s",
+             s->draining ? "draining: " : "", layers_ready(s), s->n_sessions, s->queued_total, rps);
 }
 
 void notify_ready(struct server *s)
 {
-    uint64_t wd = 0;
-    if (sd_watchdog_enabled(0, &wd) > 0)
-        watchdog_us = wd;
-    sd_notifyf(0, "READY=1\nSTATUS=serving %u layers", 0u);
-    last_tick_us = now_us();
+    char st[200];
+    watchdog_interval();
+    status_line(s, st, sizeof(st));
+    sd_notifyf(0, "READY=1\nSTATUS=%s", st);
 }
 
-void notify_stopping(void)
+void notify_stopping(struct server *s)
 {
-    sd_notify(0, "STOPPING=1\nSTATUS=draining");
-}
-
-void notify_extend_timeout(uint64_t usec)
-{
-    sd_notifyf(0, "EXTEND_TIMEOUT_USEC=%llu", (unsigned long long)usec);
+    sd_notifyf(0, "STOPPING=1\nSTATUS=draining %u pending requests", server_pending(s));
 }
 
 uint64_t notify_tick_interval_us(void)
 {
-    uint64_t wd = 0, iv = 2000000;
-    if (sd_watchdog_enabled(0, &wd) > 0 && wd / 2 < iv)
+    uint64_t wd = watchdog_interval(), iv = STATUS_EVERY_US;
+    if (wd && wd / 2 < iv)
         iv = wd / 2;
     return iv ? iv : 1000;
 }
 
 void notify_tick(struct server *s)
 {
-    uint64_t now = now_us();
-    unsigned layers = 0;
-    for (struct layer *l = s->layers; l; l = l->next)
-        layers += l->state == LAYER_READY;
-    double dt = (double)(now - last_tick_us) / 1e6;
-    double rps = dt > 0 ? (double)(s->stats.requests - last_requests) / dt : 0;
-    last_requests = s->stats.requests;
-    last_tick_us = now;
-    sd_notifyf(0, "STATUS=%s%u layers, %u sessions, queue %u, %.0f req/s",
-               s->draining ? "draining: " : "", layers, s->n_sessions, s->queued_total, rps);
+    char st[200];
+    uint64_t wd = watchdog_interval();
     /* The loop reached this tick, so it is not stuck; a batch that has run
      * longer than the whole watchdog interval means the device is. */
-    if (watchdog_us && worker_busy_seconds(s->compute) * 1e6 < (double)watchdog_us)
+    bool alive = wd && worker_busy_seconds(s->compute) * 1e6 < (double)wd;
+    /* Timer jitter must not make every other tick just miss the refresh. */
+    bool status = now_us() - status_us + notify_tick_interval_us() / 2 >= STATUS_EVERY_US;
+    if (status)
+        status_line(s, st, sizeof(st));
+    if (alive && status)
+        sd_notifyf(0, "WATCHDOG=1\nSTATUS=%s", st);
+    else if (alive)
         sd_notify(0, "WATCHDOG=1");
+    else if (status)
+        sd_notifyf(0, "STATUS=%s", st);
 }
 
-void notify_reload(struct server *s, const char *config_path)
+/* ---- reload ------------------------------------------------------------ */
+
+static void reload_finished(void *data, unsigned failed)
+{
+    struct server *s = data;
+    char st[200];
+    if (s->draining)
+        return; /* STOPPING=1 was sent; READY=1 would contradict it */
+    status_line(s, st, sizeof(st));
+    sd_notifyf(0, "READY=1\nSTATUS=%s%s", failed ? "reloaded with errors (see the log): " : "", st);
+}
+
+void notify_reload(struct server *s, struct reload *r)
+{
+    if (s->draining)
+        return;
+    if (!reload_running(r)) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        sd_notifyf(0, "RELOADING=1\nMONOTONIC_USEC=%llu\nSTATUS=reloading the configuration",
+                   (unsigned long long)ts.tv_sec * 1000000ull +
+                       (unsigned long long)ts.tv_nsec / 1000);
+    }
+    reload_start(r, reload_finished, s);
+}
+
+/* ---- loading: EXTEND_TIMEOUT_USEC while progress is made ---------------- */
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    pthread_t thread;
+    bool running, stop;
+    unsigned layers_begun;
+} keeper = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+/* Bytes this process has read (rchar counts pread too), or 0. */
+static uint64_t bytes_read(void)
+{
+    FILE *f = fopen("/proc/self/io", "re");
+    char line[128];
+    unsigned long long v = 0;
+    if (!f)
+        return 0;
+    while (fgets(line, sizeof(line), f))
+        if (sscanf(line, "rchar: %llu", &v) == 1)
+            break;
+    fclose(f);
+    return v;
+}
+
+static uint64_t cpu_us(void)
 {
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    sd_notifyf(0, "RELOADING=1\nMONOTONIC_USEC=%llu",
-               (unsigned long long)ts.tv_sec * 1000000ull + (unsigned long long)ts.tv_nsec / 1000);
-    if (config_path) {
-        struct config c;
-        char err[512] = "";
-        int rc = config_init(&c);
-        if (!rc)
-            rc = config_load(&c, config_path, err, sizeof(err));
-        if (rc) {
-            log_err("reload: %s: %s; keeping the running configuration", config_path, err);
-        } else {
-            s->cfg->max_batch_tokens = c.max_batch_tokens;
-            s->cfg->max_delay_us = c.max_delay_us;
-            s->cfg->max_request_tokens = c.max_request_tokens;
-            s->cfg->max_queued_requests = c.max_queued_requests;
-            s->cfg->max_queued_tokens = c.max_queued_tokens;
-            s->cfg->log_level = c.log_level;
-            log_set_level((enum log_level)c.log_level);
-            log_info("reload: configuration re-read from %s", config_path);
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+static void *keeper_main(void *arg)
+{
+    uint64_t rd = bytes_read(), cpu = cpu_us();
+    unsigned layers = 0;
+    bool stalled = false;
+    pthread_mutex_lock(&keeper.mu);
+    while (!keeper.stop) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        ts.tv_sec += LOAD_CHECK_US / 1000000;
+        while (!keeper.stop && pthread_cond_timedwait(&keeper.cv, &keeper.mu, &ts) != ETIMEDOUT)
+            ;
+        if (keeper.stop)
+            break;
+        uint64_t rd2 = bytes_read(), cpu2 = cpu_us();
+        /* Reading, or computing (converting, packing, uploading) for at
+         * least a tenth of the time, or a new layer begun: progress. */
+        bool progress = rd2 != rd || cpu2 - cpu >= LOAD_CHECK_US / 10 ||
+                        keeper.layers_begun != layers;
+        rd = rd2;
+        cpu = cpu2;
+        layers = keeper.layers_begun;
+        if (progress) {
+            sd_notifyf(0, "EXTEND_TIMEOUT_USEC=%llu", (unsigned long long)LOAD_EXTEND_US);
+            stalled = false;
+        } else if (!stalled) {
+            log_warn("loading weights: no progress in %llu s; no longer extending the start-up "
+                     "timeout", (unsigned long long)(LOAD_CHECK_US / 1000000));
+            stalled = true;
         }
-        config_done(&c);
     }
-    sd_notify(0, "READY=1");
+    pthread_mutex_unlock(&keeper.mu);
+    return arg;
+}
+
+void notify_loading_begin(void)
+{
+    const char *ns = getenv("NOTIFY_SOCKET");
+    if (!ns || !ns[0] || keeper.running)
+        return;
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&keeper.cv, &ca);
+    pthread_condattr_destroy(&ca);
+    keeper.stop = false;
+    if (pthread_create(&keeper.thread, NULL, keeper_main, NULL) == 0)
+        keeper.running = true;
+    else
+        pthread_cond_destroy(&keeper.cv);
+}
+
+void notify_loading_layer(const char *name, unsigned index, unsigned count)
+{
+    pthread_mutex_lock(&keeper.mu);
+    keeper.layers_begun++;
+    pthread_mutex_unlock(&keeper.mu);
+    sd_notifyf(0, "EXTEND_TIMEOUT_USEC=%llu\nSTATUS=loading layer '%s' (%u of %u)",
+               (unsigned long long)LOAD_EXTEND_US, name, index, count);
+}
+
+void notify_loading_end(void)
+{
+    if (!keeper.running)
+        return;
+    pthread_mutex_lock(&keeper.mu);
+    keeper.stop = true;
+    pthread_cond_signal(&keeper.cv);
+    pthread_mutex_unlock(&keeper.mu);
+    pthread_join(keeper.thread, NULL);
+    pthread_cond_destroy(&keeper.cv);
+    keeper.running = false;
 }

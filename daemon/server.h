@@ -111,6 +111,7 @@ struct layer {
     void *weights;          /* backend handle */
     enum layer_state state;
     bool unloaded;          /* removed from the registry, freed at refs 0 */
+    bool from_config;       /* named by the configuration: a reload may unload it */
     int refs;
     struct request *queue_head, *queue_tail;
     uint32_t queued;

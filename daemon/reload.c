@@ -1,0 +1,517 @@
+/*
+ * reload.c: see reload.h. A reload is a small state machine on the loop
+ * thread, polled by a short timer:
+ *
+ *   read the file -> [wait until the loader is idle, if allowed_dirs changed:
+ *   the loader thread reads them] -> unload and submit loads -> wait until
+ *   every submitted load has finished -> done (READY=1)
+ */
+#include "daemon/reload.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "daemon/config.h"
+#include "daemon/layer.h"
+#include "daemon/log.h"
+#include "daemon/loop.h"
+#include "daemon/notify.h"
+#include "daemon/safetensors.h"
+#include "daemon/server.h"
+#include "daemon/util.h"
+#include "daemon/worker.h"
+#include "moe.pb-c.h"
+
+#define POLL_US 20000
+
+/* The file a configured layer was loaded from, as it was then. */
+struct file_id {
+    char name[65];
+    struct stat st;
+    struct file_id *next;
+};
+
+enum phase { IDLE, WAIT_LOADER, WAIT_LOADS };
+
+struct reload {
+    struct server *s;
+    reload_read_fn read;
+    void *read_data;
+    reload_done_fn done;
+    void *done_data;
+    enum phase phase;
+    bool again;
+    struct config next;       /* being applied; holds the old parts afterwards */
+    bool have_next;
+    struct loop_watch *poll;
+    struct file_id *files;
+    char (*loading)[65];      /* names submitted to the loader */
+    unsigned n_loading;
+    unsigned loaded, unloaded, kept, failed;
+};
+
+int reload_new(struct server *s, reload_read_fn read, void *read_data, struct reload **out)
+{
+    struct reload *r = calloc(1, sizeof(*r));
+    if (!r)
+        return -ENOMEM;
+    r->s = s;
+    r->read = read;
+    r->read_data = read_data;
+    *out = r;
+    return 0;
+}
+
+void reload_free(struct reload **rp)
+{
+    struct reload *r = *rp;
+    *rp = NULL;
+    if (!r)
+        return;
+    if (r->poll)
+        loop_unwatch(r->s->loop, &r->poll);
+    if (r->phase == WAIT_LOADS)
+        notify_loading_end();
+    if (r->have_next)
+        config_done(&r->next);
+    while (r->files) {
+        struct file_id *f = r->files;
+        r->files = f->next;
+        free(f);
+    }
+    free(r->loading);
+    free(r);
+}
+
+bool reload_running(const struct reload *r)
+{
+    return r->phase != IDLE;
+}
+
+/* ---- file identities ------------------------------------------------------ */
+
+static struct file_id *file_find(struct reload *r, const char *name)
+{
+    for (struct file_id *f = r->files; f; f = f->next)
+        if (!strcmp(f->name, name))
+            return f;
+    return NULL;
+}
+
+static void file_track(struct reload *r, const char *name, const struct stat *st)
+{
+    struct file_id *f = file_find(r, name);
+    if (!f) {
+        if (!(f = calloc(1, sizeof(*f))))
+            return; /* the layer is then never seen as replaced: harmless */
+        snprintf(f->name, sizeof(f->name), "%s", name);
+        f->next = r->files;
+        r->files = f;
+    }
+    f->st = *st;
+}
+
+/* True when the file at path is no longer the one the layer was loaded
+ * from. A file that cannot be stat'ed now is not "changed": reloading it
+ * would fail and lose weights that are still resident. */
+static bool file_replaced(struct reload *r, const char *name, const char *path)
+{
+    struct file_id *f = file_find(r, name);
+    struct stat st;
+    if (!f || stat(path, &st) < 0)
+        return false;
+    return st.st_dev != f->st.st_dev || st.st_ino != f->st.st_ino ||
+           st.st_size != f->st.st_size || st.st_mtim.tv_sec != f->st.st_mtim.tv_sec ||
+           st.st_mtim.tv_nsec != f->st.st_mtim.tv_nsec;
+}
+
+/* ---- configured layers ----------------------------------------------------- */
+
+static const struct layer_conf *conf_find(const struct layer_conf *l, const char *name)
+{
+    for (; l; l = l->next)
+        if (!strcmp(l->name, name))
+            return l;
+    return NULL;
+}
+
+static bool str_same(const char *a, const char *b)
+{
+    return !strcmp(a ? a : "", b ? b : "");
+}
+
+static bool conf_same(const struct layer_conf *a, const struct layer_conf *b)
+{
+    return a->kind == b->kind && a->dtype == b->dtype && a->experts == b->experts &&
+           a->topk == b->topk && a->hidden == b->hidden && a->intermediate == b->intermediate &&
+           a->routing == b->routing && a->renormalize == b->renormalize &&
+           a->groups == b->groups && a->n == b->n && a->k == b->k && str_same(a->path, b->path) &&
+           str_same(a->prefix, b->prefix);
+}
+
+/* What can be said of a section without reading its file. */
+static int conf_check(const struct layer_conf *lc, char *err, size_t errlen)
+{
+    if (lc->kind == MOE__LAYER_KIND__LAYER_MOE && lc->topk == 0) {
+        snprintf(err, errlen, "topk is required for a MoE layer");
+        return -EINVAL;
+    }
+    if (lc->kind == MOE__LAYER_KIND__LAYER_GEMM && (!lc->prefix || !lc->prefix[0])) {
+        snprintf(err, errlen, "a GEMM layer names its weight tensor with prefix =");
+        return -EINVAL;
+    }
+    return 0;
+}
+
+static unsigned conf_count(const struct layer_conf *l)
+{
+    unsigned n = 0;
+    for (; l; l = l->next)
+        n++;
+    return n;
+}
+
+int reload_load_initial(struct reload *r, char *err, size_t errlen)
+{
+    struct server *s = r->s;
+    unsigned n = conf_count(s->cfg->layers), i = 0;
+    char why[512] = "";
+    int rc = 0;
+    if (!n)
+        return 0;
+    notify_loading_begin();
+    for (const struct layer_conf *lc = s->cfg->layers; lc; lc = lc->next) {
+        struct stat st;
+        bool have_st = stat(lc->path, &st) == 0;
+        notify_loading_layer(lc->name, ++i, n);
+        if ((rc = conf_check(lc, why, sizeof(why))) < 0 ||
+            (rc = layer_load_conf(s, lc, why, sizeof(why))) < 0) {
+            snprintf(err, errlen, "layer '%s': %s", lc->name, why);
+            break;
+        }
+        struct layer *l = layer_find(s, lc->name);
+        if (l)
+            l->from_config = true;
+        if (have_st)
+            file_track(r, lc->name, &st);
+        log_info("layer '%s' loaded from %s", lc->name, lc->path);
+    }
+    notify_loading_end();
+    return rc;
+}
+
+/* ---- a reload ------------------------------------------------------------ */
+
+static void reload_begin(struct reload *r);
+static void on_poll(void *data);
+
+static bool poll_start(struct reload *r)
+{
+    if (!r->poll)
+        r->poll = loop_timer(r->s->loop, POLL_US, on_poll, r);
+    return r->poll != NULL;
+}
+
+static void finish(struct reload *r)
+{
+    if (r->poll)
+        loop_unwatch(r->s->loop, &r->poll);
+    if (r->phase == WAIT_LOADS)
+        notify_loading_end();
+    if (r->have_next) {
+        config_done(&r->next);
+        r->have_next = false;
+    }
+    r->n_loading = 0;
+    log_notice("reload: %u layers loaded, %u unloaded, %u kept, %u failed", r->loaded,
+               r->unloaded, r->kept, r->failed);
+    if (r->again && !r->s->draining) {
+        log_info("reload: reading the configuration again, as asked meanwhile");
+        reload_begin(r);
+        return;
+    }
+    r->phase = IDLE;
+    r->again = false;
+    if (r->done)
+        r->done(r->done_data, r->failed);
+}
+
+/* Submit a load to the loader thread, as a client's LoadLayer would be but
+ * with nobody to answer: the outcome is logged by layer.c and checked by
+ * poll_loads(). */
+static void submit_load(struct reload *r, const struct layer_conf *lc)
+{
+    struct server *s = r->s;
+    char why[512] = "";
+    if (conf_check(lc, why, sizeof(why)) < 0) {
+        log_err("reload: layer '%s': %s", lc->name, why);
+        r->failed++;
+        return;
+    }
+    Moe__LoadLayer m = MOE__LOAD_LAYER__INIT;
+    m.name = lc->name;
+    m.kind = lc->kind;
+    m.dtype = lc->dtype;
+    m.experts = lc->experts;
+    m.topk = lc->topk;
+    m.hidden = lc->hidden;
+    m.intermediate = lc->intermediate;
+    m.routing = lc->routing;
+    m.renormalize = lc->renormalize;
+    m.groups = lc->groups;
+    m.n = lc->n;
+    m.k = lc->k;
+    m.path = lc->path;
+    m.prefix = lc->prefix ? lc->prefix : "";
+    uint8_t no_route[1] = {0};
+    struct stat st;
+    bool have_st = stat(lc->path, &st) == 0;
+    layer_handle_load(s, NULL, no_route, 0, 0, &m);
+    struct layer *l = layer_find(s, lc->name);
+    if (!l) {
+        log_err("reload: layer '%s' was refused (moed --check-config names the problem)",
+                lc->name);
+        r->failed++;
+        return;
+    }
+    l->from_config = true;
+    if (have_st)
+        file_track(r, lc->name, &st);
+    snprintf(r->loading[r->n_loading++], sizeof(r->loading[0]), "%s", lc->name);
+    log_info("reload: loading layer '%s' from %s", lc->name, lc->path);
+}
+
+/* Unload what the new configuration no longer names (or names differently),
+ * then load what is new. */
+static void reconcile(struct reload *r)
+{
+    struct server *s = r->s;
+    const struct layer_conf *old = s->cfg->layers, *now = r->next.layers;
+    char (*drop)[65] = NULL;
+    unsigned n_drop = 0, n_layers = 0;
+    for (struct layer *l = s->layers; l; l = l->next)
+        n_layers++;
+    unsigned n_now = conf_count(now);
+    free(r->loading);
+    r->loading = calloc(n_now + 1, sizeof(*r->loading));
+    drop = calloc(n_layers + 1, sizeof(*drop));
+    if (!r->loading || !drop) {
+        free(drop);
+        log_err("reload: out of memory; keeping the running layers");
+        r->failed++;
+        finish(r);
+        return;
+    }
+    for (struct layer *l = s->layers; l; l = l->next) {
+        if (!l->from_config || l->state != LAYER_READY)
+            continue;
+        const struct layer_conf *was = conf_find(old, l->name), *is = conf_find(now, l->name);
+        const char *why = !is ? "its section is gone"
+                          : !was || !conf_same(was, is) ? "its section changed"
+                          : file_replaced(r, l->name, is->path) ? "its file was replaced"
+                                                                 : NULL;
+        if (why) {
+            log_info("reload: unloading layer '%s': %s", l->name, why);
+            snprintf(drop[n_drop++], sizeof(drop[0]), "%s", l->name);
+        }
+    }
+    for (unsigned i = 0; i < n_drop; i++)
+        if (layer_unload(s, drop[i]) == 0)
+            r->unloaded++;
+    free(drop);
+    for (const struct layer_conf *lc = now; lc; lc = lc->next) {
+        struct layer *l = layer_find(s, lc->name);
+        if (l && l->from_config) {
+            r->kept++;
+        } else if (l) {
+            log_warn("reload: not loading layer '%s': a layer of that name was loaded by a "
+                     "client", lc->name);
+            r->failed++;
+        } else {
+            submit_load(r, lc);
+        }
+    }
+    /* The new sections are now the running ones; the old go with r->next. */
+    struct layer_conf *tmp = s->cfg->layers;
+    s->cfg->layers = r->next.layers;
+    r->next.layers = tmp;
+    if (r->n_loading == 0) {
+        finish(r);
+        return;
+    }
+    r->phase = WAIT_LOADS;
+    notify_loading_begin();
+    if (!poll_start(r)) {
+        /* Without the timer the outcome is never checked; the loads still
+         * complete on their own. */
+        log_err("reload: cannot create a timer; not waiting for the loads");
+        finish(r);
+    }
+}
+
+static bool dirs_same(const struct config *a, const struct config *b)
+{
+    if (a->n_allowed_dirs != b->n_allowed_dirs)
+        return false;
+    for (size_t i = 0; i < a->n_allowed_dirs; i++) {
+        bool found = false;
+        for (size_t j = 0; j < b->n_allowed_dirs && !found; j++)
+            found = !strcmp(a->allowed_dirs[i], b->allowed_dirs[j]);
+        if (!found)
+            return false;
+    }
+    return true;
+}
+
+static void swap_dirs(struct config *a, struct config *b)
+{
+    char **d = a->allowed_dirs;
+    size_t n = a->n_allowed_dirs;
+    a->allowed_dirs = b->allowed_dirs;
+    a->n_allowed_dirs = b->n_allowed_dirs;
+    b->allowed_dirs = d;
+    b->n_allowed_dirs = n;
+}
+
+static void on_poll(void *data)
+{
+    struct reload *r = data;
+    struct server *s = r->s;
+    if (r->phase == WAIT_LOADER) {
+        /* Loads run on the loader thread and read cfg->allowed_dirs there;
+         * swap them only while no load is queued or running. */
+        if (worker_pending(s->loader) > 0)
+            return;
+        swap_dirs(s->cfg, &r->next);
+        log_info("reload: %zu allowed directories", s->cfg->n_allowed_dirs);
+        reconcile(r);
+        return;
+    }
+    if (r->phase != WAIT_LOADS)
+        return;
+    for (unsigned i = 0; i < r->n_loading; i++) {
+        struct layer *l = layer_find(s, r->loading[i]);
+        if (l && l->state == LAYER_LOADING)
+            return;
+    }
+    for (unsigned i = 0; i < r->n_loading; i++) {
+        struct layer *l = layer_find(s, r->loading[i]);
+        if (l && l->from_config && l->state == LAYER_READY)
+            r->loaded++;
+        else
+            r->failed++; /* layer.c logged why */
+    }
+    finish(r);
+}
+
+static void warn_restart(const char *key, bool changed)
+{
+    if (changed)
+        log_warn("reload: '%s' changed; it takes effect at the next start", key);
+}
+
+static void reload_begin(struct reload *r)
+{
+    struct server *s = r->s;
+    struct config *c = s->cfg, *n = &r->next;
+    char err[512] = "";
+    r->again = false;
+    r->loaded = r->unloaded = r->kept = r->failed = 0;
+    r->phase = WAIT_LOADER; /* running from here on */
+    if (r->have_next)
+        config_done(n);
+    r->have_next = true;
+    if (r->read(r->read_data, n, err, sizeof(err)) < 0) {
+        log_err("reload: %s; keeping the running configuration", err);
+        r->failed++;
+        finish(r);
+        return;
+    }
+    warn_restart("runtime_dir", strcmp(c->runtime_dir, n->runtime_dir) != 0);
+    warn_restart("backend", strcmp(c->backend, n->backend) != 0);
+    warn_restart("cpu_threads", c->cpu_threads != n->cpu_threads);
+    warn_restart("device", c->device != n->device);
+    warn_restart("max_message_bytes", c->max_message_bytes != n->max_message_bytes);
+    c->log_level = n->log_level;
+    log_set_level((enum log_level)n->log_level);
+    c->max_batch_tokens = n->max_batch_tokens;
+    c->max_delay_us = n->max_delay_us;
+    c->max_request_tokens = n->max_request_tokens;
+    c->max_slice_tokens = n->max_slice_tokens;
+    c->batching = n->batching;
+    c->max_sessions = n->max_sessions;
+    c->max_regions = n->max_regions;
+    c->max_region_bytes = n->max_region_bytes;
+    c->max_session_bytes = n->max_session_bytes;
+    c->max_queued_requests = n->max_queued_requests;
+    c->max_queued_tokens = n->max_queued_tokens;
+    if (dirs_same(c, n)) {
+        reconcile(r);
+        return;
+    }
+    if (!poll_start(r)) {
+        log_err("reload: cannot create a timer; keeping the running layers");
+        r->failed++;
+        finish(r);
+        return;
+    }
+    on_poll(r);
+}
+
+void reload_start(struct reload *r, reload_done_fn done, void *data)
+{
+    if (r->phase != IDLE) {
+        r->again = true;
+        return;
+    }
+    r->done = done;
+    r->done_data = data;
+    reload_begin(r);
+}
+
+/* ---- --check-config ---------------------------------------------------------- */
+
+static int check_tensors(const struct layer_conf *lc, const struct st_file *f, char *err,
+                         size_t errlen)
+{
+    char a[400], b[400];
+    const char *p = lc->prefix ? lc->prefix : "";
+    if (lc->kind == MOE__LAYER_KIND__LAYER_GEMM) {
+        if (st_find(f, p))
+            return 0;
+        snprintf(err, errlen, "no tensor named '%s' in %s", p, lc->path);
+        return -EINVAL;
+    }
+    snprintf(a, sizeof(a), "%sexperts.0.w1.weight", p);
+    snprintf(b, sizeof(b), "%sexperts.0.gate_proj.weight", p);
+    if (st_find(f, a) || st_find(f, b))
+        return 0;
+    snprintf(err, errlen, "no tensor %sexperts.0.w1.weight (nor .gate_proj.weight) in %s", p,
+             lc->path);
+    return -EINVAL;
+}
+
+int reload_check_layers(const struct config *c, char *err, size_t errlen)
+{
+    for (const struct layer_conf *lc = c->layers; lc; lc = lc->next) {
+        char why[512] = "", canon[4096];
+        struct st_file *f = NULL;
+        int rc = conf_check(lc, why, sizeof(why));
+        if (!rc) {
+            int fd = layer_open_allowed(lc->path, c->allowed_dirs, c->n_allowed_dirs, canon,
+                                        sizeof(canon), why, sizeof(why));
+            rc = fd < 0 ? fd : st_open_fd(fd, &f, why, sizeof(why));
+        }
+        if (!rc)
+            rc = check_tensors(lc, f, why, sizeof(why));
+        st_close(&f);
+        if (rc) {
+            snprintf(err, errlen, "layer '%s': %s", lc->name, why);
+            return rc;
+        }
+    }
+    return 0;
+}
