@@ -4,7 +4,9 @@
 #   make test       unit and integration tests (tests/run.sh), summary last
 #   make run        the demo: daemon on a generated layer, a checked forward, a bench
 #   make bench      kernel benchmarks (GPU machine)
-#   make install    PREFIX=/usr/local DESTDIR=
+#   make install    PREFIX=/usr/local DESTDIR= (binaries, library, units, config, man pages)
+#   make uninstall  the same variables: removes what install put there
+#   make deb        build/moed_<version>-1_<arch>.deb with dpkg-deb
 #   make deps       install the Debian build dependencies (apt-get, as root)
 #   SAN=1           build with AddressSanitizer and UndefinedBehaviorSanitizer
 #
@@ -44,7 +46,7 @@ BUILD    := build-san
 endif
 
 DEB_PKGS := libzmq3-dev libprotobuf-c-dev protobuf-c-compiler libsystemd-dev \
-            libcjson-dev libinih-dev pkg-config
+            libcjson-dev libinih-dev pkg-config systemd dpkg-dev
 
 # ---- sources ---------------------------------------------------------------
 PROTO_C   := $(BUILD)/gen/moe.pb-c.c
@@ -162,16 +164,76 @@ run: all
 bench: all
 	@$(MAKE) -C kernels/bench BUILD=$(abspath $(BUILD))
 
+# ---- install, uninstall, deb ----------------------------------------------
+# Install paths; DESTDIR is used only in these rules. Units, sysusers.d and
+# tmpfiles.d go under PREFIX/lib, where systemd also looks for /usr/local.
+BINDIR       ?= $(PREFIX)/bin
+SBINDIR      ?= $(PREFIX)/sbin
+LIBDIR       ?= $(PREFIX)/lib
+INCLUDEDIR   ?= $(PREFIX)/include
+PKGCONFIGDIR ?= $(LIBDIR)/pkgconfig
+SYSCONFDIR   ?= /etc
+UNITDIR      ?= $(PREFIX)/lib/systemd/system
+SYSUSERSDIR  ?= $(PREFIX)/lib/sysusers.d
+TMPFILESDIR  ?= $(PREFIX)/lib/tmpfiles.d
+MANDIR       ?= $(PREFIX)/share/man
+
+INSTALLED := $(SBINDIR)/moed $(BINDIR)/moectl $(LIBDIR)/libmoe.a $(LIBDIR)/libmoe.so.0 \
+             $(LIBDIR)/libmoe.so $(INCLUDEDIR)/moe.h $(PKGCONFIGDIR)/libmoe.pc \
+             $(UNITDIR)/moed.service $(UNITDIR)/moed.socket $(SYSUSERSDIR)/moed.conf \
+             $(TMPFILESDIR)/moed.conf $(MANDIR)/man8/moed.8 $(MANDIR)/man1/moectl.1
+
+# The pkg-config file is written here, not copied from the build, so that it
+# names the PREFIX and LIBDIR of this install. An existing moed.conf is kept.
 install: all
-	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/sbin $(DESTDIR)$(PREFIX)/lib \
-	  $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig
-	install -m 0755 $(BUILD)/moed $(DESTDIR)$(PREFIX)/sbin/moed
-	install -m 0755 $(BUILD)/moectl $(DESTDIR)$(PREFIX)/bin/moectl
-	install -m 0644 $(BUILD)/libmoe.a $(DESTDIR)$(PREFIX)/lib/libmoe.a
-	install -m 0755 $(BUILD)/libmoe.so $(DESTDIR)$(PREFIX)/lib/libmoe.so.0
-	ln -sf libmoe.so.0 $(DESTDIR)$(PREFIX)/lib/libmoe.so
-	install -m 0644 client/moe.h $(DESTDIR)$(PREFIX)/include/moe.h
-	install -m 0644 $(BUILD)/libmoe.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/libmoe.pc
+	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(SBINDIR) $(DESTDIR)$(LIBDIR) \
+	  $(DESTDIR)$(INCLUDEDIR) $(DESTDIR)$(PKGCONFIGDIR) $(DESTDIR)$(UNITDIR) \
+	  $(DESTDIR)$(SYSUSERSDIR) $(DESTDIR)$(TMPFILESDIR) $(DESTDIR)$(SYSCONFDIR)/moed \
+	  $(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(MANDIR)/man8
+	install -m 0755 $(BUILD)/moed $(DESTDIR)$(SBINDIR)/moed
+	install -m 0755 $(BUILD)/moectl $(DESTDIR)$(BINDIR)/moectl
+	install -m 0644 $(BUILD)/libmoe.a $(DESTDIR)$(LIBDIR)/libmoe.a
+	install -m 0755 $(BUILD)/libmoe.so $(DESTDIR)$(LIBDIR)/libmoe.so.0
+	ln -sf libmoe.so.0 $(DESTDIR)$(LIBDIR)/libmoe.so
+	install -m 0644 client/moe.h $(DESTDIR)$(INCLUDEDIR)/moe.h
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' \
+	  -e 's|^libdir=.*|libdir=$(LIBDIR)|' -e 's|^includedir=.*|includedir=$(INCLUDEDIR)|' \
+	  client/libmoe.pc.in > $(DESTDIR)$(PKGCONFIGDIR)/libmoe.pc
+	chmod 0644 $(DESTDIR)$(PKGCONFIGDIR)/libmoe.pc
+	sed -e 's|@SBINDIR@|$(SBINDIR)|g' -e 's|@SYSCONFDIR@|$(SYSCONFDIR)|g' \
+	  packaging/moed.service.in > $(DESTDIR)$(UNITDIR)/moed.service
+	chmod 0644 $(DESTDIR)$(UNITDIR)/moed.service
+	install -m 0644 packaging/moed.socket $(DESTDIR)$(UNITDIR)/moed.socket
+	install -m 0644 packaging/moed.sysusers $(DESTDIR)$(SYSUSERSDIR)/moed.conf
+	install -m 0644 packaging/moed.tmpfiles $(DESTDIR)$(TMPFILESDIR)/moed.conf
+	test -e $(DESTDIR)$(SYSCONFDIR)/moed/moed.conf || \
+	  install -m 0644 packaging/moed.conf $(DESTDIR)$(SYSCONFDIR)/moed/moed.conf
+	install -m 0644 packaging/moed.8 $(DESTDIR)$(MANDIR)/man8/moed.8
+	install -m 0644 packaging/moectl.1 $(DESTDIR)$(MANDIR)/man1/moectl.1
+ifeq ($(DESTDIR),)
+	@echo "note: now run: ldconfig; systemd-sysusers moed.conf; systemd-tmpfiles --create moed.conf; systemctl daemon-reload"
+endif
+
+# moed.conf goes only if it is still the example.
+uninstall:
+	rm -f $(addprefix $(DESTDIR),$(INSTALLED))
+	if cmp -s packaging/moed.conf $(DESTDIR)$(SYSCONFDIR)/moed/moed.conf; then \
+	  rm -f $(DESTDIR)$(SYSCONFDIR)/moed/moed.conf; rmdir $(DESTDIR)$(SYSCONFDIR)/moed 2>/dev/null || true; fi
+
+DEB_VERSION  ?= $(VERSION)-1
+DEB_ARCH      = $(shell dpkg --print-architecture)
+DEB_MULTIARCH = $(shell dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null || $(CC) -print-multiarch)
+DEB           = $(BUILD)/moed_$(DEB_VERSION)_$(DEB_ARCH).deb
+
+# Packages what `make` built (CUDA included when it was): installed into a
+# staging tree with Debian's paths, then packaging/mkdeb.sh and dpkg-deb.
+deb: all
+	rm -rf $(BUILD)/deb
+	$(MAKE) --no-print-directory install DESTDIR=$(abspath $(BUILD)/deb) PREFIX=/usr \
+	  LIBDIR=/usr/lib/$(DEB_MULTIARCH) SYSCONFDIR=/etc
+	packaging/mkdeb.sh $(BUILD)/deb $(DEB_VERSION) $(DEB)
+
+.PHONY: uninstall deb
 
 clean:
 	rm -rf build build-san
