@@ -69,5 +69,5 @@ const char *status_strerror(int err)
     case -EAGAIN: return "not ready yet";
     default: break;
     }
-    return err < 0 ? strerror(-err) : "unknown error";
+    return err < 0 && err > -4096 ? strerror(-err) : "unknown error"; /* -INT_MIN overflows */
 }

@@ -101,6 +101,11 @@ static inline int test_main(int argc, char **argv, const struct test_case *cases
 {
     int failed = 0;
     setvbuf(stdout, NULL, _IOLBF, 0);
+    if (argc > 1 && strcmp(argv[1], "--list") == 0) {
+        for (const struct test_case *tc = cases; tc->name; tc++)
+            printf("%s\n", tc->name);
+        return 0;
+    }
     for (const struct test_case *tc = cases; tc->name; tc++) {
         if (argc > 1 && strcmp(argv[1], tc->name) != 0)
             continue;
