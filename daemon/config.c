@@ -140,7 +140,7 @@ static int parse_u64(const char *v, uint64_t max, uint64_t *out)
     errno = 0;
     if (!v[0] || v[0] == '-')
         return -EINVAL;
-    unsigned long long x = strtoull(v, &end, 0);
+    unsigned long long x = strtoull(v, &end, 10);
     if (errno || *end || x > max)
         return -EINVAL;
     *out = x;
@@ -345,7 +345,7 @@ static int on_ini(void *user, const char *section, const char *key, const char *
         snprintf(p->msg, sizeof(p->msg), "bad value '%s' for '%s' in [%s]%s", value, key, section,
                  !strcmp(key, "allowed_dirs") ? " (each directory must exist)" : "");
     if (rc)
-        p->rc = rc == -ENOENT ? -EINVAL : rc;
+        p->rc = rc == -ENOMEM ? rc : -EINVAL; /* config.h promises -EINVAL for bad text */
     return rc ? 0 : 1;
 }
 
@@ -379,6 +379,43 @@ static int config_parse_with(struct config *c, int rc_ini, struct parse_ctx *p)
     return config_check(c, p->err, p->errlen);
 }
 
+/* inih, as Debian builds it, cuts lines at 199 characters (reading the rest
+ * as a line of its own) and section names at 49. Rather than let a long
+ * comment's tail become a setting, or two long layer names become one,
+ * refuse such text with its line number. */
+#define CONF_MAX_LINE 198
+#define CONF_MAX_SECTION 48
+
+static int config_scan(const char *text, char *err, size_t errlen)
+{
+    int line = 1;
+    for (const char *p = text; *p; line++) {
+        const char *end = strchr(p, '\n');
+        size_t len = end ? (size_t)(end - p) : strlen(p);
+        if (len > CONF_MAX_LINE) {
+            snprintf(err, errlen, "line %d: longer than %d characters", line, CONF_MAX_LINE);
+            return -EINVAL;
+        }
+        const char *q = p;
+        while (q < p + len && (*q == ' ' || *q == '\t'))
+            q++;
+        if (q < p + len && *q == '[') {
+            const char *close = memchr(q, ']', (size_t)(p + len - q));
+            if (close && close - q - 1 > CONF_MAX_SECTION) {
+                snprintf(err, errlen,
+                         "line %d: section name longer than %d characters (layer names in the "
+                         "configuration file are limited to %d)", line, CONF_MAX_SECTION,
+                         CONF_MAX_SECTION - 6);
+                return -EINVAL;
+            }
+        }
+        p = end ? end + 1 : p + len;
+    }
+    return 0;
+}
+
+#define CONFIG_MAX_BYTES (1u << 20)
+
 int config_load(struct config *c, const char *path, char *err, size_t errlen)
 {
     FILE *fp = fopen(path, "re");
@@ -387,15 +424,29 @@ int config_load(struct config *c, const char *path, char *err, size_t errlen)
         snprintf(err, errlen, "cannot open %s: %s", path, strerror(-e));
         return e;
     }
-    struct parse_ctx p = {c, err, errlen, 0, ""};
-    int rc = ini_parse_file(fp, on_ini, &p);
+    char *text = malloc(CONFIG_MAX_BYTES + 1);
+    size_t n = text ? fread(text, 1, CONFIG_MAX_BYTES + 1, fp) : 0;
+    int bad = ferror(fp);
     fclose(fp);
-    return config_parse_with(c, rc, &p);
+    if (!text)
+        return -ENOMEM;
+    if (bad || n > CONFIG_MAX_BYTES) {
+        free(text);
+        snprintf(err, errlen, "%s: %s", path, bad ? "read error" : "larger than 1 MiB");
+        return bad ? -EIO : -EINVAL;
+    }
+    text[n] = '\0';
+    int rc = config_parse_string(c, text, err, errlen);
+    free(text);
+    return rc;
 }
 
 int config_parse_string(struct config *c, const char *text, char *err, size_t errlen)
 {
     struct parse_ctx p = {c, err, errlen, 0, ""};
-    int rc = ini_parse_string(text, on_ini, &p);
+    int rc = config_scan(text, err, errlen);
+    if (rc)
+        return rc;
+    rc = ini_parse_string(text, on_ini, &p);
     return config_parse_with(c, rc, &p);
 }

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "daemon/layer.h"
@@ -57,9 +58,28 @@ int layer_open_allowed(const char *path, char *const *allowed, size_t n_allowed,
                     "no directories are allowed for weight files (set allowed_dirs)");
     char *real = realpath(path, NULL);
     if (!real) {
+        /* Say "not found" only where the caller may look: the directory
+         * that would hold the file, with every link and ".." resolved, lies
+         * inside, and the name is no link (a dangling link may point out). */
         int e = errno;
-        /* Say "not found" only where the caller may look. */
-        if (e == ENOENT && under_any(path, allowed, n_allowed))
+        bool inside = false;
+        if (e == ENOENT) {
+            char dir[PATH_MAX], *slash;
+            struct stat st;
+            snprintf(dir, sizeof(dir), "%s", path);
+            slash = strrchr(dir, '/');
+            const char *base = slash ? slash + 1 : dir;
+            if (slash && strcmp(base, "..") && strcmp(base, ".") && lstat(path, &st) < 0) {
+                *slash = '\0';
+                char *rdir = realpath(dir[0] ? dir : "/", NULL);
+                char file[PATH_MAX];
+                if (rdir && snprintf(file, sizeof(file), "%s/%s", strcmp(rdir, "/") ? rdir : "",
+                                     base) < (int)sizeof(file))
+                    inside = under_any(file, allowed, n_allowed);
+                free(rdir);
+            }
+        }
+        if (inside)
             return fail(err, errlen, -ENOENT, "%s: no such file", path);
         return fail(err, errlen, -EACCES, "%s is outside the allowed directories", path);
     }
@@ -67,11 +87,18 @@ int layer_open_allowed(const char *path, char *const *allowed, size_t n_allowed,
         free(real);
         return fail(err, errlen, -EACCES, "%s is outside the allowed directories", path);
     }
-    int fd = open(real, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY);
+    /* O_NONBLOCK: a FIFO must not hang the loader waiting for a writer. */
+    int fd = open(real, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY | O_NONBLOCK);
     if (fd < 0) {
         int e = -errno;
         free(real);
         return fail(err, errlen, e, "%s: %s", path, strerror(-e));
+    }
+    struct stat fst;
+    if (fstat(fd, &fst) < 0 || !S_ISREG(fst.st_mode)) {
+        close(fd);
+        free(real);
+        return fail(err, errlen, -EIO, "%s is not a regular file", path);
     }
     /* The file opened is the one checked, whatever was renamed in between. */
     char link[64], got[PATH_MAX];
@@ -187,7 +214,7 @@ static int read_moe(const struct layer_spec *spec, const struct st_file *f,
     if (I == 0 || H == 0 || I > (1u << 20) || H > (1u << 20))
         return fail(err, errlen, -EINVAL, "hidden %llu / intermediate %llu out of range",
                     (unsigned long long)H, (unsigned long long)I);
-    int dtype = spec->dtype ? spec->dtype : st_to_wire(g0->dtype);
+    int dtype = st_to_wire(g0->dtype) ? (spec->dtype ? spec->dtype : st_to_wire(g0->dtype)) : 0;
     if (!dtype)
         return fail(err, errlen, -ENOTSUP, "%s has dtype %s; bf16, fp16 and fp32 are supported",
                     g0->name, st_dtype_name(g0->dtype));

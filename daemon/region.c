@@ -24,14 +24,17 @@ int region_new(int fd, uint64_t declared_size, uint64_t max_size,
         return -EINVAL;
     if (declared_size > max_size)
         return -EDQUOT;
+    /* Seals first, size second: once sealed the size cannot change, so the
+     * size checked is the size mapped. (The other order lets a client shrink
+     * the file between the two checks, seal it, and make the daemon fault.) */
+    int seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0)
+        return errno == EBADF ? -EBADF : -EINVAL; /* EINVAL: not a sealable file */
+    if ((seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW))
+        return -EINVAL;
     if (fstat(fd, &st) < 0)
         return -errno;
     if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size != declared_size)
-        return -EINVAL;
-    int seals = fcntl(fd, F_GET_SEALS);
-    if (seals < 0)
-        return -EINVAL; /* not a memfd or other sealable file */
-    if ((seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW))
         return -EINVAL;
     if (declared_size > SIZE_MAX)
         return -EDQUOT;

@@ -19,6 +19,8 @@ void hist_add(struct hist *h, uint64_t v)
     h->buckets[i]++;
     h->count++;
     h->sum += v;
+    if (v > h->max)
+        h->max = v;
 }
 
 uint64_t hist_quantile(const struct hist *h, double q)
@@ -32,9 +34,9 @@ uint64_t hist_quantile(const struct hist *h, double q)
     for (int i = 0; i < HIST_BUCKETS; i++) {
         seen += h->buckets[i];
         if (seen > want)
-            return hist_bucket_le(i);
+            return hist_bucket_le(i) < h->max ? hist_bucket_le(i) : h->max;
     }
-    return hist_bucket_le(HIST_BUCKETS - 1);
+    return h->max;
 }
 
 void ring_add(struct ring *r, uint64_t v)

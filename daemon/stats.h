@@ -14,6 +14,7 @@
 struct hist {
     uint64_t count;
     uint64_t sum;
+    uint64_t max;
     uint64_t buckets[HIST_BUCKETS];
 };
 
