@@ -13,6 +13,14 @@
  * of them instead of waiting for the whole prefill. Rows are computed
  * independently, so a client's result does not depend on its batch.
  *
+ * Clients that send their next request as soon as the last one returns
+ * (decode loops) fall into groups that alternate on the device: while one
+ * group's batch runs, the others queue. After a batch of several clients,
+ * the batcher therefore waits (at most return_wait_us) until every session
+ * it just served has a request queued again, so the groups merge into one
+ * batch that reads the weights once. A lone client never waits: its own
+ * next request is the one awaited.
+ *
  * Copying every input out of shared memory before the launch is also what
  * makes a client's concurrent writes harmless: ids are range-checked in the
  * daemon's own copy.
@@ -33,6 +41,7 @@
 struct batch_item {
     struct request *req;
     int row0, rows;
+    uint64_t session_id;
 };
 
 struct batch_job {
@@ -410,6 +419,9 @@ static void batch_done(struct job *job)
     struct batch_job *bj = (struct batch_job *)job;
     struct server *s = bj->s;
     struct stats *st = &s->stats;
+    /* Requests are freed below; keep their sessions for the wait. */
+    for (uint32_t i = 0; i < bj->n_items; i++)
+        bj->items[i].session_id = bj->items[i].req->session_id;
     st->batches++;
     hist_add(&st->batch_requests, bj->n_items);
     hist_add(&st->batch_tokens, bj->tokens);
@@ -434,6 +446,21 @@ static void batch_done(struct job *job)
         }
         if (!req->queued && req->rows_done == req->next_row)
             request_finish(s, req);
+    }
+    /* Remember who was served, to wait for them (see the top). */
+    s->n_awaited = 0;
+    if (bj->n_items >= 2 && s->cfg->return_wait_us && s->cfg->batching) {
+        for (uint32_t i = 0; i < bj->n_items && s->n_awaited < ARRAY_SIZE(s->awaited); i++) {
+            uint64_t sid = bj->items[i].session_id;
+            bool dup = false;
+            for (uint32_t j = 0; j < s->n_awaited && !dup; j++)
+                dup = s->awaited[j] == sid;
+            if (!dup)
+                s->awaited[s->n_awaited++] = sid;
+        }
+        if (s->n_awaited < 2)
+            s->n_awaited = 0;
+        s->awaited_until_us = now_us() + s->cfg->return_wait_us;
     }
     layer_unref(s, &bj->layer);
     free(bj->items);
@@ -469,7 +496,7 @@ static int batch_add(struct batch_job *bj, struct request *req, int rows)
         bj->items = n;
         bj->cap_items = cap;
     }
-    bj->items[bj->n_items++] = (struct batch_item){req, req->next_row, rows};
+    bj->items[bj->n_items++] = (struct batch_item){req, req->next_row, rows, req->session_id};
     req->next_row += rows;
     bj->tokens += (uint64_t)rows;
     return 0;
@@ -482,8 +509,37 @@ static void on_delay_timer(void *data)
 
 /* With max_delay_us, a batch that is not yet full waits until its oldest
  * request has waited that long. True if the caller should wait. */
+/* Arm the delay timer to fire at `due`; false if it cannot be armed. */
+static bool delay_until(struct server *s, uint64_t due, uint64_t now)
+{
+    if (!s->delay_timer)
+        s->delay_timer = loop_timer(s->loop, 0, on_delay_timer, s);
+    return s->delay_timer && loop_timer_set(s->delay_timer, due - now, 0) == 0;
+}
+
+/* True while a session served by the last batch has not come back. */
+static bool batch_awaiting_returns(struct server *s, struct layer *l, uint64_t now)
+{
+    if (!s->n_awaited)
+        return false;
+    if (now >= s->awaited_until_us || s->draining ||
+        l->queued_tokens >= s->cfg->max_batch_tokens) {
+        s->n_awaited = 0;
+        return false;
+    }
+    for (uint32_t i = 0; i < s->n_awaited; i++) {
+        struct session *se = session_by_id(s, s->awaited[i]);
+        if (se && se->queued_requests == 0)
+            return delay_until(s, s->awaited_until_us, now);
+    }
+    s->n_awaited = 0;
+    return false;
+}
+
 static bool batch_should_wait(struct server *s, struct layer *l, uint64_t now)
 {
+    if (batch_awaiting_returns(s, l, now))
+        return true;
     uint64_t delay = s->cfg->max_delay_us;
     if (!delay || !s->cfg->batching || s->draining ||
         l->queued_tokens >= s->cfg->max_batch_tokens)
@@ -491,11 +547,7 @@ static bool batch_should_wait(struct server *s, struct layer *l, uint64_t now)
     uint64_t due = l->queue_head->arrival_us + delay;
     if (now >= due)
         return false;
-    if (!s->delay_timer)
-        s->delay_timer = loop_timer(s->loop, 0, on_delay_timer, s);
-    if (!s->delay_timer || loop_timer_set(s->delay_timer, due - now, 0) < 0)
-        return false; /* cannot wait: run now rather than never */
-    return true;
+    return delay_until(s, due, now); /* cannot wait: run now rather than never */
 }
 
 void batch_kick(struct server *s)

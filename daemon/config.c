@@ -46,6 +46,7 @@ int config_init(struct config *c)
     c->max_delay_us = 0;
     c->max_request_tokens = 65536;
     c->max_slice_tokens = 1024;
+    c->return_wait_us = 300;
     c->batching = true;
     c->max_sessions = 256;
     c->max_regions = 64;
@@ -226,6 +227,7 @@ static const struct num_key num_keys[] = {
     NUM32("batch", "max_delay_us", max_delay_us, 0, 10000000),
     NUM32("batch", "max_request_tokens", max_request_tokens, 1, 1u << 24),
     NUM32("batch", "max_slice_tokens", max_slice_tokens, 1, 1u << 24),
+    NUM32("batch", "return_wait_us", return_wait_us, 0, 1000000),
     NUM32("limits", "max_sessions", max_sessions, 1, 65536),
     NUM32("limits", "max_regions", max_regions, 1, 65536),
     NUM64("limits", "max_region_bytes", max_region_bytes, 1),

@@ -15,6 +15,8 @@
  *   max_delay_us = 0          ; wait this long for more requests when the device frees
  *   max_request_tokens = 65536
  *   max_slice_tokens = 1024   ; rows one request adds to a batch (long prefills run in slices)
+ *   return_wait_us = 300      ; after a batch of several clients, wait up to this long for
+ *                             ; those clients' next requests (0: never)
  *   batching = true           ; false: every request runs alone (for comparison)
  *
  *   [limits]
@@ -67,6 +69,7 @@ struct config {
     uint32_t max_delay_us;
     uint32_t max_request_tokens;
     uint32_t max_slice_tokens;
+    uint32_t return_wait_us;
     bool batching;
 
     uint32_t max_sessions;

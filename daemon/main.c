@@ -33,7 +33,7 @@ struct cli {
     const char *runtime_dir, *backend;
     const char *allow[64];
     int n_allow, threads, log_level;
-    uint32_t mbt, mdu, mst;
+    uint32_t mbt, mdu, mst, rwu;
     bool no_batch;
 };
 
@@ -68,6 +68,8 @@ static void usage(FILE *f)
             "      --max-batch-tokens N tokens in one batched launch (default 4096)\n"
             "      --max-delay-us N     wait up to N us for more requests (default 0)\n"
             "      --max-slice-tokens N rows one request adds to a batch (default 1024)\n"
+            "      --return-wait-us N   after a batch of several clients, wait up to N us for\n"
+            "                           their next requests (default 300; 0: never)\n"
             "      --no-batch           run every request alone (to measure what batching gains)\n"
             "  -l, --log-level LEVEL    err, warning, notice, info (default), debug\n"
             "      --demo               generate and serve the demo layers 'demo' and 'demo-gemm'\n"
@@ -114,6 +116,8 @@ static int cli_apply(const struct cli *o, struct config *c, char *err, size_t er
         c->max_slice_tokens = o->mst;
     if (o->no_batch)
         c->batching = false;
+    if (o->rwu != UINT32_MAX)
+        c->return_wait_us = o->rwu;
     if (o->log_level >= 0)
         c->log_level = o->log_level;
     return 0;
@@ -255,7 +259,7 @@ static int setup_signals(struct daemon *d)
 
 int main(int argc, char **argv)
 {
-    enum { OPT_CHECK = 256, OPT_MBT, OPT_MDU, OPT_MST, OPT_NOBATCH, OPT_DEMO };
+    enum { OPT_CHECK = 256, OPT_MBT, OPT_MDU, OPT_MST, OPT_RWU, OPT_NOBATCH, OPT_DEMO };
     static const struct option opts[] = {
         {"config", required_argument, NULL, 'c'},
         {"check-config", no_argument, NULL, OPT_CHECK},
@@ -267,13 +271,14 @@ int main(int argc, char **argv)
         {"max-delay-us", required_argument, NULL, OPT_MDU},
         {"max-slice-tokens", required_argument, NULL, OPT_MST},
         {"no-batch", no_argument, NULL, OPT_NOBATCH},
+        {"return-wait-us", required_argument, NULL, OPT_RWU},
         {"log-level", required_argument, NULL, 'l'},
         {"demo", no_argument, NULL, OPT_DEMO},
         {"help", no_argument, NULL, 'h'},
         {"version", no_argument, NULL, 'V'},
         {0},
     };
-    struct daemon d = {.sigfd = -1, .cli = {.threads = -1, .log_level = -1, .mdu = UINT32_MAX}};
+    struct daemon d = {.sigfd = -1, .cli = {.threads = -1, .log_level = -1, .mdu = UINT32_MAX, .rwu = UINT32_MAX}};
     struct cli *o = &d.cli;
     char err[512] = "";
     bool check_only = false, demo = false;
@@ -317,6 +322,12 @@ int main(int argc, char **argv)
             }
             break;
         case OPT_NOBATCH: o->no_batch = true; break;
+        case OPT_RWU:
+            if (parse_u32_arg(optarg, &o->rwu) < 0 || o->rwu > 1000000) {
+                log_err("--return-wait-us needs a number of microseconds up to 1000000");
+                return 2;
+            }
+            break;
         case 'l':
             if ((o->log_level = log_level_parse(optarg)) < 0) {
                 log_err("unknown log level '%s'", optarg);

@@ -145,6 +145,11 @@ struct server {
     struct layer *layers;
     bool batch_running;     /* a batch is on the compute worker */
     struct loop_watch *delay_timer; /* max_delay_us: wake to start a batch */
+    /* Sessions served by the batch that just completed, which the batcher
+     * waits for (up to return_wait_us) before starting a smaller batch. */
+    uint64_t awaited[64];
+    uint32_t n_awaited;
+    uint64_t awaited_until_us;
     uint32_t queued_total;
 
     struct stats stats;

@@ -364,6 +364,72 @@ TEST(max_delay_waits_for_more_requests)
     itest_daemon_stop(&d);
 }
 
+/* Clients in a decode loop fall into groups that alternate on the device;
+ * waiting for the sessions just served merges them into one batch. With a
+ * generous return_wait_us, four lock-step clients always share a batch;
+ * a lone client never waits for anyone. */
+TEST(returning_clients_are_merged)
+{
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--return-wait-us", "200000", NULL);
+    moe_client *c = itest_connect(&d, "itest");
+    struct itest_layer L = make_layer("rw", 8, 2, 64, 64);
+    itest_layer_upload(c, &L, &seed);
+    struct itest_fwd lone;
+    itest_fwd_make(c, &L, 1, &seed, &lone);
+    moe_timings tm;
+    for (int i = 0; i < 20; i++) {
+        CHECK(moe_forward(c, &lone.args, &tm) == 0);
+        CHECK_MSG(tm.queue_us < 20000, "a lone client waited %llu us", (unsigned long long)tm.queue_us);
+    }
+    enum { N = 4, ROUNDS = 60 };
+    uint32_t *full = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    pid_t pids[N];
+    for (int i = 0; i < N; i++) {
+        pids[i] = fork();
+        if (pids[i] == 0) {
+            uint64_t s2 = seed + (uint64_t)i;
+            moe_client *cc = itest_connect(&d, "loop");
+            struct itest_fwd f;
+            itest_fwd_make(cc, &L, 1, &s2, &f);
+            /* Start together: a client that runs alone first is no test. */
+            __atomic_add_fetch(&full[N], 1, __ATOMIC_SEQ_CST);
+            while (__atomic_load_n(&full[N], __ATOMIC_SEQ_CST) < N)
+                itest_sleep_ms(1);
+            /* Until two requests happen to meet, each runs alone at once
+             * (low load never waits), so clients drift apart by a few
+             * rounds; once all four have met they stay together until the
+             * first one finishes. A short batch before then is a failure. */
+            int merged_at = -1;
+            for (int r = 0; r < ROUNDS; r++) {
+                moe_timings t2;
+                CHECK(moe_forward(cc, &f.args, &t2) == 0);
+                if (t2.batch_requests == N && merged_at < 0)
+                    merged_at = r;
+                else if (merged_at >= 0 && t2.batch_requests != N &&
+                         __atomic_load_n(&full[N + 1], __ATOMIC_SEQ_CST) == 0)
+                    full[i]++;
+            }
+            __atomic_add_fetch(&full[N + 1], 1, __ATOMIC_SEQ_CST);
+            CHECK_MSG(merged_at >= 0, "client %d never shared a batch with all (round %d)", i,
+                      merged_at);
+            CHECK(itest_fwd_error(&L, &f) <= itest_tolerance(L.dt));
+            _exit(0);
+        }
+    }
+    wait_children(pids, N);
+    uint32_t shorts = 0;
+    for (int i = 0; i < N; i++)
+        shorts += full[i];
+    fprintf(stderr, "  %u requests ran short of all %d clients between meeting and the first "
+            "leaving\n", shorts, N);
+    CHECK_EQ_INT(shorts, 0);
+    moe_disconnect(&c);
+    itest_layer_free(&L);
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -374,5 +440,6 @@ int main(int argc, char **argv)
         TEST_CASE(killed_client_queue_vanishes),
         TEST_CASE(prefill_does_not_starve_decode),
         TEST_CASE(max_delay_waits_for_more_requests),
+        TEST_CASE(returning_clients_are_merged),
         {0}});
 }
