@@ -117,7 +117,7 @@ $(BUILD)/obj/%.o: %.c $(PROTO_H) | $(BUILD)/.deps
 	@echo "  CC      $<"
 	$(Q)$(CC) $(CFLAGS) -c -o $@ $<
 
-$(BUILD)/obj/%.o: %.cu kernels/moe_kernels.h
+$(BUILD)/obj/%.o: %.cu kernels/moe_kernels.h $(wildcard kernels/cuda/*.cuh kernels/cuda/*.h)
 	@mkdir -p $(dir $@)
 	@echo "  NVCC    $<"
 	$(Q)$(NVCC) $(NVCCFLAGS) -c -o $@ $<
