@@ -47,6 +47,7 @@ int config_init(struct config *c)
     c->max_request_tokens = 65536;
     c->max_slice_tokens = 1024;
     c->return_wait_us = 300;
+    c->spin_us = CONFIG_SPIN_AUTO;
     c->batching = true;
     c->max_sessions = 256;
     c->max_regions = 64;
@@ -228,6 +229,7 @@ static const struct num_key num_keys[] = {
     NUM32("batch", "max_request_tokens", max_request_tokens, 1, 1u << 24),
     NUM32("batch", "max_slice_tokens", max_slice_tokens, 1, 1u << 24),
     NUM32("batch", "return_wait_us", return_wait_us, 0, 1000000),
+    NUM32("batch", "spin_us", spin_us, 0, 100000),
     NUM32("limits", "max_sessions", max_sessions, 1, 65536),
     NUM32("limits", "max_regions", max_regions, 1, 65536),
     NUM64("limits", "max_region_bytes", max_region_bytes, 1),
@@ -323,6 +325,8 @@ static int on_ini(void *user, const char *section, const char *key, const char *
         rc = daemon_key(p->c, key, value);
     else if (!strcmp(section, "batch") && !strcmp(key, "batching"))
         rc = parse_bool(value, &p->c->batching);
+    else if (!strcmp(section, "batch") && !strcmp(key, "spin_us") && !strcmp(value, "auto"))
+        rc = (p->c->spin_us = CONFIG_SPIN_AUTO, 0);
     else if (!strcmp(section, "batch") || !strcmp(section, "limits"))
         rc = num_key(p->c, section, key, value);
     else if (!strncmp(section, "layer ", 6)) {

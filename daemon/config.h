@@ -18,6 +18,8 @@
  *   return_wait_us = 300      ; after a batch of several clients, wait up to this long for
  *                             ; those clients' next requests (0: never)
  *   batching = true           ; false: every request runs alone (for comparison)
+ *   spin_us = auto            ; spin this long for a batch to finish instead of sleeping
+ *                             ; (auto: 200 with a GPU, 0 on the CPU backend)
  *
  *   [limits]
  *   max_sessions = 256
@@ -56,6 +58,8 @@ struct layer_conf {
     struct layer_conf *next;
 };
 
+#define CONFIG_SPIN_AUTO UINT32_MAX
+
 struct config {
     char *runtime_dir;
     char **allowed_dirs;     /* canonical absolute paths */
@@ -70,6 +74,7 @@ struct config {
     uint32_t max_request_tokens;
     uint32_t max_slice_tokens;
     uint32_t return_wait_us;
+    uint32_t spin_us;       /* CONFIG_SPIN_AUTO: by backend */
     bool batching;
 
     uint32_t max_sessions;

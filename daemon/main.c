@@ -33,7 +33,7 @@ struct cli {
     const char *runtime_dir, *backend;
     const char *allow[64];
     int n_allow, threads, log_level;
-    uint32_t mbt, mdu, mst, rwu;
+    uint32_t mbt, mdu, mst, rwu, spin;
     bool no_batch;
 };
 
@@ -70,6 +70,8 @@ static void usage(FILE *f)
             "      --max-slice-tokens N rows one request adds to a batch (default 1024)\n"
             "      --return-wait-us N   after a batch of several clients, wait up to N us for\n"
             "                           their next requests (default 300; 0: never)\n"
+            "      --spin-us N          spin up to N us for a batch to finish instead of sleeping\n"
+            "                           (default: 200 with a GPU, 0 on the CPU backend)\n"
             "      --no-batch           run every request alone (to measure what batching gains)\n"
             "  -l, --log-level LEVEL    err, warning, notice, info (default), debug\n"
             "      --demo               generate and serve the demo layers 'demo' and 'demo-gemm'\n"
@@ -118,6 +120,8 @@ static int cli_apply(const struct cli *o, struct config *c, char *err, size_t er
         c->batching = false;
     if (o->rwu != UINT32_MAX)
         c->return_wait_us = o->rwu;
+    if (o->spin != UINT32_MAX)
+        c->spin_us = o->spin;
     if (o->log_level >= 0)
         c->log_level = o->log_level;
     return 0;
@@ -259,7 +263,7 @@ static int setup_signals(struct daemon *d)
 
 int main(int argc, char **argv)
 {
-    enum { OPT_CHECK = 256, OPT_MBT, OPT_MDU, OPT_MST, OPT_RWU, OPT_NOBATCH, OPT_DEMO };
+    enum { OPT_CHECK = 256, OPT_MBT, OPT_MDU, OPT_MST, OPT_RWU, OPT_SPIN, OPT_NOBATCH, OPT_DEMO };
     static const struct option opts[] = {
         {"config", required_argument, NULL, 'c'},
         {"check-config", no_argument, NULL, OPT_CHECK},
@@ -272,13 +276,14 @@ int main(int argc, char **argv)
         {"max-slice-tokens", required_argument, NULL, OPT_MST},
         {"no-batch", no_argument, NULL, OPT_NOBATCH},
         {"return-wait-us", required_argument, NULL, OPT_RWU},
+        {"spin-us", required_argument, NULL, OPT_SPIN},
         {"log-level", required_argument, NULL, 'l'},
         {"demo", no_argument, NULL, OPT_DEMO},
         {"help", no_argument, NULL, 'h'},
         {"version", no_argument, NULL, 'V'},
         {0},
     };
-    struct daemon d = {.sigfd = -1, .cli = {.threads = -1, .log_level = -1, .mdu = UINT32_MAX, .rwu = UINT32_MAX}};
+    struct daemon d = {.sigfd = -1, .cli = {.threads = -1, .log_level = -1, .mdu = UINT32_MAX, .rwu = UINT32_MAX, .spin = UINT32_MAX}};
     struct cli *o = &d.cli;
     char err[512] = "";
     bool check_only = false, demo = false;
@@ -322,6 +327,12 @@ int main(int argc, char **argv)
             }
             break;
         case OPT_NOBATCH: o->no_batch = true; break;
+        case OPT_SPIN:
+            if (parse_u32_arg(optarg, &o->spin) < 0 || o->spin > 100000) {
+                log_err("--spin-us needs a number of microseconds up to 100000");
+                return 2;
+            }
+            break;
         case OPT_RWU:
             if (parse_u32_arg(optarg, &o->rwu) < 0 || o->rwu > 1000000) {
                 log_err("--return-wait-us needs a number of microseconds up to 1000000");

@@ -21,6 +21,14 @@ static inline uint64_t now_us(void)
     return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
 }
 
+/* A hint inside spin loops. */
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
 /* a * b into *out; false on overflow. */
 static inline bool mul_u64(uint64_t a, uint64_t b, uint64_t *out)
 {

@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,6 +26,10 @@ struct worker {
     bool stop;
     uint64_t busy_since_us; /* 0 when idle */
     unsigned pending;       /* loop thread only */
+    /* Spinning (worker_set_spin): jobs queued and finished, readable
+     * without the lock, so either side can poll instead of sleeping. */
+    atomic_uint queued_n, finished_n;
+    unsigned spin_us;
     int efd;
     struct loop *loop;
     struct loop_watch *watch;
@@ -37,6 +42,15 @@ static void *worker_main(void *arg)
     pthread_setname_np(pthread_self(), w->name);
     pthread_mutex_lock(&w->mu);
     for (;;) {
+        if (!w->queue && !w->stop && w->spin_us) {
+            /* The next job often follows at once: a futex wake-up costs
+             * more than a short spin, on a virtual machine tens of us. */
+            pthread_mutex_unlock(&w->mu);
+            uint64_t until = now_us() + w->spin_us;
+            while (!atomic_load_explicit(&w->queued_n, memory_order_acquire) && now_us() < until)
+                cpu_relax();
+            pthread_mutex_lock(&w->mu);
+        }
         while (!w->queue && !w->stop)
             pthread_cond_wait(&w->cv, &w->mu);
         if (!w->queue && w->stop)
@@ -45,6 +59,7 @@ static void *worker_main(void *arg)
         w->queue = j->next;
         if (!w->queue)
             w->queue_tail = NULL;
+        atomic_fetch_sub_explicit(&w->queued_n, 1, memory_order_release);
         w->busy_since_us = now_us();
         pthread_mutex_unlock(&w->mu);
 
@@ -58,6 +73,7 @@ static void *worker_main(void *arg)
         else
             w->finished = j;
         w->finished_tail = j;
+        atomic_fetch_add_explicit(&w->finished_n, 1, memory_order_release);
         uint64_t one = 1;
         ssize_t r = write(w->efd, &one, sizeof(one));
         (void)r;
@@ -71,6 +87,7 @@ static void worker_drain_finished(struct worker *w)
     pthread_mutex_lock(&w->mu);
     struct job *j = w->finished;
     w->finished = w->finished_tail = NULL;
+    atomic_store_explicit(&w->finished_n, 0, memory_order_relaxed);
     pthread_mutex_unlock(&w->mu);
     while (j) {
         struct job *next = j->next;
@@ -151,8 +168,26 @@ void worker_submit(struct worker *w, struct job *job)
     else
         w->queue = job;
     w->queue_tail = job;
+    atomic_fetch_add_explicit(&w->queued_n, 1, memory_order_release);
     pthread_cond_signal(&w->cv);
     pthread_mutex_unlock(&w->mu);
+}
+
+void worker_set_spin(struct worker *w, unsigned us)
+{
+    w->spin_us = us;
+}
+
+bool worker_poll(struct worker *w, unsigned spin_us)
+{
+    uint64_t until = now_us() + spin_us;
+    while (!atomic_load_explicit(&w->finished_n, memory_order_acquire)) {
+        if (now_us() >= until)
+            return false;
+        cpu_relax();
+    }
+    worker_drain_finished(w);
+    return true;
 }
 
 unsigned worker_pending(const struct worker *w)

@@ -11,6 +11,7 @@
 #define MOED_WORKER_H
 
 #include <stdbool.h>
+#include <stdint.h>
 
 struct loop;
 struct worker;
@@ -27,6 +28,15 @@ void worker_free(struct worker **w);
 
 /* Queue a job; the worker owns it until job->done is called. */
 void worker_submit(struct worker *w, struct job *job);
+
+/* Spin up to us microseconds for the next job before sleeping (0: never).
+ * For backends whose jobs are short and frequent (a GPU's decode batches),
+ * where a sleeping thread's wake-up costs more than the spin. */
+void worker_set_spin(struct worker *w, unsigned us);
+
+/* Loop thread: spin up to spin_us for a job to finish; if one did, run its
+ * done() now and return true (the eventfd's later wake-up finds nothing). */
+bool worker_poll(struct worker *w, unsigned spin_us);
 
 /* Jobs submitted whose done() has not yet run. Loop thread only. */
 unsigned worker_pending(const struct worker *w);

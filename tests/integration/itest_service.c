@@ -338,7 +338,9 @@ TEST(sigterm_drains_requests_in_flight)
         itest_fwd_make(c, &L, 256, &seed, &f[i]);
         CHECK(moe_forward_submit(c, &f[i].args, &rq[i]) == 0);
     }
-    itest_sleep_ms(5);
+    /* Requests on one connection arrive in order: once this Hello is
+     * answered, the daemon holds all three. */
+    CHECK(moe_hello(c, NULL) == 0);
     kill(d.pid, SIGTERM);
     for (int i = 0; i < 3; i++) {
         CHECK_MSG(moe_wait(c, &rq[i], 20000, NULL) == 0, "request %d: %s", i, moe_errmsg());
