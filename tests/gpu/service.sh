@@ -43,8 +43,8 @@ fi
 
 if has itest; then
 echo "### integration tests against the CUDA backend (each case bounded)"
-for t in itest_service itest_batch itest_badinput; do
-    for c in $(.carry/tests/$t --list 2>/dev/null); do
+for t in ${ITESTS:-itest_service itest_batch itest_badinput}; do
+    for c in ${ITEST_CASES:-$(.carry/tests/$t --list 2>/dev/null)}; do
         MOE_TEST_BACKEND=cuda BUILD=.carry/bin timeout ${ITEST_TIMEOUT:-60} .carry/tests/$t $c \
             >"$OUT/itest.log" 2>&1
         echo "$t $c: exit $?; $(grep -E '^(PASS|FAIL|SKIP)|check failed|:[0-9]+: ' "$OUT/itest.log" | head -3 | tr '\n' ' ')"
@@ -87,6 +87,16 @@ for c in 1 4 16 32; do
     done
 done
 $M stats | tee "$OUT/stats.txt"
+kill $!; wait
+fi
+
+if has compare; then
+echo "### the same daemon without spinning, and without waiting for returning clients"
+start_daemon /tmp/moed-cmp --spin-us 0 --return-wait-us 0 || exit 1
+M="$B/moectl -r /tmp/moed-cmp"
+$M load mixtral --random --experts 8 --topk 2 --hidden 4096 --intermediate 14336 >/dev/null || exit 1
+$M forward --layer mixtral --tokens 1 --repeat 3000 | sed 's/^/spin 0: /'
+$M bench --layer mixtral --clients 32 --tokens 1 --seconds "$SECONDS_PER" --json | sed 's/^/no return wait: /'
 kill $!; wait
 fi
 echo "### done"
