@@ -4,7 +4,10 @@
 #include "daemon/notify.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
+#include <stdarg.h>
+#include <stddef.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,6 +16,7 @@
 #include <sys/un.h>
 #include <systemd/sd-daemon.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "daemon/log.h"
 #include "daemon/reload.h"
@@ -24,6 +28,48 @@
  * this often. */
 #define LOAD_EXTEND_US 30000000ull
 #define LOAD_CHECK_US 5000000ull
+
+/*
+ * sd_notify(3) without waiting on the service manager: a datagram to
+ * $NOTIFY_SOCKET sent with MSG_DONTWAIT. sd_notify() blocks when the
+ * receiver lags (a unix datagram socket queues at most
+ * net.unix.max_dgram_qlen messages, 10 by default), and the serving loop
+ * must not stop for that. WATCHDOG=1 and STATUS= that cannot go now are
+ * dropped (for the watchdog, what a manager too stuck to read would see
+ * anyway); a state change (must) waits up to a second for room.
+ */
+static void notify_send(bool must, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void notify_send(bool must, const char *fmt, ...)
+{
+    const char *e = getenv("NOTIFY_SOCKET");
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    char msg[1024];
+    size_t len = e ? strlen(e) : 0;
+    if (!len || (e[0] != '/' && e[0] != '@') || len >= sizeof(sa.sun_path))
+        return;
+    memcpy(sa.sun_path, e, len);
+    if (sa.sun_path[0] == '@')
+        sa.sun_path[0] = '\0'; /* an abstract socket */
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        return;
+    size_t mlen = (size_t)n < sizeof(msg) ? (size_t)n : sizeof(msg) - 1;
+    int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return;
+    /* Connected, so that POLLOUT says whether the receiver has room. */
+    if (connect(fd, (struct sockaddr *)&sa,
+                (socklen_t)(offsetof(struct sockaddr_un, sun_path) + len)) == 0 &&
+        send(fd, msg, mlen, MSG_DONTWAIT | MSG_NOSIGNAL) < 0 && errno == EAGAIN && must) {
+        struct pollfd p = {fd, POLLOUT, 0};
+        if (poll(&p, 1, 1000) == 1)
+            (void)!send(fd, msg, mlen, MSG_DONTWAIT | MSG_NOSIGNAL);
+    }
+    close(fd);
+}
 
 static uint64_t watchdog_us;
 static bool watchdog_read;
@@ -135,12 +181,12 @@ void notify_ready(struct server *s)
     char st[200];
     watchdog_interval();
     status_line(s, st, sizeof(st));
-    sd_notifyf(0, "READY=1\nSTATUS=%s", st);
+    notify_send(true, "READY=1\nSTATUS=%s", st);
 }
 
 void notify_stopping(struct server *s)
 {
-    sd_notifyf(0, "STOPPING=1\nSTATUS=draining %u pending requests", server_pending(s));
+    notify_send(true, "STOPPING=1\nSTATUS=draining %u pending requests", server_pending(s));
 }
 
 uint64_t notify_tick_interval_us(void)
@@ -163,11 +209,11 @@ void notify_tick(struct server *s)
     if (status)
         status_line(s, st, sizeof(st));
     if (alive && status)
-        sd_notifyf(0, "WATCHDOG=1\nSTATUS=%s", st);
+        notify_send(false, "WATCHDOG=1\nSTATUS=%s", st);
     else if (alive)
-        sd_notify(0, "WATCHDOG=1");
+        notify_send(false, "WATCHDOG=1");
     else if (status)
-        sd_notifyf(0, "STATUS=%s", st);
+        notify_send(false, "STATUS=%s", st);
 }
 
 /* ---- reload ------------------------------------------------------------ */
@@ -179,7 +225,7 @@ static void reload_finished(void *data, unsigned failed)
     if (s->draining)
         return; /* STOPPING=1 was sent; READY=1 would contradict it */
     status_line(s, st, sizeof(st));
-    sd_notifyf(0, "READY=1\nSTATUS=%s%s", failed ? "reloaded with errors (see the log): " : "", st);
+    notify_send(true, "READY=1\nSTATUS=%s%s", failed ? "reloaded with errors (see the log): " : "", st);
 }
 
 void notify_reload(struct server *s, struct reload *r)
@@ -189,7 +235,7 @@ void notify_reload(struct server *s, struct reload *r)
     if (!reload_running(r)) {
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
-        sd_notifyf(0, "RELOADING=1\nMONOTONIC_USEC=%llu\nSTATUS=reloading the configuration",
+        notify_send(true, "RELOADING=1\nMONOTONIC_USEC=%llu\nSTATUS=reloading the configuration",
                    (unsigned long long)ts.tv_sec * 1000000ull +
                        (unsigned long long)ts.tv_nsec / 1000);
     }
@@ -251,7 +297,7 @@ static void *keeper_main(void *arg)
         cpu = cpu2;
         layers = keeper.layers_begun;
         if (progress) {
-            sd_notifyf(0, "EXTEND_TIMEOUT_USEC=%llu", (unsigned long long)LOAD_EXTEND_US);
+            notify_send(false, "EXTEND_TIMEOUT_USEC=%llu", (unsigned long long)LOAD_EXTEND_US);
             stalled = false;
         } else if (!stalled) {
             log_warn("loading weights: no progress in %llu s; no longer extending the start-up "
@@ -285,7 +331,7 @@ void notify_loading_layer(const char *name, unsigned index, unsigned count)
     pthread_mutex_lock(&keeper.mu);
     keeper.layers_begun++;
     pthread_mutex_unlock(&keeper.mu);
-    sd_notifyf(0, "EXTEND_TIMEOUT_USEC=%llu\nSTATUS=loading layer '%s' (%u of %u)",
+    notify_send(true, "EXTEND_TIMEOUT_USEC=%llu\nSTATUS=loading layer '%s' (%u of %u)",
                (unsigned long long)LOAD_EXTEND_US, name, index, count);
 }
 
