@@ -435,12 +435,14 @@ static void reload_begin(struct reload *r)
     warn_restart("cpu_threads", c->cpu_threads != n->cpu_threads);
     warn_restart("device", c->device != n->device);
     warn_restart("max_message_bytes", c->max_message_bytes != n->max_message_bytes);
+    warn_restart("spin_us", c->spin_us != n->spin_us);
     c->log_level = n->log_level;
     log_set_level((enum log_level)n->log_level);
     c->max_batch_tokens = n->max_batch_tokens;
     c->max_delay_us = n->max_delay_us;
     c->max_request_tokens = n->max_request_tokens;
     c->max_slice_tokens = n->max_slice_tokens;
+    c->return_wait_us = n->return_wait_us;
     c->batching = n->batching;
     c->max_sessions = n->max_sessions;
     c->max_regions = n->max_regions;

@@ -15,8 +15,9 @@
  *     a client's layer already holds is not loaded (a warning says so).
  *
  * Batching limits, quotas, allowed_dirs and log_level take effect at once;
- * runtime_dir, backend, cpu_threads, device and max_message_bytes need a
- * restart (a warning says so). Reload loads run on the loader thread, like
+ * runtime_dir, backend, cpu_threads, device, spin_us and max_message_bytes
+ * need a restart (a warning says so). A new setting is applied here too, or
+ * listed among those that need a restart. Reload loads run on the loader thread, like
  * clients' loads, so serving and the watchdog go on meanwhile.
  */
 #ifndef MOED_RELOAD_H
