@@ -26,6 +26,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <pwd.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 
@@ -315,6 +316,8 @@ static void sd_start(struct itest_daemon *d, struct nlisten *nl, const char *wat
             dup2(fd, 1);
             dup2(fd, 2);
         }
+        /* A failed test must not leave its daemon running. */
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
         char pid[32];
         snprintf(pid, sizeof(pid), "%d", (int)getpid());
         setenv("NOTIFY_SOCKET", nl->path, 1);
@@ -709,6 +712,7 @@ static pid_t spawn(const char *log, char *const *argv)
             dup2(fd, 1);
             dup2(fd, 2);
         }
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
         unsetenv("LISTEN_FDS");
         unsetenv("LISTEN_PID");
         unsetenv("LISTEN_FDNAMES");
@@ -1203,6 +1207,7 @@ TEST(journal_prefixes_and_log_level)
         pid_t pid = fork();
         CHECK(pid >= 0);
         if (pid == 0) {
+            prctl(PR_SET_PDEATHSIG, SIGTERM);
             dup2(fd, 2);
             setenv("JOURNAL_STREAM", js, 1);
             unsetenv("NOTIFY_SOCKET");
