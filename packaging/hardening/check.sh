@@ -19,7 +19,11 @@ backend=$1 moed=$(readlink -f "$2") moectl=$(readlink -f "$3") sx=$(readlink -f 
 allow=$(readlink -f "$5")
 base=/run/moed-hcheck
 nobody=65534
-mkdir -p "$base"
+# The sandbox hides /tmp and /home, where a build may live: run copies.
+mkdir -p "$base/bin"
+cp "$moed" "$sx" "$allow" "$base/bin/"
+moed=$base/bin/$(basename "$moed") sx=$base/bin/$(basename "$sx") allow=$base/bin/$(basename "$allow")
+chmod -R a+rX "$base"
 
 # DeviceAllow= of moed.service, as cgroup v1 device rules.
 device_rules() {
