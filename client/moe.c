@@ -688,6 +688,11 @@ static void layer_info_from(const Moe__LayerInfo *li, moe_layer_info *o)
     o->weight_bytes = li->weight_bytes;
     o->requests = li->requests;
     o->tokens = li->tokens;
+    for (size_t i = 0; i < li->n_devices && i < 16; i++) {
+        o->devices[i] = li->devices[i];
+        o->device_bytes[i] = i < li->n_device_bytes ? li->device_bytes[i] : 0;
+        o->n_devices++;
+    }
 }
 
 int moe_layer_load(moe_client *c, const moe_layer_desc *d, moe_layer_info *info)
@@ -715,6 +720,10 @@ int moe_layer_load(moe_client *c, const moe_layer_desc *d, moe_layer_info *info)
     m.w1 = wire_tensor(&d->w1, &t1);
     m.w3 = wire_tensor(&d->w3, &t3);
     m.w2 = wire_tensor(&d->w2, &t2);
+    m.n_devices = d->devices ? d->n_devices : 0;
+    m.devices = (uint32_t *)d->devices;
+    m.n_expert_device = d->expert_device ? d->n_expert_device : 0;
+    m.expert_device = (uint32_t *)d->expert_device;
     req.body_case = MOE__REQUEST__BODY_LOAD_LAYER;
     req.load_layer = &m;
     Moe__Reply *rep = NULL;

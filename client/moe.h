@@ -178,6 +178,12 @@ typedef struct moe_layer_desc {
     const char *prefix;         /* MOE: name prefix; GEMM: tensor name */
     /* ... or uploaded from regions: MOE w1/w3 [E,I,H], w2 [E,H,I]; GEMM w1. */
     moe_tensor w1, w3, w2;
+    /* MOE: spread the experts over these devices (NULL: device 0 alone),
+     * evenly in contiguous ranges or as expert_device ([experts]) says. */
+    const uint32_t *devices;
+    size_t n_devices;
+    const uint32_t *expert_device;
+    size_t n_expert_device;
 } moe_layer_desc;
 
 typedef struct moe_layer_info {
@@ -191,6 +197,10 @@ typedef struct moe_layer_info {
     char source[512];
     uint64_t weight_bytes;
     uint64_t requests, tokens;
+    /* Where the weights live: devices and the bytes on each. */
+    int n_devices;
+    uint32_t devices[16];
+    uint64_t device_bytes[16];
 } moe_layer_info;
 
 /* Load a layer; info (may be NULL) receives what the daemon loaded. */

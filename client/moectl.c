@@ -40,6 +40,7 @@ static void usage(FILE *f)
             "  layers                       the loaded layers\n"
             "  load NAME (--file F [--prefix P] | --random) [--kind moe|gemm] [--topk K] [--experts E]\n"
             "       [--hidden H] [--intermediate I] [--dtype D] [--routing R] [--no-renormalize]\n"
+            "       [--devices 0,1] [--placement DEVICE_OF_EACH_EXPERT,...]\n"
             "                               load a layer from a safetensors file, or upload\n"
             "                               random weights of the given shape\n"
             "  unload NAME                  unload a layer\n"

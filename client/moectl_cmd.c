@@ -52,6 +52,26 @@ unsigned long long moectl_num(const char *opt, const char *v)
     return x;
 }
 
+size_t moectl_list(const char *opt, const char *v, uint32_t *out, size_t max)
+{
+    size_t n = 0;
+    const char *p = v;
+    while (*p && n < max) {
+        char *end;
+        errno = 0;
+        unsigned long x = strtoul(p, &end, 10);
+        if (end == p || errno || x > 65535 || (*end && *end != ','))
+            break;
+        out[n++] = (uint32_t)x;
+        p = *end ? end + 1 : end;
+    }
+    if (*p || n == 0) {
+        fprintf(stderr, "moectl: %s needs a comma-separated list of numbers, not '%s'\n", opt, v);
+        return 0;
+    }
+    return n;
+}
+
 const char *moectl_dtype_name(moe_dtype dt)
 {
     switch (dt) {
@@ -249,6 +269,12 @@ int cmd_layers(const char *rt, int argc, char **argv)
                    l->groups, l->n, l->k, moectl_dtype_name(l->dtype),
                    (double)l->weight_bytes / (1 << 20), (unsigned long long)l->requests,
                    (unsigned long long)l->tokens, l->source);
+        if (l->n_devices > 1 || (l->n_devices == 1 && l->devices[0] != 0)) {
+            printf("%-20s   experts on devices:", "");
+            for (int d = 0; d < l->n_devices; d++)
+                printf(" %u (%.1f MiB)", l->devices[d], (double)l->device_bytes[d] / (1 << 20));
+            printf("\n");
+        }
     }
     return 0;
 }
@@ -256,7 +282,7 @@ int cmd_layers(const char *rt, int argc, char **argv)
 int cmd_load(const char *rt, int argc, char **argv)
 {
     enum { O_FILE = 1, O_PREFIX, O_KIND, O_TOPK, O_E, O_H, O_I, O_DT, O_ROUTE, O_NORENORM,
-           O_G, O_N, O_K, O_RANDOM, O_SEED };
+           O_G, O_N, O_K, O_RANDOM, O_SEED, O_DEVICES, O_PLACEMENT };
     static const struct option o[] = {
         {"file", required_argument, NULL, O_FILE}, {"prefix", required_argument, NULL, O_PREFIX},
         {"kind", required_argument, NULL, O_KIND}, {"topk", required_argument, NULL, O_TOPK},
@@ -266,8 +292,10 @@ int cmd_load(const char *rt, int argc, char **argv)
         {"no-renormalize", no_argument, NULL, O_NORENORM},
         {"groups", required_argument, NULL, O_G}, {"n", required_argument, NULL, O_N},
         {"k", required_argument, NULL, O_K}, {"random", no_argument, NULL, O_RANDOM},
-        {"seed", required_argument, NULL, O_SEED}, {0},
+        {"seed", required_argument, NULL, O_SEED}, {"devices", required_argument, NULL, O_DEVICES},
+        {"placement", required_argument, NULL, O_PLACEMENT}, {0},
     };
+    static uint32_t devs[16], place[4096];
     moe_layer_desc d = {.renormalize = 1, .topk = 0};
     int c, random = 0;
     uint64_t seed = 1;
@@ -302,6 +330,16 @@ int cmd_load(const char *rt, int argc, char **argv)
         case O_NORENORM: d.renormalize = 0; break;
         case O_RANDOM: random = 1; break;
         case O_SEED: seed = moectl_num("--seed", optarg); break;
+        case O_DEVICES:
+            if ((d.n_devices = moectl_list("--devices", optarg, devs, 16)) == 0)
+                return 2;
+            d.devices = devs;
+            break;
+        case O_PLACEMENT:
+            if ((d.n_expert_device = moectl_list("--placement", optarg, place, 4096)) == 0)
+                return 2;
+            d.expert_device = place;
+            break;
         default: return 2;
         }
     }

@@ -323,7 +323,13 @@ static void run_moe(struct batch_job *bj)
         .x = x, .logits = given ? NULL : logits, .ids = given ? ids : NULL,
         .weights = given ? w : NULL, .tokens = (int)row, .out = out,
     };
-    bj->rc = bj->s->backend->ops->moe_run(bj->s->backend, l->weights, &io);
+    if (l->shards.n)
+        bj->rc = shard_run(&l->shards, bj->s->backends, &l->shape, l->dt,
+                           l->routing == MOE__ROUTING__ROUTING_SIGMOID ? MOEK_SCORING_SIGMOID
+                                                                      : MOEK_SCORING_SOFTMAX,
+                           l->renormalize, &io);
+    else
+        bj->rc = bj->s->backend->ops->moe_run(bj->s->backend, l->weights, &io);
     if (bj->rc) {
         snprintf(bj->err, sizeof(bj->err), "%s backend failed: %s", bj->s->backend->name,
                  strerror(-bj->rc));

@@ -66,6 +66,7 @@ static void layer_conf_free(struct layer_conf *l)
         free(l->name);
         free(l->path);
         free(l->prefix);
+        free(l->expert_devices);
         free(l);
         l = next;
     }
@@ -157,6 +158,44 @@ static int parse_bool(const char *v, bool *out)
         *out = false;
     else
         return -EINVAL;
+    return 0;
+}
+
+/* "0,1,1,2": up to max numbers below 2^16. */
+static int parse_u32_list(const char *v, size_t max, uint32_t **out, size_t *n)
+{
+    uint32_t *list = calloc(max, sizeof(uint32_t));
+    size_t k = 0;
+    if (!list)
+        return -ENOMEM;
+    const char *p = v;
+    while (*p) {
+        char *end;
+        while (*p == ' ')
+            p++;
+        errno = 0;
+        unsigned long x = strtoul(p, &end, 10);
+        if (end == p || errno || x > 65535 || k == max) {
+            free(list);
+            return -EINVAL;
+        }
+        list[k++] = (uint32_t)x;
+        p = end;
+        while (*p == ' ')
+            p++;
+        if (*p == ',')
+            p++;
+        else if (*p) {
+            free(list);
+            return -EINVAL;
+        }
+    }
+    if (k == 0) {
+        free(list);
+        return -EINVAL;
+    }
+    *out = list;
+    *n = k;
     return 0;
 }
 
@@ -291,6 +330,22 @@ static int layer_key(struct layer_conf *l, const char *k, const char *v)
         return set_str(&l->path, v);
     if (!strcmp(k, "prefix"))
         return set_str(&l->prefix, v);
+    if (!strcmp(k, "devices")) {
+        uint32_t *list = NULL;
+        size_t n = 0;
+        int rc = parse_u32_list(v, 16, &list, &n);
+        if (!rc) {
+            memcpy(l->devices, list, n * sizeof(uint32_t));
+            l->n_devices = n;
+        }
+        free(list);
+        return rc;
+    }
+    if (!strcmp(k, "expert_devices")) {
+        free(l->expert_devices);
+        l->expert_devices = NULL;
+        return parse_u32_list(v, 4096, &l->expert_devices, &l->n_expert_devices);
+    }
     static const struct {
         const char *name;
         size_t off;

@@ -36,6 +36,8 @@
  *   prefix = model.layers.0.block_sparse_moe.
  *   experts = 8  topk = 2  hidden = 4096  intermediate = 14336 (one per line)
  *   dtype = bf16  routing = softmax  renormalize = true
+ *   devices = 0,1             ; spread the experts over these devices (default: 0)
+ *   expert_devices = 0,0,1,1  ; optional: the device of each expert
  */
 #ifndef MOED_CONFIG_H
 #define MOED_CONFIG_H
@@ -55,6 +57,10 @@ struct layer_conf {
     uint32_t groups, n, k;
     char *path;
     char *prefix;
+    uint32_t devices[16];          /* devices = 0,1: experts spread over them */
+    size_t n_devices;
+    uint32_t *expert_devices;      /* expert_devices = 0,0,1,1,...: a device per expert */
+    size_t n_expert_devices;
     struct layer_conf *next;
 };
 

@@ -27,6 +27,11 @@ struct load_job {
     /* Upload from regions instead of a file. */
     bool upload;
     struct tensor_ref w1, w3, w2;
+    /* Expert parallelism: the devices, and optionally a device per expert. */
+    uint32_t devices[MAX_DEVICES];
+    int n_devices;
+    uint32_t *expert_map;
+    int n_map;
     /* The reply goes here. */
     uint8_t route_id[ROUTE_ID_MAX];
     size_t route_len;
@@ -59,6 +64,8 @@ void layer_unref(struct server *s, struct layer **lp)
         return;
     if (l->weights)
         s->backend->ops->weights_free(s->backend, l->weights);
+    shard_done(&l->shards, s->backends);
+    free(l->place_expert);
     free(l);
 }
 
@@ -70,6 +77,26 @@ static void layer_unlink(struct server *s, struct layer *l)
             break;
         }
     l->unloaded = true;
+}
+
+/* Record where the weights ended up, for LayerInfo. */
+static void layer_set_placement(struct layer *l)
+{
+    const struct shard_set *set = &l->shards;
+    if (set->n == 0) {
+        l->n_place = 1;
+        l->place_devices[0] = 0;
+        l->place_bytes[0] = l->weight_bytes;
+        return;
+    }
+    l->n_place = set->n;
+    for (int i = 0; i < set->n; i++) {
+        l->place_devices[i] = (uint32_t)set->shards[i].device;
+        l->place_bytes[i] = set->shards[i].bytes;
+    }
+    l->place_expert = calloc((size_t)set->experts, sizeof(uint32_t));
+    for (int e = 0; l->place_expert && e < set->experts; e++)
+        l->place_expert[e] = (uint32_t)set->shards[set->expert_shard[e]].device;
 }
 
 /* Loader thread: read (or take from regions), then hand to the backend. */
@@ -110,6 +137,14 @@ static void load_run(struct job *job)
         lj->rc = -EINVAL;
         snprintf(lj->err, sizeof(lj->err), "topk %d must be between 1 and the %d experts",
                  l->shape.topk, l->shape.experts);
+    } else if (l->kind == MOE__LAYER_KIND__LAYER_MOE && lj->n_devices > 0) {
+        lj->rc = shard_plan(l->shape.experts, lj->devices, lj->n_devices, lj->expert_map, lj->n_map,
+                            lj->s->n_backends, &l->shards, lj->err, sizeof(lj->err));
+        if (!lj->rc)
+            lj->rc = shard_upload(&l->shards, lj->s->backends, &l->shape, l->dt, w1, w3, w2,
+                                  lj->err, sizeof(lj->err));
+        if (lj->rc)
+            shard_done(&l->shards, lj->s->backends);
     } else if (l->kind == MOE__LAYER_KIND__LAYER_MOE) {
         moek_scoring sc = l->routing == MOE__ROUTING__ROUTING_SIGMOID ? MOEK_SCORING_SIGMOID
                                                                      : MOEK_SCORING_SOFTMAX;
@@ -124,6 +159,8 @@ static void load_run(struct job *job)
     l->weight_bytes = hw.bytes;
     snprintf(l->source, sizeof(l->source), "%s", hw.source);
     host_weights_done(&hw);
+    if (!lj->rc)
+        layer_set_placement(l);
 }
 
 static void load_job_free(struct load_job *lj)
@@ -133,6 +170,7 @@ static void load_job_free(struct load_job *lj)
     tensor_ref_done(&lj->w2);
     free(lj->path);
     free(lj->prefix);
+    free(lj->expert_map);
     free(lj);
 }
 
@@ -224,6 +262,43 @@ static bool tensor_is(const struct tensor_ref *t, int dtype, uint64_t a, uint64_
            t->shape[2] == c;
 }
 
+/* Devices for a layer's experts: a list (with an optional device per
+ * expert); nothing, or device 0 alone, keeps the layer whole on device 0. */
+static int load_job_devices(struct server *s, struct load_job *lj, int kind, const uint32_t *devs,
+                            size_t n_devs, const uint32_t *map, size_t n_map, char *err,
+                            size_t errlen)
+{
+    if (n_devs == 0 && n_map == 0)
+        return 0;
+    if (kind != MOE__LAYER_KIND__LAYER_MOE) {
+        snprintf(err, errlen, "only MoE layers spread their experts over devices");
+        return -EINVAL;
+    }
+    if (n_devs == 0 || n_devs > MAX_DEVICES) {
+        snprintf(err, errlen, "%zu devices listed (1 to %d)", n_devs, MAX_DEVICES);
+        return -EINVAL;
+    }
+    for (size_t i = 0; i < n_devs; i++)
+        if ((int)devs[i] >= s->n_backends) {
+            snprintf(err, errlen, "device %u does not exist (this daemon has %d)", devs[i],
+                     s->n_backends);
+            return -EINVAL;
+        }
+    if (n_devs == 1 && devs[0] == 0 && n_map == 0)
+        return 0;
+    memcpy(lj->devices, devs, n_devs * sizeof(uint32_t));
+    lj->n_devices = (int)n_devs;
+    if (n_map) {
+        if (n_map > 4096 || !(lj->expert_map = malloc(n_map * sizeof(uint32_t)))) {
+            snprintf(err, errlen, "expert placement of %zu entries refused", n_map);
+            return -EINVAL;
+        }
+        memcpy(lj->expert_map, map, n_map * sizeof(uint32_t));
+        lj->n_map = (int)n_map;
+    }
+    return 0;
+}
+
 void layer_handle_load(struct server *s, struct session *se, const uint8_t *route_id,
                        size_t route_len, uint64_t req_id, const void *msg)
 {
@@ -304,6 +379,9 @@ void layer_handle_load(struct server *s, struct session *se, const uint8_t *rout
         sp->path = lj->path;
         sp->prefix = lj->prefix;
     }
+    if (!rc)
+        rc = load_job_devices(s, lj, sp->kind, m->devices, m->n_devices, m->expert_device,
+                              m->n_expert_device, err, sizeof(err));
     if (!rc && !(lj->layer = layer_reserve(s, m->name)))
         rc = -ENOMEM;
     if (rc) {
@@ -331,13 +409,19 @@ int layer_load_conf(struct server *s, const struct layer_conf *lc, char *err, si
     };
     struct layer tmp = {0};
     int rc = layer_declare(&tmp, &lj.spec, lc->routing, lc->renormalize, err, errlen);
-    if (rc)
+    if (!rc)
+        rc = load_job_devices(s, &lj, lc->kind, lc->devices, lc->n_devices, lc->expert_devices,
+                              lc->n_expert_devices, err, errlen);
+    if (rc) {
+        free(lj.expert_map);
         return rc;
+    }
     lj.layer = layer_reserve(s, lc->name);
     if (!lj.layer)
         return -ENOMEM;
     layer_declare(lj.layer, &lj.spec, lc->routing, lc->renormalize, err, errlen);
     load_run(&lj.job);
+    free(lj.expert_map);
     if (lj.rc) {
         snprintf(err, errlen, "%s", lj.err);
         layer_unlink(s, lj.layer);

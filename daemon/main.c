@@ -33,7 +33,7 @@ struct cli {
     const char *runtime_dir, *backend;
     const char *allow[64];
     int n_allow, threads, log_level;
-    uint32_t mbt, mdu, mst, rwu, spin;
+    uint32_t mbt, mdu, mst, rwu, spin, vdev;
     bool no_batch;
 };
 
@@ -44,7 +44,9 @@ struct daemon {
     struct reload *reload;
     struct loop *loop;
     struct server *server;
-    struct backend *backend;
+    struct backend *backend;        /* backends[0] */
+    struct backend *backends[MAX_DEVICES];
+    int n_backends;
     struct loop_watch *sig_watch;
     struct loop_watch *tick;
     int sigfd;
@@ -73,6 +75,8 @@ static void usage(FILE *f)
             "      --spin-us N          spin up to N us for a batch to finish instead of sleeping\n"
             "                           (default: 200 with a GPU, 0 on the CPU backend)\n"
             "      --no-batch           run every request alone (to measure what batching gains)\n"
+            "      --virtual-devices N  with --backend cpu: N devices (threads split between\n"
+            "                           them) for layers whose experts are spread over devices\n"
             "  -l, --log-level LEVEL    err, warning, notice, info (default), debug\n"
             "      --demo               generate and serve the demo layers 'demo' and 'demo-gemm'\n"
             "  -h, --help               this text\n"
@@ -145,6 +149,24 @@ static int read_config(void *data, struct config *out, char *err, size_t errlen)
     if ((rc = cli_apply(&d->cli, out, err, errlen)) == -ENOMEM)
         snprintf(err, errlen, "out of memory");
     return rc;
+}
+
+/* The CPU backend as n virtual devices, each with its share of the threads,
+ * so that layers spread over devices are served (and tested) without GPUs. */
+static int open_virtual_devices(const struct config *c, uint32_t n, struct backend **out)
+{
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    int total = c->cpu_threads > 0 ? c->cpu_threads : (int)(cpus > 0 ? cpus : 1);
+    int each = total / (int)n > 0 ? total / (int)n : 1;
+    for (uint32_t i = 0; i < n; i++) {
+        int rc = backend_cpu_new(each, &out[i]);
+        if (rc) {
+            while (i > 0)
+                backend_free(&out[--i]);
+            return rc;
+        }
+    }
+    return 0;
 }
 
 /* backend_open() always takes GPU 0; [daemon] device picks another one. */
@@ -263,7 +285,8 @@ static int setup_signals(struct daemon *d)
 
 int main(int argc, char **argv)
 {
-    enum { OPT_CHECK = 256, OPT_MBT, OPT_MDU, OPT_MST, OPT_RWU, OPT_SPIN, OPT_NOBATCH, OPT_DEMO };
+    enum { OPT_CHECK = 256, OPT_MBT, OPT_MDU, OPT_MST, OPT_RWU, OPT_SPIN, OPT_VDEV, OPT_NOBATCH,
+           OPT_DEMO };
     static const struct option opts[] = {
         {"config", required_argument, NULL, 'c'},
         {"check-config", no_argument, NULL, OPT_CHECK},
@@ -277,6 +300,7 @@ int main(int argc, char **argv)
         {"no-batch", no_argument, NULL, OPT_NOBATCH},
         {"return-wait-us", required_argument, NULL, OPT_RWU},
         {"spin-us", required_argument, NULL, OPT_SPIN},
+        {"virtual-devices", required_argument, NULL, OPT_VDEV},
         {"log-level", required_argument, NULL, 'l'},
         {"demo", no_argument, NULL, OPT_DEMO},
         {"help", no_argument, NULL, 'h'},
@@ -327,6 +351,12 @@ int main(int argc, char **argv)
             }
             break;
         case OPT_NOBATCH: o->no_batch = true; break;
+        case OPT_VDEV:
+            if (parse_u32_arg(optarg, &o->vdev) < 0 || o->vdev < 1 || o->vdev > MAX_DEVICES) {
+                log_err("--virtual-devices needs a number from 1 to %d", MAX_DEVICES);
+                return 2;
+            }
+            break;
         case OPT_SPIN:
             if (parse_u32_arg(optarg, &o->spin) < 0 || o->spin > 100000) {
                 log_err("--spin-us needs a number of microseconds up to 100000");
@@ -375,17 +405,31 @@ int main(int argc, char **argv)
         return rc < 0 ? 1 : 0;
     }
 
-    if ((rc = open_backend(&d.cfg, &d.backend)) < 0) {
+    if (d.cli.vdev > 1) {
+        if (strcmp(d.cfg.backend, "cpu") != 0) {
+            log_err("--virtual-devices needs --backend cpu");
+            return 2;
+        }
+        rc = open_virtual_devices(&d.cfg, d.cli.vdev, d.backends);
+        d.n_backends = rc < 0 ? 0 : (int)d.cli.vdev;
+    } else {
+        rc = open_backend(&d.cfg, &d.backends[0]);
+        d.n_backends = rc < 0 ? 0 : 1;
+    }
+    if (rc < 0) {
         log_err("cannot open the %s backend: %s", d.cfg.backend,
                 rc == -ENODEV ? "no usable GPU (or moed was built without CUDA)" : strerror(-rc));
         return 1;
     }
-    struct backend_device dev;
-    if (d.backend->ops->devices(d.backend, &dev, 1) == 1)
-        log_info("backend %s: %s", d.backend->name, dev.name);
+    d.backend = d.backends[0];
+    for (int i = 0; i < d.n_backends; i++) {
+        struct backend_device dev;
+        if (d.backends[i]->ops->devices(d.backends[i], &dev, 1) == 1)
+            log_info("backend %s, device %d: %s", d.backends[i]->name, i, dev.name);
+    }
 
     if ((rc = loop_new(&d.loop)) < 0 || (rc = setup_signals(&d)) < 0 ||
-        (rc = server_new(&d.cfg, d.backend, d.loop, &d.server)) < 0 ||
+        (rc = server_new(&d.cfg, d.backends, d.n_backends, d.loop, &d.server)) < 0 ||
         (rc = reload_new(d.server, read_config, &d, &d.reload)) < 0) {
         log_err("cannot start: %s", strerror(-rc));
         return 1;
@@ -451,7 +495,9 @@ int main(int argc, char **argv)
     loop_unwatch(d.loop, &d.sig_watch);
     reload_free(&d.reload);
     server_free(&d.server);
-    backend_free(&d.backend);
+    for (int i = 0; i < d.n_backends; i++)
+        backend_free(&d.backends[i]);
+    d.backend = NULL;
     loop_free(&d.loop);
     close_fd(&d.sigfd);
     config_done(&d.cfg);

@@ -72,7 +72,11 @@ static void handle_hello(struct server *s, const uint8_t *rid, size_t rlen, cons
                            m->hello->protocol_version, PROTOCOL_VERSION);
         return;
     }
-    int nd = s->backend->ops->devices(s->backend, devs, 16);
+    int nd = 0;
+    for (int b = 0; b < s->n_backends && nd < 16; b++) {
+        int got = s->backends[b]->ops->devices(s->backends[b], devs + nd, 16 - nd);
+        nd += got > 0 ? got : 0;
+    }
     for (int i = 0; i < nd; i++) {
         moe__device_info__init(&di[i]);
         di[i].name = devs[i].name;
@@ -491,14 +495,19 @@ static void server_before_sleep(void *data)
     batch_kick(s);
 }
 
-int server_new(struct config *cfg, struct backend *backend, struct loop *loop,
-               struct server **out)
+int server_new(struct config *cfg, struct backend **backends, int n_backends,
+               struct loop *loop, struct server **out)
 {
+    if (n_backends < 1 || n_backends > MAX_DEVICES)
+        return -EINVAL;
     struct server *s = calloc(1, sizeof(*s));
     if (!s)
         return -ENOMEM;
     s->cfg = cfg;
-    s->backend = backend;
+    for (int i = 0; i < n_backends; i++)
+        s->backends[i] = backends[i];
+    s->n_backends = n_backends;
+    s->backend = backends[0];
     s->loop = loop;
     s->listen_fd = -1;
     s->zfd = -1;

@@ -20,6 +20,7 @@
 
 #include "daemon/backend.h"
 #include "daemon/config.h"
+#include "daemon/shard.h"
 #include "daemon/stats.h"
 #include "daemon/worker.h"
 #include "kernels/moe_kernels.h"
@@ -108,7 +109,14 @@ struct layer {
     uint32_t groups, n, k;
     char source[512];
     uint64_t weight_bytes;
-    void *weights;          /* backend handle */
+    void *weights;          /* backend handle (device 0), or NULL when sharded */
+    struct shard_set shards; /* experts on several devices (shards.n > 0) */
+    /* Where the weights live, for LayerInfo: devices and their bytes, and
+     * with shards the device of each expert. */
+    int n_place;
+    uint32_t place_devices[16];
+    uint64_t place_bytes[16];
+    uint32_t *place_expert;
     enum layer_state state;
     bool unloaded;          /* removed from the registry, freed at refs 0 */
     bool from_config;       /* named by the configuration: a reload may unload it */
@@ -120,10 +128,14 @@ struct layer {
     struct layer *next;
 };
 
+#define MAX_DEVICES 16
+
 struct server {
     struct config *cfg;
     struct loop *loop;
-    struct backend *backend;
+    struct backend *backend;        /* the home device: backends[0] */
+    struct backend *backends[MAX_DEVICES];
+    int n_backends;
     struct worker *compute;
     struct worker *loader;
 
@@ -162,8 +174,10 @@ struct server {
 };
 
 /* server.c */
-int server_new(struct config *cfg, struct backend *backend, struct loop *loop,
-               struct server **out);
+/* backends[0] is the home device; the others hold shards of layers whose
+ * experts are spread over devices. The server borrows them. */
+int server_new(struct config *cfg, struct backend **backends, int n_backends,
+               struct loop *loop, struct server **out);
 void server_free(struct server **s);
 /* Bind the session socket and the ZeroMQ endpoint; an fd >= 0 is one that
  * systemd passed (socket activation) and is used instead of binding. */

@@ -124,4 +124,10 @@ void wire_layer_info(const struct layer *l, void *out)
     info->weight_bytes = l->weight_bytes;
     info->requests = l->requests;
     info->tokens = l->tokens;
+    info->n_devices = info->n_device_bytes = (size_t)l->n_place;
+    info->devices = (uint32_t *)l->place_devices;
+    info->device_bytes = (uint64_t *)l->place_bytes;
+    info->n_expert_device = l->place_expert ? (size_t)l->shape.experts : 0;
+    info->expert_device = l->place_expert;
 }
+

@@ -236,6 +236,9 @@ struct itest_layer {
     moe_routing routing;
     bool renorm;
     void *w1, *w3, *w2;
+    /* Optional: spread the experts over devices (see moe_layer_desc). */
+    const uint32_t *devices, *expert_device;
+    size_t n_devices, n_expert_device;
 };
 
 static inline void itest_layer_upload(moe_client *c, struct itest_layer *L, uint64_t *seed)
@@ -264,6 +267,8 @@ static inline void itest_layer_upload(moe_client *c, struct itest_layer *L, uint
         .w1 = moe_tensor_3d(r, 0, L->dt, E, I, H),
         .w3 = moe_tensor_3d(r, bytes, L->dt, E, I, H),
         .w2 = moe_tensor_3d(r, 2 * bytes, L->dt, E, H, I),
+        .devices = L->devices, .n_devices = L->n_devices,
+        .expert_device = L->expert_device, .n_expert_device = L->n_expert_device,
     };
     moe_layer_info info;
     int rc = moe_layer_load(c, &d, &info);

@@ -630,9 +630,37 @@ TEST(runtime_dir_rule)
     CHECK_NO_LEAKS();
 }
 
+/* [layer] devices and expert_devices: lists of device numbers. */
+TEST(layer_devices)
+{
+    struct config c;
+    char err[512] = "";
+    CHECK_EQ_INT(config_init(&c), 0);
+    CHECK_EQ_INT(config_parse_string(&c, "[layer x]\nfile = /x\ndevices = 0, 2,1\n"
+                                         "expert_devices = 0,1,1,2\n", err, sizeof(err)), 0);
+    CHECK_EQ_INT(c.layers->n_devices, 3);
+    CHECK_EQ_INT(c.layers->devices[1], 2);
+    CHECK_EQ_INT(c.layers->n_expert_devices, 4);
+    CHECK_EQ_INT(c.layers->expert_devices[3], 2);
+    config_done(&c);
+    const char *bad[] = {"devices = \n", "devices = 0,,1\n", "devices = a\n", "devices = 70000\n",
+                         "devices = 0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16\n",
+                         "expert_devices = 1;2\n"};
+    for (size_t i = 0; i < ARRAY_LEN(bad); i++) {
+        char text[256];
+        snprintf(text, sizeof(text), "[layer x]\nfile = /x\n%s", bad[i]);
+        CHECK_EQ_INT(config_init(&c), 0);
+        CHECK_MSG(config_parse_string(&c, text, err, sizeof(err)) == -EINVAL, "accepted: %s", bad[i]);
+        CHECK_STR_CONTAINS(err, "line 3");
+        config_done(&c);
+    }
+    CHECK_NO_LEAKS();
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
+        TEST_CASE(layer_devices),
         TEST_CASE(defaults),
         TEST_CASE(value_parsers),
         TEST_CASE(full_file),
