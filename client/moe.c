@@ -373,24 +373,9 @@ static Moe__Reply *pending_take(moe_client *c, uint64_t id)
 
 /* Receive whatever has arrived into the pending list; wait up to wait_ms
  * for the first message. Caller holds mu. */
-static int receive_some(moe_client *c, int wait_ms)
+/* Move every reply that has arrived into the pending list. */
+static int receive_ready(moe_client *c)
 {
-    if (c->broken || !c->zsock)
-        return seterr(-ECONNRESET, "the daemon stopped or restarted; the request is lost");
-    /* The session socket wakes us too: it only becomes readable (EOF)
-     * when the daemon goes away, and then no reply will come. */
-    zmq_pollitem_t it[2] = {{c->zsock, 0, ZMQ_POLLIN, 0}, {NULL, c->sfd, ZMQ_POLLIN, 0}};
-    int pr = zmq_poll(it, 2, wait_ms);
-    if (pr < 0)
-        return zmq_errno() == EINTR ? 0 : seterr(-zmq_errno(), "%s", zmq_strerror(zmq_errno()));
-    if (it[1].revents) {
-        char b;
-        ssize_t n = recv(c->sfd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
-        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
-            c->broken = true;
-            return seterr(-ECONNRESET, "the daemon stopped or restarted; the request is lost");
-        }
-    }
     for (;;) {
         zmq_msg_t msg;
         zmq_msg_init(&msg);
@@ -414,6 +399,34 @@ static int receive_some(moe_client *c, int wait_ms)
     }
 }
 
+/* Receive whatever has arrived into the pending list; wait up to wait_ms
+ * for the first message. Caller holds mu. */
+static int receive_some(moe_client *c, int wait_ms)
+{
+    if (c->broken || !c->zsock)
+        return seterr(-ECONNRESET, "the daemon stopped or restarted; the request is lost");
+    /* The session socket wakes us too: it only becomes readable (EOF)
+     * when the daemon goes away. Replies it sent before it went may still
+     * be on their way through ZeroMQ, so collect those first. */
+    zmq_pollitem_t it[2] = {{c->zsock, 0, ZMQ_POLLIN, 0}, {NULL, c->sfd, ZMQ_POLLIN, 0}};
+    int pr = zmq_poll(it, 2, wait_ms);
+    if (pr < 0)
+        return zmq_errno() == EINTR ? 0 : seterr(-zmq_errno(), "%s", zmq_strerror(zmq_errno()));
+    if (it[1].revents) {
+        char b;
+        ssize_t n = recv(c->sfd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+            zmq_pollitem_t z = {c->zsock, 0, ZMQ_POLLIN, 0};
+            int rc = 0;
+            while (!rc && zmq_poll(&z, 1, 100) > 0) /* the last replies, if any */
+                rc = receive_ready(c);
+            c->broken = true;
+            return rc;
+        }
+    }
+    return receive_ready(c);
+}
+
 /* Wait for the reply to id. timeout_ms < 0: forever. On success *out is the
  * reply (caller frees) whatever its status. */
 static int wait_reply(moe_client *c, uint64_t id, int timeout_ms, Moe__Reply **out)
@@ -430,6 +443,8 @@ static int wait_reply(moe_client *c, uint64_t id, int timeout_ms, Moe__Reply **o
             rc = receive_some(c, slice);
             if (!rc)
                 rep = pending_take(c, id);
+            if (!rc && !rep && c->broken)
+                rc = seterr(-ECONNRESET, "the daemon stopped or restarted; the request is lost");
         }
         pthread_mutex_unlock(&c->mu);
         if (rc)

@@ -365,6 +365,11 @@ static void handle_message(struct server *s, const uint8_t *rid, size_t rlen,
                            "request of %zu bytes could not be decoded as moe.Request", len);
         return;
     }
+    if (s->draining) {
+        /* Decoded first, so the refusal carries the request's id. */
+        server_reply_error(s, rid, rlen, m->id, -ECANCELED, "daemon is shutting down");
+        goto out;
+    }
     struct session *se = session_by_token(s, m->token.data, m->token.len);
     if (!se) {
         server_reply_error(s, rid, rlen, m->id, -EACCES,
@@ -461,8 +466,6 @@ static void server_drain(struct server *s)
         } else if (bad || nparts != 2) {
             server_reply_error(s, rid, rlen, 0, -EPROTO,
                                "a request is one message part, got %d", nparts - 1);
-        } else if (s->draining) {
-            server_reply_error(s, rid, rlen, 0, -ECANCELED, "daemon is shutting down");
         } else {
             handle_message(s, rid, rlen, data, len);
         }
