@@ -77,8 +77,9 @@ int backend_cpu_new(int threads, struct backend **out);
 /* -ENODEV when no usable GPU (or not built with CUDA). */
 int backend_cuda_new(int device, struct backend **out);
 
-/* Pick by name: "cpu", "cuda", or "auto" (CUDA when a GPU is present). */
-int backend_open(const char *which, int cpu_threads, struct backend **out);
+/* Pick by name: "cpu", "cuda", or "auto" (CUDA device `device` when it
+ * exists, else the CPU). */
+int backend_open(const char *which, int device, int cpu_threads, struct backend **out);
 void backend_free(struct backend **b);
 
 #endif

@@ -169,15 +169,10 @@ static int open_virtual_devices(const struct config *c, uint32_t n, struct backe
     return 0;
 }
 
-/* backend_open() always takes GPU 0; [daemon] device picks another one. */
+/* The backend of [daemon] backend and device. */
 static int open_backend(const struct config *c, struct backend **out)
 {
-    if (c->device == 0 || !strcmp(c->backend, "cpu"))
-        return backend_open(c->backend, c->cpu_threads, out);
-    int rc = backend_cuda_new(c->device, out);
-    if (rc < 0 && !strcmp(c->backend, "auto"))
-        rc = backend_cpu_new(c->cpu_threads, out);
-    return rc;
+    return backend_open(c->backend, c->device, c->cpu_threads, out);
 }
 
 static void on_signal(void *data, int fd, uint32_t events);
