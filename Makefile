@@ -1,7 +1,10 @@
 # moed: build, test, run, install.
 #
 #   make            build build/moed, build/moectl, build/libmoe.{so,a}
-#   make test       unit and integration tests (tests/run.sh), summary last
+#   make test       unit and integration tests, fuzzing for FUZZ_TEST_SECONDS per
+#                   target (tests/run.sh), summary last
+#   make fuzz       the libFuzzer targets (clang), FUZZ_SECONDS each
+#   make fuzz-corpus  regenerate the seed corpus in tests/fuzz/corpus
 #   make run        the demo: daemon on a generated layer, a checked forward, a bench
 #   make bench      kernel benchmarks (GPU machine)
 #   make install    PREFIX=/usr/local DESTDIR= (binaries, library, units, config, man pages)
@@ -46,7 +49,7 @@ BUILD    := build-san
 endif
 
 DEB_PKGS := libzmq3-dev libprotobuf-c-dev protobuf-c-compiler libsystemd-dev \
-            libcjson-dev libinih-dev pkg-config systemd dpkg-dev
+            libcjson-dev libinih-dev pkg-config systemd dpkg-dev clang libclang-rt-14-dev
 
 # ---- sources ---------------------------------------------------------------
 PROTO_C   := $(BUILD)/gen/moe.pb-c.c
@@ -81,7 +84,28 @@ ITEST_BIN := $(patsubst tests/integration/%.c,$(BUILD)/tests/%,$(ITEST_SRC))
 
 BINS := $(BUILD)/moed $(BUILD)/moectl $(BUILD)/libmoe.so $(BUILD)/libmoe.a $(BUILD)/libmoe.pc
 
-.PHONY: all deps test run bench install clean cuda-note
+# ---- fuzzing ---------------------------------------------------------------
+# libFuzzer targets (tests/fuzz/fuzz_*.c) need clang; they are built with
+# AddressSanitizer and UndefinedBehaviorSanitizer into $(BUILD)/fuzz/. The same
+# sources, with tests/fuzz/replay.c as main, build with $(CC) into
+# $(BUILD)/tests/test_fuzz_*, which `make test` runs (SAN=1 too) to replay the
+# seed corpus and every crash regression once. Under SAN=1 make test does not
+# fuzz: the plain run does.
+FUZZ_CC      ?= $(shell command -v clang 2>/dev/null)
+FUZZ_SECONDS ?= 120
+FUZZ_TEST_SECONDS ?= $(if $(filter 1,$(SAN)),0,30)
+FUZZ_TARGETS := request safetensors config
+FUZZ_DIR     := $(BUILD)/fuzz
+FUZZ_SAN     := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
+FUZZ_CFLAGS  := -O1 -g -std=c11 -D_GNU_SOURCE -pthread -ffp-contract=off -Wall -Wno-unused-parameter \
+                -I. -Ikernels -Iclient -I$(BUILD)/gen -MMD -MP -DMOE_VERSION=\"$(VERSION)\" \
+                -fsanitize=fuzzer-no-link $(FUZZ_SAN)
+FUZZ_LIB_O   := $(patsubst %.c,$(FUZZ_DIR)/obj/%.o,$(DAEMON_SRC) $(KERN_SRC) $(wildcard proto/*.c)) \
+                $(FUZZ_DIR)/obj/gen/moe.pb-c.o
+FUZZ_BIN     := $(patsubst %,$(FUZZ_DIR)/fuzz_%,$(FUZZ_TARGETS))
+FUZZ_REPLAY  := $(patsubst %,$(BUILD)/tests/test_fuzz_%,$(FUZZ_TARGETS))
+
+.PHONY: all deps test run bench install clean cuda-note fuzz fuzz-build fuzz-corpus
 all: $(BINS) cuda-note
 
 cuda-note:
@@ -155,8 +179,43 @@ $(BUILD)/tests/%: tests/integration/%.c $(TEST_LINK) tests/harness.h $(PROTO_H)
 	@echo "  TEST    $@"
 	$(Q)$(CC) $(CFLAGS) $(LDFLAGS) -o $@ $< $(TEST_LINK) $(LIBS) $(CUDA_LIBS)
 
-test: all $(UNIT_BIN) $(ITEST_BIN)
-	@BUILD=$(BUILD) tests/run.sh
+# The replay binaries: one per fuzz target, linked like the unit tests.
+$(BUILD)/tests/test_fuzz_%: tests/fuzz/fuzz_%.c tests/fuzz/replay.c tests/fuzz/fuzz.h $(TEST_LINK) tests/harness.h $(PROTO_H)
+	@mkdir -p $(dir $@)
+	@echo "  TEST    $@"
+	$(Q)$(CC) $(CFLAGS) $(LDFLAGS) -DFUZZ_TARGET=\"$*\" -o $@ tests/fuzz/fuzz_$*.c tests/fuzz/replay.c \
+	  $(TEST_LINK) $(LIBS) $(CUDA_LIBS)
+
+$(FUZZ_DIR)/obj/gen/%.o: $(BUILD)/gen/%.c
+	@mkdir -p $(dir $@)
+	@echo "  FUZZCC  $<"
+	$(Q)$(FUZZ_CC) $(FUZZ_CFLAGS) -c -o $@ $<
+$(FUZZ_DIR)/obj/%.o: %.c $(PROTO_H) | $(BUILD)/.deps
+	@mkdir -p $(dir $@)
+	@echo "  FUZZCC  $<"
+	$(Q)$(FUZZ_CC) $(FUZZ_CFLAGS) -c -o $@ $<
+$(FUZZ_DIR)/fuzz_%: $(FUZZ_DIR)/obj/tests/fuzz/fuzz_%.o $(FUZZ_LIB_O)
+	@echo "  FUZZLD  $@"
+	$(Q)$(FUZZ_CC) -fsanitize=fuzzer $(FUZZ_SAN) -pthread -o $@ $^ $(LIBS)
+
+fuzz-build: $(if $(FUZZ_CC),$(FUZZ_BIN))
+ifeq ($(FUZZ_CC),)
+	@echo "note: clang not found; the libFuzzer targets are not built (make deps installs clang)"
+endif
+
+fuzz: all fuzz-build
+	@BUILD=$(BUILD) FUZZ_SECONDS=$(FUZZ_SECONDS) FUZZ_KEEP=1 tests/fuzz/run.sh
+
+$(FUZZ_DIR)/gen_corpus: tests/fuzz/gen_corpus.c tests/fuzz/fuzz.h $(TEST_LINK) $(PROTO_H)
+	@mkdir -p $(dir $@)
+	@echo "  CC      $@"
+	$(Q)$(CC) $(CFLAGS) $(LDFLAGS) -o $@ $< $(TEST_LINK) $(LIBS) $(CUDA_LIBS)
+
+fuzz-corpus: $(FUZZ_DIR)/gen_corpus
+	$(FUZZ_DIR)/gen_corpus tests/fuzz/corpus
+
+test: all $(UNIT_BIN) $(ITEST_BIN) $(FUZZ_REPLAY) $(if $(filter-out 0,$(FUZZ_TEST_SECONDS)),fuzz-build)
+	@BUILD=$(BUILD) FUZZ_SECONDS=$(FUZZ_TEST_SECONDS) tests/run.sh
 
 run: all
 	@BUILD=$(BUILD) tests/demo.sh
@@ -238,4 +297,4 @@ deb: all
 clean:
 	rm -rf build build-san
 
--include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
+-include $(shell find $(BUILD)/obj $(FUZZ_DIR)/obj -name '*.d' 2>/dev/null)

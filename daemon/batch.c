@@ -37,11 +37,14 @@
 #include "moe.pb-c.h"
 #include "proto/status.h"
 
-/* Rows [row0, row0 + rows) of a request in one batch. */
+/* Rows [row0, row0 + rows) of a request in one batch. skip: the compute
+ * thread left them out (the request failed), so the gather and the scatter
+ * agree on which staging rows belong to which request. */
 struct batch_item {
     struct request *req;
     int row0, rows;
     uint64_t session_id;
+    bool skip;
 };
 
 struct batch_job {
@@ -144,11 +147,35 @@ void batch_enqueue(struct server *s, struct request *req)
         request_fail(s, req, -ECANCELED, "daemon is shutting down");
         return;
     }
+    if (req->tokens == 0) {
+        /* A grouped GEMM whose groups are all empty: nothing to compute. In
+         * the queue it would never be taken (a batch takes rows) and would
+         * stall its layer for everyone. */
+        req->start_us = req->arrival_us;
+        request_finish(s, req);
+        return;
+    }
+    if ((uint64_t)req->tokens > s->cfg->max_queued_tokens) {
+        /* BUSY would say "try again", and it would never fit. */
+        char why[128];
+        snprintf(why, sizeof(why), "request of %d tokens is larger than a session's queue "
+                 "(max_queued_tokens %u)", req->tokens, s->cfg->max_queued_tokens);
+        request_fail(s, req, -EDQUOT, why);
+        return;
+    }
     if (se && (se->queued_requests >= s->cfg->max_queued_requests ||
                se->queued_tokens + (uint64_t)req->tokens > s->cfg->max_queued_tokens)) {
         char why[160];
         snprintf(why, sizeof(why), "session queue full (%u requests, %llu tokens queued)",
                  se->queued_requests, (unsigned long long)se->queued_tokens);
+        s->stats.busy++;
+        request_fail(s, req, -EBUSY, why);
+        return;
+    }
+    if (s->queued_total >= s->cfg->max_queued_total) {
+        char why[96];
+        snprintf(why, sizeof(why), "daemon queue full (%u requests queued, the limit)",
+                 s->queued_total);
         s->stats.busy++;
         request_fail(s, req, -EBUSY, why);
         return;
@@ -182,8 +209,9 @@ static void cancel_where(struct server *s, struct layer *l, uint64_t session_id,
             queue_account(s, req, req->tokens - req->next_row);
             queue_unlink(s, l, prev, req);
             if (req->next_row > req->rows_done) {
-                req->status = err;
-                snprintf(req->message, sizeof(req->message), "%s", why);
+                /* The compute thread owns status while the batch runs. */
+                req->cancel_err = err;
+                snprintf(req->cancel_why, sizeof(req->cancel_why), "%s", why);
             } else {
                 request_fail(s, req, err, why);
             }
@@ -308,10 +336,10 @@ static void run_moe(struct batch_job *bj)
     size_t row = 0;
     for (uint32_t i = 0; i < bj->n_items; i++) {
         struct batch_item *it = &bj->items[i];
-        if (it->req->status)
-            continue; /* failed in an earlier slice or cancelled */
-        it->req->status = gather_routing(l, it, ids + row * k, w + row * k, logits + row * E);
-        if (it->req->status)
+        if (it->req->status == 0) /* else it failed in an earlier slice */
+            it->req->status = gather_routing(l, it, ids + row * k, w + row * k, logits + row * E);
+        it->skip = it->req->status != 0;
+        if (it->skip)
             continue; /* its rows are skipped: the next item reuses them */
         memcpy(x + row * row_bytes, (const uint8_t *)it->req->x.ptr + (size_t)it->row0 * row_bytes,
                (size_t)it->rows * row_bytes);
@@ -338,7 +366,7 @@ static void run_moe(struct batch_job *bj)
     row = 0;
     for (uint32_t i = 0; i < bj->n_items; i++) {
         struct batch_item *it = &bj->items[i];
-        if (it->req->status)
+        if (it->skip)
             continue;
         memcpy((uint8_t *)it->req->out.ptr + (size_t)it->row0 * row_bytes, out + row * row_bytes,
                (size_t)it->rows * row_bytes);
@@ -442,6 +470,10 @@ static void batch_done(struct job *job)
             req->batch_requests = bj->n_items;
         if (bj->tokens > req->batch_tokens)
             req->batch_tokens = (uint32_t)bj->tokens;
+        if (req->cancel_err && !req->status) {
+            req->status = req->cancel_err;
+            snprintf(req->message, sizeof(req->message), "%s", req->cancel_why);
+        }
         if (req->status && req->queued) {
             /* A slice failed: the rest of the request is not run. */
             struct request *prev = NULL;
@@ -502,7 +534,8 @@ static int batch_add(struct batch_job *bj, struct request *req, int rows)
         bj->items = n;
         bj->cap_items = cap;
     }
-    bj->items[bj->n_items++] = (struct batch_item){req, req->next_row, rows, req->session_id};
+    bj->items[bj->n_items++] =
+        (struct batch_item){req, req->next_row, rows, req->session_id, false};
     req->next_row += rows;
     bj->tokens += (uint64_t)rows;
     return 0;

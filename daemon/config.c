@@ -55,7 +55,11 @@ int config_init(struct config *c)
     c->max_session_bytes = 64ull << 30;
     c->max_queued_requests = 256;
     c->max_queued_tokens = 65536;
+    c->max_queued_total = 4096;
     c->max_message_bytes = 1u << 20;
+    c->max_pending_messages = 1024;
+    c->max_layers = 256;
+    c->max_loads = 8;
     return 0;
 }
 
@@ -275,7 +279,11 @@ static const struct num_key num_keys[] = {
     NUM64("limits", "max_session_bytes", max_session_bytes, 1),
     NUM32("limits", "max_queued_requests", max_queued_requests, 1, 1u << 20),
     NUM32("limits", "max_queued_tokens", max_queued_tokens, 1, 1u << 30),
+    NUM32("limits", "max_queued_total", max_queued_total, 1, 1u << 24),
     NUM64("limits", "max_message_bytes", max_message_bytes, 4096),
+    NUM32("limits", "max_pending_messages", max_pending_messages, 16, 1u << 20),
+    NUM32("limits", "max_layers", max_layers, 1, 65536),
+    NUM32("limits", "max_loads", max_loads, 1, 1024),
 };
 
 static int num_key(struct config *c, const char *section, const char *k, const char *v)

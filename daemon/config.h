@@ -28,7 +28,11 @@
  *   max_session_bytes = 68719476736
  *   max_queued_requests = 256 ; per session
  *   max_queued_tokens = 65536 ; per session
- *   max_message_bytes = 1048576
+ *   max_queued_total = 4096   ; queued requests of all sessions together
+ *   max_message_bytes = 1048576 ; a larger request drops its connection (ZMQ_MAXMSGSIZE)
+ *   max_pending_messages = 1024 ; per ZeroMQ connection and direction (ZMQ_SNDHWM/RCVHWM)
+ *   max_layers = 256          ; loaded or loading, clients' and configured
+ *   max_loads = 8             ; clients' LoadLayer requests in flight
  *
  *   [layer NAME]
  *   kind = moe                ; moe | gemm
@@ -89,7 +93,11 @@ struct config {
     uint64_t max_session_bytes;
     uint32_t max_queued_requests;
     uint32_t max_queued_tokens;
+    uint32_t max_queued_total;
     uint64_t max_message_bytes;
+    uint32_t max_pending_messages;
+    uint32_t max_layers;
+    uint32_t max_loads;
 
     struct layer_conf *layers;
 };

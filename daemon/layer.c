@@ -315,6 +315,22 @@ void layer_handle_load(struct server *s, struct session *se, const uint8_t *rout
                            "a layer named '%s' is already loaded", m->name);
         return;
     }
+    /* Layers outlive the sessions that load them, so their number is
+     * capped, and so is the loader's queue. */
+    unsigned n_layers = 0;
+    for (struct layer *l = s->layers; l; l = l->next)
+        n_layers++;
+    if (n_layers >= s->cfg->max_layers) {
+        server_reply_error(s, route_id, route_len, req_id, -EDQUOT,
+                           "%u layers are loaded or loading, the limit (max_layers)", n_layers);
+        return;
+    }
+    if (worker_pending(s->loader) >= s->cfg->max_loads) {
+        server_reply_error(s, route_id, route_len, req_id, -EBUSY,
+                           "%u loads are in flight, the limit (max_loads); try again",
+                           worker_pending(s->loader));
+        return;
+    }
     struct load_job *lj = calloc(1, sizeof(*lj));
     if (!lj) {
         server_reply_error(s, route_id, route_len, req_id, -ENOMEM, "out of memory");

@@ -154,33 +154,38 @@ void loop_stop(struct loop *l)
     l->stop = 1;
 }
 
-int loop_run(struct loop *l)
+int loop_run_once(struct loop *l, int timeout_ms)
 {
     struct epoll_event evs[64];
+    if (l->before_sleep)
+        l->before_sleep(l->before_sleep_data);
+    if (l->stop)
+        return 0;
+    int n = epoll_wait(l->epfd, evs, (int)ARRAY_SIZE(evs), timeout_ms);
+    if (n < 0)
+        return errno == EINTR ? 0 : -errno;
+    for (int i = 0; i < n; i++) {
+        struct loop_watch *w = evs[i].data.ptr;
+        if (w->dead)
+            continue;
+        if (w->timer_fn) {
+            uint64_t ticks;
+            if (read(w->fd, &ticks, sizeof(ticks)) == sizeof(ticks))
+                w->timer_fn(w->data);
+        } else {
+            w->fd_fn(w->data, w->fd, evs[i].events);
+        }
+    }
+    loop_reap(l);
+    return n;
+}
+
+int loop_run(struct loop *l)
+{
     while (!l->stop) {
-        if (l->before_sleep)
-            l->before_sleep(l->before_sleep_data);
-        if (l->stop)
-            break;
-        int n = epoll_wait(l->epfd, evs, (int)ARRAY_SIZE(evs), -1);
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            return -errno;
-        }
-        for (int i = 0; i < n; i++) {
-            struct loop_watch *w = evs[i].data.ptr;
-            if (w->dead)
-                continue;
-            if (w->timer_fn) {
-                uint64_t ticks;
-                if (read(w->fd, &ticks, sizeof(ticks)) == sizeof(ticks))
-                    w->timer_fn(w->data);
-            } else {
-                w->fd_fn(w->data, w->fd, evs[i].events);
-            }
-        }
-        loop_reap(l);
+        int rc = loop_run_once(l, -1);
+        if (rc < 0)
+            return rc;
     }
     return 0;
 }

@@ -39,6 +39,10 @@ void loop_set_before_sleep(struct loop *l, loop_hook_fn fn, void *data);
 
 /* Run until loop_stop(); 0, or -errno of a failed wait. */
 int loop_run(struct loop *l);
+/* One turn: the before-sleep hook, one wait of at most timeout_ms (-1:
+ * forever), the callbacks of what became ready. The number of events, or
+ * -errno of a failed wait. For tests that drive a loop step by step. */
+int loop_run_once(struct loop *l, int timeout_ms);
 void loop_stop(struct loop *l);
 
 #endif

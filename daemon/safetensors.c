@@ -81,6 +81,42 @@ void st_header_done(struct st_file *f)
     f->count = 0;
 }
 
+static int st_cmp_offset(const void *a, const void *b)
+{
+    const struct st_tensor *x = *(const struct st_tensor *const *)a;
+    const struct st_tensor *y = *(const struct st_tensor *const *)b;
+    return x->offset < y->offset ? -1 : x->offset > y->offset;
+}
+
+/* No two tensors may share bytes. Overlapping ranges would let a small file
+ * describe far more data than it holds (every expert of a layer on the same
+ * bytes), and readers allocate what the header describes. */
+static int st_check_disjoint(const struct st_file *f, char *err, size_t errlen)
+{
+    if (f->count < 2)
+        return 0;
+    const struct st_tensor **by = malloc(f->count * sizeof(*by));
+    if (!by)
+        return -ENOMEM;
+    for (size_t i = 0; i < f->count; i++)
+        by[i] = &f->tensors[i];
+    qsort(by, f->count, sizeof(*by), st_cmp_offset);
+    int rc = 0;
+    uint64_t end = 0;
+    const struct st_tensor *last = NULL;
+    for (size_t i = 0; i < f->count && !rc; i++) {
+        if (by[i]->nbytes == 0)
+            continue;
+        if (last && by[i]->offset < end)
+            rc = st_fail(err, errlen, "tensors '%.80s' and '%.80s' overlap in the file",
+                         last->name, by[i]->name);
+        end = by[i]->offset + by[i]->nbytes;
+        last = by[i];
+    }
+    free(by);
+    return rc;
+}
+
 int st_parse_header(const char *json, size_t json_len, uint64_t file_size,
                     struct st_file *f, char *err, size_t errlen)
 {
@@ -185,6 +221,7 @@ int st_parse_header(const char *json, size_t json_len, uint64_t file_size,
             rc = st_fail(err, errlen, "tensor '%.80s' appears twice", f->tensors[i].name);
             goto out;
         }
+    rc = st_check_disjoint(f, err, errlen);
 out:
     cJSON_Delete(root);
     if (rc)

@@ -341,7 +341,9 @@ static void handle_compute(struct server *s, struct session *se, const uint8_t *
     req->route_len = rlen;
     req->id = m->id;
     req->arrival_us = arrival;
-    req->deadline_us = m->timeout_us ? arrival + m->timeout_us : 0;
+    /* A timeout too large to add is no deadline at all. */
+    if (!m->timeout_us || !add_u64(arrival, m->timeout_us, &req->deadline_us))
+        req->deadline_us = 0;
     req->no_batch = m->no_batch;
     int rc = m->body_case == MOE__REQUEST__BODY_FUSED_MOE
                  ? build_fused(s, se, m->fused_moe, req, err, sizeof(err))
@@ -355,7 +357,7 @@ static void handle_compute(struct server *s, struct session *se, const uint8_t *
     batch_enqueue(s, req);
 }
 
-static void handle_message(struct server *s, const uint8_t *rid, size_t rlen,
+void server_handle_message(struct server *s, const uint8_t *rid, size_t rlen,
                            const uint8_t *data, size_t len)
 {
     uint64_t arrival = now_us();
@@ -467,7 +469,7 @@ static void server_drain(struct server *s)
             server_reply_error(s, rid, rlen, 0, -EPROTO,
                                "a request is one message part, got %d", nparts - 1);
         } else {
-            handle_message(s, rid, rlen, data, len);
+            server_handle_message(s, rid, rlen, data, len);
         }
         zmq_msg_close(&body);
     }
@@ -543,8 +545,11 @@ int server_listen(struct server *s, int session_fd, int zmq_fd)
     s->zsock = zmq_socket(s->zctx, ZMQ_ROUTER);
     if (!s->zsock)
         return -zmq_errno();
-    int64_t maxmsg = (int64_t)s->cfg->max_message_bytes;
-    int linger = 0, hwm = 100000;
+    int64_t maxmsg = s->cfg->max_message_bytes > INT64_MAX ? INT64_MAX
+                                                           : (int64_t)s->cfg->max_message_bytes;
+    /* Replies to a peer that does not read wait here, requests of a peer
+     * the loop has not read yet there: both bounded per connection. */
+    int linger = 0, hwm = (int)s->cfg->max_pending_messages;
     zmq_setsockopt(s->zsock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof(maxmsg));
     zmq_setsockopt(s->zsock, ZMQ_LINGER, &linger, sizeof(linger));
     zmq_setsockopt(s->zsock, ZMQ_SNDHWM, &hwm, sizeof(hwm));

@@ -89,9 +89,15 @@ struct request {
     struct tensor_ref x, logits, ids, weights, out; /* FusedMoe */
     struct tensor_ref a, c;                         /* GroupedGemm */
     int64_t *m_sizes;       /* [layer->groups] */
-    /* Result, set by the compute thread. */
+    /* Result, set by the compute thread while the request has rows in a
+     * running batch, by the loop thread otherwise. */
     int status;
     char message[192];
+    /* A cancel that arrived while rows of the request were in the running
+     * batch: the loop thread writes it here, never into status, and
+     * batch_done merges it once the compute thread is finished. */
+    int cancel_err;
+    char cancel_why[64];
     uint64_t compute_us;
     uint32_t batch_requests, batch_tokens;
 };
@@ -184,6 +190,12 @@ void server_free(struct server **s);
 int server_listen(struct server *s, int session_fd, int zmq_fd);
 /* Work not yet answered: queued requests, a running batch, pending loads. */
 unsigned server_pending(const struct server *s);
+/* Decode, authenticate, validate and dispatch one request that arrived
+ * from routing id rid: what the ZeroMQ socket does for each message, callable
+ * without it (tests, fuzzing). Every request is answered through
+ * server_reply(), now or when its work completes. */
+void server_handle_message(struct server *s, const uint8_t *rid, size_t rlen,
+                           const uint8_t *data, size_t len);
 /* Send a reply to a routing id; frees nothing. */
 void server_reply(struct server *s, const uint8_t *route_id, size_t route_len,
                   void *reply /* Moe__Reply */);
@@ -193,6 +205,11 @@ void server_reply_error(struct server *s, const uint8_t *route_id, size_t route_
 
 /* session.c */
 int session_listen(struct server *s, int fd_from_systemd);
+/* Start a session on a connected, non-blocking seqpacket socket (what each
+ * accepted connection gets; tests pass one end of a socketpair). Takes
+ * ownership of fd, also on error: -EDQUOT at max_sessions (the peer is told
+ * why), -ECANCELED while draining, -ENOMEM. */
+int session_attach(struct server *s, int fd);
 void session_close_all(struct server *s);
 struct session *session_by_token(struct server *s, const uint8_t *token, size_t len);
 struct session *session_by_id(struct server *s, uint64_t id);

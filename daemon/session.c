@@ -303,6 +303,57 @@ static void session_close(struct server *s, struct session *se, const char *why)
     free(se);
 }
 
+int session_attach(struct server *s, int fd)
+{
+    struct ucred cred;
+    socklen_t cl = sizeof(cred);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) < 0) {
+        int e = -errno;
+        close(fd);
+        return e;
+    }
+    if (s->n_sessions >= s->cfg->max_sessions || s->draining) {
+        Moe__SessionReply rep = MOE__SESSION_REPLY__INIT;
+        char msg[128];
+        snprintf(msg, sizeof(msg), s->draining ? "daemon is shutting down"
+                                               : "too many sessions (limit %u)",
+                 s->cfg->max_sessions);
+        rep.status = s->draining ? MOE__STATUS__STATUS_CANCELLED
+                                 : MOE__STATUS__STATUS_RESOURCE_EXHAUSTED;
+        rep.message = msg;
+        uint8_t buf[256];
+        size_t n = moe__session_reply__pack(&rep, buf);
+        ssize_t w = send(fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+        (void)w;
+        log_warn("session from pid %d refused: %s", (int)cred.pid, msg);
+        close(fd);
+        return s->draining ? -ECANCELED : -EDQUOT;
+    }
+    struct session *se = calloc(1, sizeof(*se));
+    if (!se || random_bytes(se->token, sizeof(se->token)) < 0) {
+        free(se);
+        close(fd);
+        return -ENOMEM;
+    }
+    se->id = ++s->next_session_id;
+    se->server = s;
+    se->fd = fd;
+    se->pid = cred.pid;
+    se->uid = cred.uid;
+    se->gid = cred.gid;
+    se->watch = loop_watch(s->loop, fd, EPOLLIN, session_on_readable, se);
+    if (!se->watch) {
+        int e = -errno;
+        close(fd);
+        free(se);
+        return e;
+    }
+    se->next = s->sessions;
+    s->sessions = se;
+    s->n_sessions++;
+    return 0;
+}
+
 static void session_on_accept(void *data, int lfd, uint32_t events)
 {
     struct server *s = data;
@@ -313,50 +364,7 @@ static void session_on_accept(void *data, int lfd, uint32_t events)
                 log_warn("cannot accept a session: %s", strerror(errno));
             return;
         }
-        struct ucred cred;
-        socklen_t cl = sizeof(cred);
-        if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) < 0) {
-            close(fd);
-            continue;
-        }
-        if (s->n_sessions >= s->cfg->max_sessions || s->draining) {
-            Moe__SessionReply rep = MOE__SESSION_REPLY__INIT;
-            char msg[128];
-            snprintf(msg, sizeof(msg), s->draining ? "daemon is shutting down"
-                                                   : "too many sessions (limit %u)",
-                     s->cfg->max_sessions);
-            rep.status = s->draining ? MOE__STATUS__STATUS_CANCELLED
-                                     : MOE__STATUS__STATUS_RESOURCE_EXHAUSTED;
-            rep.message = msg;
-            uint8_t buf[256];
-            size_t n = moe__session_reply__pack(&rep, buf);
-            ssize_t w = send(fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT);
-            (void)w;
-            log_warn("session from pid %d refused: %s", (int)cred.pid, msg);
-            close(fd);
-            continue;
-        }
-        struct session *se = calloc(1, sizeof(*se));
-        if (!se || random_bytes(se->token, sizeof(se->token)) < 0) {
-            free(se);
-            close(fd);
-            continue;
-        }
-        se->id = ++s->next_session_id;
-        se->server = s;
-        se->fd = fd;
-        se->pid = cred.pid;
-        se->uid = cred.uid;
-        se->gid = cred.gid;
-        se->watch = loop_watch(s->loop, fd, EPOLLIN, session_on_readable, se);
-        if (!se->watch) {
-            close(fd);
-            free(se);
-            continue;
-        }
-        se->next = s->sessions;
-        s->sessions = se;
-        s->n_sessions++;
+        session_attach(s, fd);
     }
 }
 

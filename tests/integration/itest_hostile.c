@@ -1,0 +1,942 @@
+/*
+ * itest_hostile.c: clients that crash and clients that attack. Hundreds of
+ * client processes are killed with SIGKILL at every awkward point while
+ * another client checks every one of its results; afterwards the daemon's
+ * sessions, regions, queue, descriptors and resident memory are back where
+ * they were. Clients cannot use another session's token or regions, cannot
+ * guess them, cannot reach outside their own regions, cannot load weights
+ * from outside the allowed directories, and cannot connect at all without
+ * access to the runtime directory. Also the regression tests of the bugs
+ * these cases found.
+ *
+ * MOE_HOSTILE_KILLS sets the number of kills after the warm-up (default 600).
+ *
+ * The processes that fork clients have no threads when they fork (their own
+ * libmoe clients are disconnected first): a fork while another thread holds
+ * a lock, such as AddressSanitizer's allocator's, leaves the child stuck.
+ */
+#include <grp.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+
+#include "daemon/safetensors.h"
+#include "tests/integration/raw.h"
+
+/* The layer every case serves: small enough for CPU, big enough that a
+ * batch takes a while. */
+static struct itest_layer layer_make(void)
+{
+    struct itest_layer L = {.name = "h", .dt = MOE_DTYPE_BF16, .sh = {8, 2, 128, 256},
+                            .routing = MOE_ROUTING_SOFTMAX, .renorm = true};
+    return L;
+}
+
+static void *shared_map(size_t n)
+{
+    void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    CHECK(p != MAP_FAILED);
+    memset(p, 0, n);
+    return p;
+}
+
+static void get_stats(moe_client *c, moe_stats *s)
+{
+    CHECK_MSG(moe_stats_get(c, s) == 0, "stats: %s", moe_errmsg());
+}
+
+/* Wait until the daemon holds only what the live clients hold (sessions
+ * other than the one asking), then leave; the daemon's stats in *out. */
+static void quiesce(struct itest_daemon *d, uint32_t sessions, uint32_t regions, moe_stats *out)
+{
+    moe_client *c = itest_connect(d, "stats");
+    moe_stats s;
+    for (int i = 0; i < 500; i++) {
+        get_stats(c, &s);
+        if (s.sessions == sessions + 1 && s.regions == regions && s.queue_depth == 0) {
+            if (out)
+                *out = s;
+            moe_disconnect(&c);
+            return;
+        }
+        itest_sleep_ms(20);
+    }
+    FAIL_AT("daemon still holds %u sessions, %u regions, %u queued (want %u, %u, 0)",
+            s.sessions - 1, s.regions, s.queue_depth, sessions, regions);
+}
+
+/* The descriptor count settles: ZeroMQ closes dead peers' connections on
+ * its own threads, a little after the session socket closes. */
+static int settled_fds(pid_t pid, int want)
+{
+    int n = itest_count_fds(pid);
+    for (int i = 0; i < 250 && n != want; i++) {
+        itest_sleep_ms(20);
+        n = itest_count_fds(pid);
+    }
+    return n;
+}
+
+/* ---- the observer: a client that checks every result -------------------- */
+
+struct observer {
+    volatile int stop;
+    volatile uint64_t ok, wrong, failed;
+    char msg[256];
+};
+
+static pid_t observer_start(struct itest_daemon *d, struct itest_layer *L, uint64_t seed,
+                            struct observer *o)
+{
+    fflush(stderr);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid)
+        return pid;
+    moe_client *c = itest_connect(d, "observer");
+    struct itest_fwd f;
+    /* One region for the whole run, laid out for 24 tokens; each forward
+     * uses its first T rows, with new inputs. */
+    itest_fwd_make(c, L, 24, &seed, &f);
+    uint8_t *b = moe_region_data(f.r);
+    size_t H = (size_t)L->sh.hidden, E = (size_t)L->sh.experts;
+    while (!o->stop) {
+        size_t T = 1 + test_rand(&seed) % 24;
+        f.T = T;
+        itest_fill(&seed, L->dt, b + f.x_off, T * H, 1.7f);
+        for (size_t i = 0; i < T * E; i++)
+            ((float *)(b + f.l_off))[i] = test_randf(&seed) * 3.0f;
+        memset(b + f.o_off, 0xff, T * H * moe_dtype_size(L->dt));
+        f.args.x = moe_tensor_2d(f.r, f.x_off, L->dt, T, H);
+        f.args.logits = moe_tensor_2d(f.r, f.l_off, MOE_DTYPE_FP32, T, E);
+        f.args.out = moe_tensor_2d(f.r, f.o_off, L->dt, T, H);
+        int rc = moe_forward(c, &f.args, NULL);
+        if (rc < 0) {
+            o->failed++;
+            snprintf(o->msg, sizeof(o->msg), "forward: %s", moe_errmsg());
+        } else {
+            double e = itest_fwd_error(L, &f);
+            if (e > itest_tolerance(L->dt)) {
+                o->wrong++;
+                snprintf(o->msg, sizeof(o->msg), "T=%zu: relative error %.3g", T, e);
+            } else {
+                o->ok++;
+            }
+        }
+    }
+    moe_region_free(c, &f.r);
+    moe_disconnect(&c);
+    _exit(0);
+}
+
+static void observer_stop(pid_t pid, struct observer *o)
+{
+    o->stop = 1;
+    int st;
+    CHECK(waitpid(pid, &st, 0) == pid);
+    CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "observer died (status %d)", st);
+    CHECK_MSG(o->wrong == 0 && o->failed == 0,
+              "observer: %llu correct, %llu wrong, %llu failed; last: %s",
+              (unsigned long long)o->ok, (unsigned long long)o->wrong,
+              (unsigned long long)o->failed, o->msg);
+}
+
+/* ---- victims -------------------------------------------------------------- */
+
+enum victim_kind {
+    V_CONNECTED,          /* killed after connecting, before OpenSession */
+    V_OPENED,             /* after OpenSession, before any region */
+    V_REGION_UNSENT,      /* between creating a region and registering it */
+    V_REGISTER_IN_FLIGHT, /* RegisterRegion sent with its fd, reply unread */
+    V_MID_REQUEST,        /* requests submitted, replies not yet read */
+    V_DURING_OUTPUT,      /* a long request, killed from outside while it runs */
+    V_UNREGISTERED_BUSY,  /* region unregistered while its request is queued */
+    V_QUEUE_FLOOD,        /* more requests than its queue holds */
+    V_LOADING,            /* a LoadLayer of its region in flight */
+    V_KINDS
+};
+
+static const char *victim_names[V_KINDS] = {
+    "connected", "opened", "region-unsent", "register-in-flight", "mid-request",
+    "during-output", "unregistered-busy", "queue-flood", "loading",
+};
+
+static void die(void)
+{
+    kill(getpid(), SIGKILL);
+    for (;;)
+        pause();
+}
+
+/* Spin for up to max_us microseconds (a random point in time). */
+static void jitter(uint64_t *seed, unsigned max_us)
+{
+    if (!max_us)
+        return;
+    struct timespec ts = {0, (long)(test_rand(seed) % max_us) * 1000L};
+    nanosleep(&ts, NULL);
+}
+
+static void victim_run(struct itest_daemon *d, struct itest_layer *L, enum victim_kind kind,
+                       uint64_t seed)
+{
+    struct raw r;
+    moe_client *c;
+    struct itest_fwd f;
+    moe_request *rq;
+    switch (kind) {
+    case V_CONNECTED:
+        memset(&r, 0, sizeof(r));
+        CHECK(raw_connect_session(&r, d->dir) == 0);
+        jitter(&seed, 2000);
+        die();
+        break;
+    case V_OPENED:
+        raw_open(&r, d->dir, true);
+        die();
+        break;
+    case V_REGION_UNSENT: {
+        raw_open(&r, d->dir, true);
+        int fd = memfd_sized(1 << 16, F_SEAL_SHRINK | F_SEAL_GROW);
+        (void)fd;
+        die();
+        break;
+    }
+    case V_REGISTER_IN_FLIGHT: {
+        raw_open(&r, d->dir, true);
+        raw_region(&r, 4096, NULL);
+        int fd = memfd_sized(1 << 16, F_SEAL_SHRINK | F_SEAL_GROW);
+        Moe__SessionRequest req = MOE__SESSION_REQUEST__INIT;
+        Moe__RegisterRegion rr = MOE__REGISTER_REGION__INIT;
+        rr.size = 1 << 16;
+        req.body_case = MOE__SESSION_REQUEST__BODY_REGISTER_REGION;
+        req.register_region = &rr;
+        uint8_t buf[256];
+        size_t n = moe__session_request__pack(&req, buf);
+        union {
+            char raw[CMSG_SPACE(sizeof(int))];
+            struct cmsghdr a;
+        } cb;
+        memset(&cb, 0, sizeof(cb));
+        struct iovec iov = {buf, n};
+        struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cb.raw,
+                            .msg_controllen = sizeof(cb.raw)};
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+        CHECK(sendmsg(r.sfd, &mh, MSG_NOSIGNAL) == (ssize_t)n);
+        jitter(&seed, 200);
+        die();
+        break;
+    }
+    case V_MID_REQUEST: {
+        c = itest_connect(d, "victim");
+        int n = 1 + (int)(test_rand(&seed) % 4);
+        itest_fwd_make(c, L, 1 + test_rand(&seed) % 300, &seed, &f);
+        for (int i = 0; i < n; i++)
+            CHECK_MSG(moe_forward_submit(c, &f.args, &rq) == 0, "%s", moe_errmsg());
+        jitter(&seed, 3000);
+        die();
+        break;
+    }
+    case V_DURING_OUTPUT:
+        c = itest_connect(d, "victim");
+        itest_fwd_make(c, L, 1024, &seed, &f);
+        CHECK_MSG(moe_forward_submit(c, &f.args, &rq) == 0, "%s", moe_errmsg());
+        for (;;) /* the parent kills it */
+            pause();
+        break;
+    case V_UNREGISTERED_BUSY:
+        c = itest_connect(d, "victim");
+        itest_fwd_make(c, L, 1 + test_rand(&seed) % 200, &seed, &f);
+        CHECK_MSG(moe_forward_submit(c, &f.args, &rq) == 0, "%s", moe_errmsg());
+        moe_region_free(c, &f.r);
+        jitter(&seed, 1000);
+        die();
+        break;
+    case V_QUEUE_FLOOD:
+        c = itest_connect(d, "victim");
+        itest_fwd_make(c, L, 1, &seed, &f);
+        for (int i = 0; i < 300; i++)
+            if (moe_forward_submit(c, &f.args, &rq) < 0)
+                break;
+        die();
+        break;
+    case V_LOADING: {
+        /* Layers outlive the sessions that load them; a fixed name keeps
+         * it to one (the others are refused as duplicates). */
+        c = itest_connect(d, "victim");
+        moe_region *w;
+        size_t n = 2 * 8 * 16;
+        CHECK(moe_region_create(c, 3 * n * 2, "w", &w) == 0);
+        itest_fill(&seed, MOE_DTYPE_BF16, moe_region_data(w), 3 * n, 0.3f);
+        moe_layer_desc desc = {.name = "victim", .kind = MOE_LAYER_MOE, .dtype = MOE_DTYPE_BF16,
+                               .experts = 2, .topk = 1, .hidden = 8, .intermediate = 16,
+                               .w1 = moe_tensor_3d(w, 0, MOE_DTYPE_BF16, 2, 16, 8),
+                               .w3 = moe_tensor_3d(w, n * 2, MOE_DTYPE_BF16, 2, 16, 8),
+                               .w2 = moe_tensor_3d(w, 2 * n * 2, MOE_DTYPE_BF16, 2, 8, 16)};
+        moe_set_timeout(c, 1);
+        moe_layer_load(c, &desc, NULL); /* gives up waiting after 1 ms */
+        die();
+        break;
+    }
+    default:
+        break;
+    }
+    _exit(3);
+}
+
+struct kill_stats {
+    unsigned by_kind[V_KINDS];
+    unsigned total;
+};
+
+/* Kill `n` victims, up to `par` at a time, checking the daemon lives. */
+static void kill_loop(struct itest_daemon *d, struct itest_layer *L, uint64_t *seed, unsigned n,
+                      unsigned par, struct kill_stats *ks)
+{
+    struct {
+        pid_t pid;
+        enum victim_kind kind;
+        uint64_t kill_at_ms;
+    } live[16] = {{0}};
+    unsigned started = 0, done = 0;
+    CHECK(par <= ARRAY_LEN(live));
+    while (done < n) {
+        for (unsigned i = 0; i < par && started < n; i++) {
+            if (live[i].pid)
+                continue;
+            enum victim_kind kind = (enum victim_kind)(test_rand(seed) % V_KINDS);
+            uint64_t vs = test_rand(seed);
+            fflush(stderr);
+            pid_t pid = fork();
+            CHECK(pid >= 0);
+            if (pid == 0) {
+                alarm(20);
+                victim_run(d, L, kind, vs);
+            }
+            live[i].pid = pid;
+            live[i].kind = kind;
+            /* Self-killing victims get a safety kill; a long request is
+             * killed from outside at a random point of its run. */
+            live[i].kill_at_ms = now_ms() + (kind == V_DURING_OUTPUT ? 5 + test_rand(seed) % 60
+                                                                     : 10000);
+            started++;
+        }
+        for (unsigned i = 0; i < par; i++) {
+            if (!live[i].pid)
+                continue;
+            int st;
+            pid_t w = waitpid(live[i].pid, &st, WNOHANG);
+            if (w == 0 && now_ms() >= live[i].kill_at_ms) {
+                kill(live[i].pid, SIGKILL);
+                w = waitpid(live[i].pid, &st, 0);
+            }
+            if (w != live[i].pid)
+                continue;
+            CHECK_MSG(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL,
+                      "victim '%s' did not die of SIGKILL (status %d)",
+                      victim_names[live[i].kind], st);
+            ks->by_kind[live[i].kind]++;
+            ks->total++;
+            live[i].pid = 0;
+            done++;
+            if (done % 50 == 0)
+                CHECK_MSG(itest_daemon_alive(d), "moed died after %u kills; log in %s", done,
+                          d->log);
+        }
+        itest_sleep_ms(1);
+    }
+}
+
+/* SIGKILLed clients, hundreds of them, at every awkward point. */
+TEST(killed_clients_leak_nothing)
+{
+    uint64_t seed = test_seed();
+    const char *env = getenv("MOE_HOSTILE_KILLS");
+    unsigned kills = env ? (unsigned)atoi(env) : 600;
+    struct itest_daemon d;
+    itest_asan_small_quarantine();
+    itest_daemon_start(&d, "--max-slice-tokens", "128", NULL);
+    moe_client *c = itest_connect(&d, "itest");
+    struct itest_layer L = layer_make();
+    itest_layer_upload(c, &L, &seed);
+    moe_disconnect(&c);
+    struct observer *o = shared_map(sizeof(*o));
+
+    /* Warm up: every kind of victim once or more, next to an observer, so
+     * caches, staging buffers, the "victim" layer and the batcher's timer
+     * (made when a batch of two sessions first waits for them) exist before
+     * the baseline. */
+    struct kill_stats warm, ks;
+    memset(&warm, 0, sizeof(warm));
+    memset(&ks, 0, sizeof(ks));
+    pid_t obs = observer_start(&d, &L, seed ^ 0x33, o);
+    kill_loop(&d, &L, &seed, 60, 6, &warm);
+    observer_stop(obs, o);
+    memset(o, 0, sizeof(*o));
+    moe_stats s0, s1;
+    quiesce(&d, 0, 0, &s0);
+    itest_sleep_ms(300);
+    int fds0 = itest_count_fds(d.pid);
+    long rss0 = itest_rss_kib(d.pid);
+
+    /* The observer checks every result while the victims die. */
+    obs = observer_start(&d, &L, seed ^ 0x55, o);
+    uint64_t t0 = now_ms();
+    kill_loop(&d, &L, &seed, kills, 6, &ks);
+    double secs = (double)(now_ms() - t0) / 1000.0;
+    CHECK_MSG(itest_daemon_alive(&d), "moed died; log in %s", d.log);
+    observer_stop(obs, o);
+    quiesce(&d, 0, 0, &s1);
+    int fds1 = settled_fds(d.pid, fds0);
+    long rss1 = itest_rss_kib(d.pid);
+    fprintf(stderr, "  kills survived: %u in %.1f s after %u warm-up kills:", ks.total, secs,
+            warm.total);
+    for (int k = 0; k < V_KINDS; k++)
+        fprintf(stderr, " %s %u%s", victim_names[k], ks.by_kind[k], k + 1 < V_KINDS ? "," : "\n");
+    fprintf(stderr, "  observer: %llu forwards, every one correct\n", (unsigned long long)o->ok);
+    fprintf(stderr, "  daemon: descriptors %d -> %d, VmRSS %ld -> %ld KiB "
+                    "(%+ld); %llu requests served, %llu cancelled or refused\n",
+            fds0, fds1, rss0, rss1, rss1 - rss0, (unsigned long long)(s1.requests - s0.requests),
+            (unsigned long long)(s1.errors - s0.errors));
+    CHECK_EQ_INT(ks.total, kills);
+    if (fds1 != fds0)
+        itest_list_fds(d.pid);
+    CHECK_MSG(fds1 == fds0, "descriptors: %d at the baseline, %d after", fds0, fds1);
+    /* Allocator caching may keep a few MiB (glibc arenas of the daemon's
+     * four threads; ASan's quarantine under SAN=1); a leak per kill would
+     * be hundreds of KiB per kill here. */
+    long tol = 8 * 1024 + ITEST_RSS_SLACK_KIB;
+    CHECK_MSG(rss1 - rss0 <= tol, "VmRSS grew by %ld KiB (tolerance %ld KiB)", rss1 - rss0, tol);
+    itest_layer_free(&L);
+    itest_daemon_stop(&d);
+}
+
+/* A client that dies while its long request is in the running batch must not
+ * shift the other clients' rows of that batch (the scatter used to skip the
+ * dead client's rows while the gather had used them, so the next client got
+ * the dead one's output). */
+TEST(a_dying_client_never_shifts_another_clients_rows)
+{
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--max-slice-tokens", "32", NULL);
+    moe_client *c = itest_connect(&d, "itest");
+    struct itest_layer L = {.name = "L", .dt = MOE_DTYPE_BF16, .sh = {8, 2, 256, 512},
+                            .routing = MOE_ROUTING_SOFTMAX, .renorm = true};
+    itest_layer_upload(c, &L, &seed);
+    moe_disconnect(&c);
+    struct observer *o = shared_map(sizeof(*o));
+    pid_t obs = observer_start(&d, &L, seed ^ 0x77, o);
+    for (int round = 0; round < 12; round++) {
+        fflush(stderr);
+        pid_t a = fork();
+        CHECK(a >= 0);
+        if (a == 0) {
+            uint64_t s2 = seed + (uint64_t)round;
+            moe_client *ca = itest_connect(&d, "A");
+            struct itest_fwd fa;
+            itest_fwd_make(ca, &L, 4096, &s2, &fa);
+            moe_request *rq;
+            CHECK(moe_forward_submit(ca, &fa.args, &rq) == 0);
+            for (;;)
+                pause();
+        }
+        itest_sleep_ms(30 + (int)(test_rand(&seed) % 150));
+        kill(a, SIGKILL);
+        waitpid(a, NULL, 0);
+        itest_sleep_ms(100);
+    }
+    observer_stop(obs, o);
+    fprintf(stderr, "  %llu results checked around 12 deaths mid-batch, every one correct\n",
+            (unsigned long long)o->ok);
+    itest_layer_free(&L);
+    itest_daemon_stop(&d);
+}
+
+/* ---- isolation ------------------------------------------------------------- */
+
+#define tensor raw_tensor
+
+static void fused_req(Moe__Request *req, Moe__FusedMoe *fm, Moe__Tensor *x, Moe__Tensor *lg,
+                      Moe__Tensor *out)
+{
+    moe__request__init(req);
+    moe__fused_moe__init(fm);
+    fm->layer = "h";
+    fm->x = x;
+    fm->logits = lg;
+    fm->out = out;
+    req->body_case = MOE__REQUEST__BODY_FUSED_MOE;
+    req->fused_moe = fm;
+}
+
+TEST(tokens_and_region_ids_are_not_guessable_and_are_checked)
+{
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    moe_client *c = itest_connect(&d, "itest");
+    struct itest_layer L = layer_make();
+    itest_layer_upload(c, &L, &seed);
+    enum { T = 4, H = 128, E = 8 };
+    const size_t RS = 1 << 16;
+    struct raw me, other, dead;
+    raw_open(&me, d.dir, true);
+    raw_open(&other, d.dir, true);
+    void *mine, *theirs;
+    uint64_t reg = raw_region(&me, RS, &mine);
+    uint64_t foreign = raw_region(&other, RS, &theirs);
+    memset(theirs, 0x5a, RS);
+    itest_fill(&seed, MOE_DTYPE_BF16, mine, T * H, 1.0f);
+    uint64_t sx[] = {T, H}, sl[] = {T, E};
+    Moe__Tensor x = tensor(reg, 0, MOE__DTYPE__DTYPE_BF16, sx, 2);
+    Moe__Tensor lg = tensor(reg, 4096, MOE__DTYPE__DTYPE_FP32, sl, 2);
+    Moe__Tensor out = tensor(reg, 8192, MOE__DTYPE__DTYPE_BF16, sx, 2);
+    Moe__Request req;
+    Moe__FusedMoe fm;
+    fused_req(&req, &fm, &x, &lg, &out);
+    raw_expect(&me, &req, MOE__STATUS__STATUS_OK, NULL);
+
+    /* Tokens: random guesses, near misses, other lengths, a closed
+     * session's token. */
+    uint8_t tok[32];
+    for (int i = 0; i < 2000; i++) {
+        for (int j = 0; j < 16; j++)
+            tok[j] = (uint8_t)test_rand(&seed);
+        req.token.data = tok;
+        req.token.len = 16;
+        raw_expect(&me, &req, MOE__STATUS__STATUS_PERMISSION_DENIED, "token");
+    }
+    memcpy(tok, me.token, 16);
+    for (int j = 0; j < 16; j++) {
+        tok[j] ^= 1;
+        req.token.data = tok;
+        req.token.len = 16;
+        raw_expect(&me, &req, MOE__STATUS__STATUS_PERMISSION_DENIED, "token");
+        tok[j] ^= 1;
+    }
+    tok[16] = 0;
+    size_t lens[] = {0, 1, 15, 17, 32};
+    for (size_t i = 0; i < ARRAY_LEN(lens); i++) {
+        req.token.data = tok;
+        req.token.len = lens[i];
+        if (lens[i] == 0) {
+            /* raw_send would stamp the real token on an empty one. */
+            uint8_t buf[1024];
+            req.token.data = NULL;
+            req.id = 4242;
+            size_t n = moe__request__pack(&req, buf);
+            raw_expect_bytes(&me, buf, n, MOE__STATUS__STATUS_PERMISSION_DENIED, "token");
+            continue;
+        }
+        raw_expect(&me, &req, MOE__STATUS__STATUS_PERMISSION_DENIED, "token");
+    }
+    raw_open(&dead, d.dir, true);
+    uint64_t dead_region = raw_region(&dead, 4096, NULL);
+    uint8_t dead_token[16];
+    memcpy(dead_token, dead.token, 16);
+    close(dead.sfd); /* the session ends; its token and region must die with it */
+    dead.sfd = -1;
+    for (int i = 0; i < 100; i++) {
+        moe_stats st;
+        get_stats(c, &st);
+        if (st.sessions == 3)
+            break;
+        itest_sleep_ms(20);
+    }
+    req.token.data = dead_token;
+    req.token.len = 16;
+    raw_expect(&dead, &req, MOE__STATUS__STATUS_PERMISSION_DENIED, "token");
+    req.token.len = 0;
+
+    /* Region ids: random, 53 bits, far apart. */
+    uint64_t ids[33];
+    ids[0] = reg;
+    for (int i = 1; i < 33; i++)
+        ids[i] = raw_region(&me, 4096, NULL);
+    for (int i = 0; i < 33; i++) {
+        CHECK(ids[i] != 0 && ids[i] < (1ull << 53));
+        for (int j = 0; j < i; j++) {
+            uint64_t gap = ids[i] > ids[j] ? ids[i] - ids[j] : ids[j] - ids[i];
+            CHECK_MSG(gap > (1ull << 20), "region ids %llu and %llu are %llu apart",
+                      (unsigned long long)ids[i], (unsigned long long)ids[j],
+                      (unsigned long long)gap);
+        }
+    }
+    for (int i = 1; i < 33; i++)
+        CHECK_EQ_INT(raw_unregister(&me, ids[i]), 0);
+
+    /* Another session's region, a dead session's, an unregistered one and
+     * guesses, in every role a tensor can play. */
+    Moe__Tensor bad;
+    uint64_t names[] = {foreign, dead_region, ids[5], 1, 2, 12345};
+    for (size_t i = 0; i < ARRAY_LEN(names) + 500; i++) {
+        uint64_t id = i < ARRAY_LEN(names) ? names[i] : (test_rand(&seed) & ((1ull << 53) - 1));
+        if (id == reg)
+            continue;
+        fused_req(&req, &fm, &x, &lg, &out);
+        bad = i % 3 == 0 ? x : i % 3 == 1 ? lg : out;
+        bad.region = id;
+        if (i % 3 == 0)
+            fm.x = &bad;
+        else if (i % 3 == 1)
+            fm.logits = &bad;
+        else
+            fm.out = &bad;
+        raw_expect(&me, &req, MOE__STATUS__STATUS_NOT_FOUND, "not registered in this session");
+    }
+    CHECK_EQ_INT(raw_unregister(&me, foreign), MOE__STATUS__STATUS_NOT_FOUND);
+    CHECK_EQ_INT(raw_unregister(&me, dead_region), MOE__STATUS__STATUS_NOT_FOUND);
+    /* Uploading weights from another session's region. */
+    Moe__Request lr = MOE__REQUEST__INIT;
+    Moe__LoadLayer ll = MOE__LOAD_LAYER__INIT;
+    uint64_t s3[] = {2, 16, 8};
+    Moe__Tensor w = tensor(foreign, 0, MOE__DTYPE__DTYPE_BF16, s3, 3);
+    ll.name = "steal";
+    ll.dtype = MOE__DTYPE__DTYPE_BF16;
+    ll.experts = 2;
+    ll.topk = 1;
+    ll.hidden = 8;
+    ll.intermediate = 16;
+    ll.w1 = ll.w3 = ll.w2 = &w;
+    lr.body_case = MOE__REQUEST__BODY_LOAD_LAYER;
+    lr.load_layer = &ll;
+    raw_expect(&me, &lr, MOE__STATUS__STATUS_NOT_FOUND, "not registered in this session");
+
+    /* Bounds: random offsets and shapes at and past the region's end; the
+     * bytes around the output and the other session's bytes stay. */
+    memset((uint8_t *)mine + 16384, 0xa5, RS - 16384);
+    unsigned refused = 0, ok = 0;
+    for (int i = 0; i < 3000; i++) {
+        fused_req(&req, &fm, &x, &lg, &out);
+        bad = out;
+        uint64_t t = 1 + test_rand(&seed) % 8;
+        uint64_t so[2] = {t, H};
+        uint64_t bytes = t * H * 2;
+        switch (test_rand(&seed) % 4) {
+        case 0: bad.offset = RS - bytes + 2 * (1 + test_rand(&seed) % 64); break;
+        case 1: bad.offset = (test_rand(&seed) % (RS / 2)) * 2; break;
+        case 2: bad.offset = UINT64_MAX - 2 * (test_rand(&seed) % 1024) - 1; break;
+        default: bad.offset = RS - bytes; break;
+        }
+        bad.shape = so;
+        uint64_t sxt[2] = {t, H}, slt[2] = {t, E};
+        Moe__Tensor xt = x, lt = lg;
+        xt.shape = sxt;
+        lt.shape = slt;
+        fm.x = &xt;
+        fm.logits = &lt;
+        fm.out = &bad;
+        bool inside = bad.offset <= RS && bad.offset % 2 == 0 && bytes <= RS - bad.offset;
+        bool clobbers = inside && bad.offset < 8192 + T * H * 2 * 2; /* over x, logits */
+        if (clobbers)
+            continue;
+        raw_expect(&me, &req,
+                   inside ? MOE__STATUS__STATUS_OK : MOE__STATUS__STATUS_INVALID_ARGUMENT, NULL);
+        if (inside) {
+            ok++;
+            memset((uint8_t *)mine + bad.offset, 0xa5, bytes);
+        } else {
+            refused++;
+        }
+    }
+    for (size_t i = 16384; i < RS; i++)
+        CHECK_MSG(((uint8_t *)mine)[i] == 0xa5, "byte %zu of the region changed", i);
+    for (size_t i = 0; i < RS; i++)
+        CHECK_MSG(((uint8_t *)theirs)[i] == 0x5a, "byte %zu of another session's region changed",
+                  i);
+    fprintf(stderr, "  2000 guessed tokens, 500 guessed region ids refused; %u tensors in "
+                    "bounds served, %u out of bounds refused\n", ok, refused);
+    raw_close(&me);
+    raw_close(&other);
+    raw_close(&dead);
+    moe_disconnect(&c);
+    itest_layer_free(&L);
+    itest_daemon_stop(&d);
+}
+
+TEST(weights_load_only_from_allowed_dirs)
+{
+    uint64_t seed = test_seed();
+    char allowed[] = "/tmp/moed-allowed.XXXXXX", outside[] = "/tmp/moed-outside.XXXXXX";
+    CHECK(mkdtemp(allowed) && mkdtemp(outside));
+    char sibling[64];
+    snprintf(sibling, sizeof(sibling), "%s-sibling", allowed);
+    CHECK(mkdir(sibling, 0700) == 0);
+    uint16_t w[3][2][16 * 8];
+    struct st_out t[6];
+    char names[6][64];
+    for (int e = 0; e < 2; e++)
+        for (int p = 0; p < 3; p++) {
+            itest_fill(&seed, MOE_DTYPE_BF16, w[p][e], 128, 0.5f);
+            snprintf(names[e * 3 + p], 64, "experts.%d.w%d.weight", e, p == 0 ? 1 : p == 1 ? 3 : 2);
+            t[e * 3 + p] = (struct st_out){.name = names[e * 3 + p], .dtype = ST_BF16, .ndim = 2,
+                                           .shape = {p < 2 ? 16 : 8, p < 2 ? 8 : 16},
+                                           .data = w[p][e]};
+        }
+    char good[300], out_file[300], sib_file[300], fifo[300], subdir[300], dirlink[300],
+        via_link[300], dotdot[300];
+    snprintf(good, sizeof(good), "%s/good.safetensors", allowed);
+    snprintf(out_file, sizeof(out_file), "%s/w.safetensors", outside);
+    snprintf(sib_file, sizeof(sib_file), "%s/w.safetensors", sibling);
+    snprintf(fifo, sizeof(fifo), "%s/fifo.safetensors", allowed);
+    snprintf(subdir, sizeof(subdir), "%s/sub", allowed);
+    snprintf(dirlink, sizeof(dirlink), "%s/link", allowed);
+    snprintf(via_link, sizeof(via_link), "%s/link/w.safetensors", allowed);
+    snprintf(dotdot, sizeof(dotdot), "%s/sub/../../%s/w.safetensors", allowed,
+             strrchr(outside, '/') + 1);
+    CHECK(st_write(good, t, 6) == 0 && st_write(out_file, t, 6) == 0 &&
+          st_write(sib_file, t, 6) == 0);
+    CHECK(mkfifo(fifo, 0600) == 0 && mkdir(subdir, 0700) == 0 && symlink(outside, dirlink) == 0);
+
+    /* Without allowed directories nothing loads. */
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    moe_client *c = itest_connect(&d, "loader");
+    moe_layer_desc desc = {.name = "w", .kind = MOE_LAYER_MOE, .topk = 2, .path = good,
+                           .routing = MOE_ROUTING_SOFTMAX};
+    CHECK_EQ_INT(moe_layer_load(c, &desc, NULL), -EACCES);
+    CHECK_STR_CONTAINS(moe_errmsg(), "no directories are allowed");
+    moe_disconnect(&c);
+    itest_daemon_stop(&d);
+
+    itest_daemon_start(&d, "--allow-dir", allowed, NULL);
+    c = itest_connect(&d, "loader");
+    moe_set_timeout(c, 5000);
+    struct {
+        const char *path;
+        int err;
+        const char *needle;
+    } cases[] = {
+        {out_file, -EACCES, "outside the allowed directories"},
+        {sib_file, -EACCES, "outside the allowed directories"}, /* a prefix is not a parent */
+        {via_link, -EACCES, "outside the allowed directories"}, /* a linked directory */
+        {dotdot, -EACCES, "outside the allowed directories"},
+        {"/proc/self/environ", -EACCES, "outside"},
+        {"/dev/zero", -EACCES, "outside"},
+        {fifo, -EIO, "not a regular file"}, /* used to block the loader forever */
+        {subdir, -EIO, "not a regular file"},
+        {allowed, -EACCES, "outside the allowed directories"}, /* not under itself */
+    };
+    for (size_t i = 0; i < ARRAY_LEN(cases); i++) {
+        desc.path = cases[i].path;
+        int rc = moe_layer_load(c, &desc, NULL);
+        CHECK_MSG(rc == cases[i].err, "%s: got %d (%s), want %d", cases[i].path, rc, moe_errmsg(),
+                  cases[i].err);
+        CHECK_STR_CONTAINS(moe_errmsg(), cases[i].needle);
+    }
+    desc.path = good;
+    CHECK_MSG(moe_layer_load(c, &desc, NULL) == 0, "%s", moe_errmsg());
+    moe_disconnect(&c);
+    itest_daemon_stop(&d); /* a loader stuck on the FIFO would hang here */
+    itest_rmdir(allowed);
+    itest_rmdir(outside);
+    itest_rmdir(sibling);
+}
+
+/* Access is the runtime directory's: a user outside its group cannot
+ * connect to either socket, even holding a valid token; a member can. */
+TEST(connecting_needs_access_to_the_runtime_dir)
+{
+    if (geteuid() != 0)
+        TEST_SKIP("needs root to switch to the user nobody (uid 65534)");
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    /* The two clients fork now, while this process has no threads; they
+     * wait for a valid session token to try. */
+    struct itest_layer L = layer_make();
+    pid_t pids[2];
+    int pipes[2][2];
+    for (int member = 0; member < 2; member++) {
+        CHECK(pipe(pipes[member]) == 0);
+        fflush(stderr);
+        pids[member] = fork();
+        CHECK(pids[member] >= 0);
+        if (pids[member])
+            continue;
+        uint8_t token[16];
+        CHECK(read(pipes[member][0], token, 16) == 16);
+        gid_t gid = member ? 65534 : 65533;
+        CHECK(setgroups(0, NULL) == 0 && setgid(gid) == 0 && setuid(65534) == 0);
+        prctl(PR_SET_DUMPABLE, 1); /* LeakSanitizer at exit needs it (SAN=1) */
+        struct raw r;
+        memset(&r, 0, sizeof(r));
+        int rc = raw_connect_session(&r, d.dir);
+        moe_client *cc = NULL;
+        int crc = moe_connect(d.dir, "nobody", &cc);
+        if (!member) {
+            CHECK_MSG(rc == -EACCES, "session socket: %s", strerror(-rc));
+            CHECK_MSG(crc < 0, "libmoe connected without access");
+            /* Even with a stolen valid token, the request socket is out of
+             * reach: nothing answers. */
+            raw_connect_zmq(&r, d.dir, 1000);
+            memcpy(r.token, token, 16);
+            Moe__Request req = MOE__REQUEST__INIT;
+            Moe__Hello h = MOE__HELLO__INIT;
+            h.protocol_version = 1;
+            req.body_case = MOE__REQUEST__BODY_HELLO;
+            req.hello = &h;
+            raw_send(&r, &req);
+            Moe__Reply *rep = raw_recv_try(&r);
+            CHECK_MSG(rep == NULL, "a reply came through the request socket");
+            raw_close(&r);
+            _exit(0);
+        }
+        CHECK_MSG(rc == 0, "session socket: %s", strerror(-rc));
+        close(r.sfd);
+        CHECK_MSG(crc == 0, "libmoe as a member: %s", moe_errmsg());
+        struct itest_fwd f;
+        uint64_t s2 = 7;
+        itest_fwd_make(cc, &L, 3, &s2, &f);
+        CHECK_MSG(moe_forward(cc, &f.args, NULL) == 0, "%s", moe_errmsg());
+        moe_region_free(cc, &f.r);
+        moe_disconnect(&cc);
+        _exit(0);
+    }
+    uint64_t seed = test_seed();
+    moe_client *c = itest_connect(&d, "itest");
+    itest_layer_upload(c, &L, &seed);
+    struct raw owner;
+    raw_open(&owner, d.dir, true);
+    char sock[300], zsock[300];
+    snprintf(sock, sizeof(sock), "%s/moed.sock", d.dir);
+    snprintf(zsock, sizeof(zsock), "%s/moed.zmq", d.dir);
+    struct stat st;
+    CHECK(stat(sock, &st) == 0 && (st.st_mode & 0777) == 0660);
+    CHECK(stat(zsock, &st) == 0 && (st.st_mode & 0777) == 0660);
+    /* As the service's tmpfiles would: the directory and the sockets
+     * belong to the group that may connect (here nogroup, 65534). */
+    CHECK(chown(d.dir, 0, 65534) == 0 && chmod(d.dir, 0770) == 0);
+    CHECK(chown(sock, 0, 65534) == 0 && chown(zsock, 0, 65534) == 0);
+    for (int member = 0; member < 2; member++) {
+        CHECK(write(pipes[member][1], owner.token, 16) == 16);
+        int wst;
+        CHECK(waitpid(pids[member], &wst, 0) == pids[member]);
+        CHECK_MSG(WIFEXITED(wst) && WEXITSTATUS(wst) == 0, "%s client failed",
+                  member ? "member" : "non-member");
+    }
+    fprintf(stderr, "  uid 65534 outside the group: refused on both sockets; in the group: served\n");
+    raw_close(&owner);
+    moe_disconnect(&c);
+    itest_layer_free(&L);
+    itest_daemon_stop(&d);
+}
+
+/* ---- regressions ----------------------------------------------------------- */
+
+/* A grouped GEMM whose groups are all empty used to stay queued forever
+ * (a batch takes rows; it had none) and stall every later request of its
+ * layer, and, being the oldest, every other layer too. */
+TEST(an_empty_grouped_gemm_does_not_stall_the_batcher)
+{
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    moe_client *c = itest_connect(&d, "itest");
+    struct itest_layer L = layer_make();
+    itest_layer_upload(c, &L, &seed);
+    moe_region *wr;
+    enum { G = 4, N = 16, K = 16 };
+    CHECK(moe_region_create(c, G * N * K * 2, "B", &wr) == 0);
+    itest_fill(&seed, MOE_DTYPE_BF16, moe_region_data(wr), G * N * K, 0.5f);
+    moe_layer_desc gd = {.name = "g", .kind = MOE_LAYER_GEMM, .dtype = MOE_DTYPE_BF16,
+                         .groups = G, .n = N, .k = K,
+                         .w1 = moe_tensor_3d(wr, 0, MOE_DTYPE_BF16, G, N, K)};
+    CHECK_MSG(moe_layer_load(c, &gd, NULL) == 0, "%s", moe_errmsg());
+    moe_region *r;
+    CHECK(moe_region_create(c, 4096, "ac", &r) == 0);
+    uint64_t ms[G] = {0, 0, 0, 0};
+    moe_gemm_args a = {.layer = "g", .a = moe_tensor_2d(r, 0, MOE_DTYPE_BF16, 0, K),
+                       .c = moe_tensor_2d(r, 0, MOE_DTYPE_BF16, 0, N), .m_sizes = ms,
+                       .groups = G};
+    moe_set_timeout(c, 5000);
+    CHECK_MSG(moe_gemm(c, &a, NULL) == 0, "empty gemm: %s", moe_errmsg());
+    ms[2] = 3;
+    a.a = moe_tensor_2d(r, 0, MOE_DTYPE_BF16, 3, K);
+    a.c = moe_tensor_2d(r, 1024, MOE_DTYPE_BF16, 3, N);
+    CHECK_MSG(moe_gemm(c, &a, NULL) == 0, "gemm after the empty one: %s", moe_errmsg());
+    struct itest_fwd f;
+    itest_fwd_make(c, &L, 5, &seed, &f);
+    CHECK_MSG(moe_forward(c, &f.args, NULL) == 0, "forward after the empty gemm: %s",
+              moe_errmsg());
+    moe_region_free(c, &f.r);
+    moe_region_free(c, &r);
+    moe_region_free(c, &wr);
+    moe_disconnect(&c);
+    itest_layer_free(&L);
+    itest_daemon_stop(&d);
+}
+
+/* timeout_us near 2^64 used to wrap the deadline into the past, so the
+ * request expired at once. */
+TEST(a_huge_timeout_is_no_deadline)
+{
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    moe_client *c = itest_connect(&d, "itest");
+    struct itest_layer L = layer_make();
+    itest_layer_upload(c, &L, &seed);
+    struct raw r;
+    raw_open(&r, d.dir, true);
+    void *base;
+    uint64_t reg = raw_region(&r, 1 << 16, &base);
+    itest_fill(&seed, MOE_DTYPE_BF16, base, 4 * 128, 1.0f);
+    uint64_t sx[] = {4, 128}, sl[] = {4, 8};
+    Moe__Tensor x = tensor(reg, 0, MOE__DTYPE__DTYPE_BF16, sx, 2);
+    Moe__Tensor lg = tensor(reg, 4096, MOE__DTYPE__DTYPE_FP32, sl, 2);
+    Moe__Tensor out = tensor(reg, 8192, MOE__DTYPE__DTYPE_BF16, sx, 2);
+    Moe__Request req;
+    Moe__FusedMoe fm;
+    uint64_t timeouts[] = {UINT64_MAX, UINT64_MAX - 1000, 1ull << 63, 60000000};
+    for (size_t i = 0; i < ARRAY_LEN(timeouts); i++) {
+        fused_req(&req, &fm, &x, &lg, &out);
+        req.timeout_us = timeouts[i];
+        raw_expect(&r, &req, MOE__STATUS__STATUS_OK, NULL);
+    }
+    raw_close(&r);
+    moe_disconnect(&c);
+    itest_layer_free(&L);
+    itest_daemon_stop(&d);
+}
+
+/* The reply to a successful UnregisterRegion used to be an empty datagram,
+ * which the client cannot tell from the end of its session: libmoe's
+ * moe_region_free() returned -ECONNRESET every time. */
+TEST(unregistering_a_region_is_answered)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    moe_client *c = itest_connect(&d, "itest");
+    for (int i = 0; i < 3; i++) {
+        moe_region *r;
+        CHECK(moe_region_create(c, 4096, "r", &r) == 0);
+        CHECK_MSG(moe_region_free(c, &r) == 0, "moe_region_free: %s", moe_errmsg());
+    }
+    struct raw raw;
+    raw_open(&raw, d.dir, true);
+    uint64_t id = raw_region(&raw, 4096, NULL);
+    CHECK_EQ_INT(raw_unregister(&raw, id), MOE__STATUS__STATUS_OK);
+    CHECK_EQ_INT(raw_unregister(&raw, id), MOE__STATUS__STATUS_NOT_FOUND);
+    raw_hello(&raw);
+    raw_close(&raw);
+    moe_disconnect(&c);
+    itest_daemon_stop(&d);
+}
+
+int main(int argc, char **argv)
+{
+    return test_main(argc, argv, (struct test_case[]){
+        TEST_CASE_TIMEOUT(killed_clients_leak_nothing, 300),
+        TEST_CASE(a_dying_client_never_shifts_another_clients_rows),
+        TEST_CASE(tokens_and_region_ids_are_not_guessable_and_are_checked),
+        TEST_CASE(weights_load_only_from_allowed_dirs),
+        TEST_CASE(connecting_needs_access_to_the_runtime_dir),
+        TEST_CASE(an_empty_grouped_gemm_does_not_stall_the_batcher),
+        TEST_CASE(a_huge_timeout_is_no_deadline),
+        TEST_CASE(unregistering_a_region_is_answered),
+        {0}});
+}
