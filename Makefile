@@ -77,7 +77,8 @@ NVCCFLAGS  ?= -O3 -std=c++17 -lineinfo -Xcompiler -fPIC \
 NVCCFLAGS  += -Ikernels
 endif
 
-UNIT_SRC  := $(wildcard tests/unit/test_*.c)
+# The CUDA kernel test links the CUDA objects: only with nvcc.
+UNIT_SRC  := $(filter-out $(if $(CUDA_SRC),,tests/unit/test_cuda_kernels.c),$(wildcard tests/unit/test_*.c))
 ITEST_SRC := $(wildcard tests/integration/itest_*.c)
 UNIT_BIN  := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(UNIT_SRC))
 ITEST_BIN := $(patsubst tests/integration/%.c,$(BUILD)/tests/%,$(ITEST_SRC))

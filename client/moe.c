@@ -129,9 +129,21 @@ static int session_call(moe_client *c, Moe__SessionRequest *req, int fd,
         memcpy(CMSG_DATA(cm), &fd, sizeof(int));
     }
     if (sendmsg(c->sfd, &mh, MSG_NOSIGNAL) < 0) {
-        c->broken = errno == EPIPE || errno == ECONNRESET || errno == ENOTCONN;
-        return seterr(c->broken ? -ECONNRESET : -errno, "cannot reach the daemon: %s",
-                      strerror(errno));
+        int e = errno;
+        c->broken = e == EPIPE || e == ECONNRESET || e == ENOTCONN;
+        /* A daemon that refused the session (too many sessions, shutting
+         * down) said why before it closed: that answer beats "reset". */
+        ssize_t r = c->broken ? recv(c->sfd, buf, sizeof(buf), MSG_DONTWAIT) : -1;
+        Moe__SessionReply *why = r > 0 ? moe__session_reply__unpack(NULL, (size_t)r, buf) : NULL;
+        if (why && why->status != MOE__STATUS__STATUS_OK) {
+            int err = status_to_errno(why->status);
+            seterr(err, "%s", why->message && why->message[0] ? why->message : status_strerror(err));
+            moe__session_reply__free_unpacked(why, NULL);
+            return err;
+        }
+        if (why)
+            moe__session_reply__free_unpacked(why, NULL);
+        return seterr(c->broken ? -ECONNRESET : -e, "cannot reach the daemon: %s", strerror(e));
     }
     struct pollfd p = {c->sfd, POLLIN, 0};
     int pr = poll(&p, 1, c->timeout_ms);

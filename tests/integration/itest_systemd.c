@@ -1001,8 +1001,12 @@ TEST(hardening_directives_leave_the_daemon_working)
     int rc = sh(out, sizeof(out), "cc -O2 -o %s/seccomp-exec packaging/hardening/seccomp-exec.c && "
                 "python3 packaging/hardening/syscalls.py > %s/allow.txt", dir, dir);
     CHECK_MSG(rc == 0, "building the helpers: %s", out);
-    rc = sh(out, sizeof(out), "packaging/hardening/check.sh cpu %s %s %s/seccomp-exec %s/allow.txt",
-            bin, ctl, dir, dir);
+    /* In a sanitizer build, LeakSanitizer's exit-time scan (it stops the
+     * threads through ptrace) is what the sandbox forbids: turn only that
+     * off; the address and undefined-behaviour checks stay. */
+    rc = sh(out, sizeof(out),
+            "ASAN_OPTIONS=detect_leaks=0 packaging/hardening/check.sh cpu %s %s %s/seccomp-exec "
+            "%s/allow.txt", bin, ctl, dir, dir);
     /* Indented: tests/run.sh counts lines that start with PASS and FAIL. */
     for (char *line = out; line && *line;) {
         char *nl = strchr(line, '\n');
@@ -1248,7 +1252,7 @@ int main(int argc, char **argv)
         TEST_CASE_TIMEOUT(socket_activation_refuses_a_socket_of_the_wrong_type, 30),
         TEST_CASE_TIMEOUT(units_verify_and_sysusers_tmpfiles_apply, 60),
         TEST_CASE_TIMEOUT(make_install_destdir_tree_and_uninstall, 60),
-        TEST_CASE_TIMEOUT(hardening_directives_leave_the_daemon_working, 90),
+        TEST_CASE_TIMEOUT(hardening_directives_leave_the_daemon_working, 240),
         TEST_CASE_TIMEOUT(deb_builds_lists_installs_and_removes, 90),
         TEST_CASE_TIMEOUT(check_config_validates_and_exits, 30),
         TEST_CASE_TIMEOUT(journal_prefixes_and_log_level, 30),
