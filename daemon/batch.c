@@ -541,18 +541,12 @@ static int batch_add(struct batch_job *bj, struct request *req, int rows)
     return 0;
 }
 
-static void on_delay_timer(void *data)
-{
-    batch_kick(data);
-}
 
 /* With max_delay_us, a batch that is not yet full waits until its oldest
  * request has waited that long. True if the caller should wait. */
 /* Arm the delay timer to fire at `due`; false if it cannot be armed. */
 static bool delay_until(struct server *s, uint64_t due, uint64_t now)
 {
-    if (!s->delay_timer)
-        s->delay_timer = loop_timer(s->loop, 0, on_delay_timer, s);
     return s->delay_timer && loop_timer_set(s->delay_timer, due - now, 0) == 0;
 }
 
@@ -587,6 +581,19 @@ static bool batch_should_wait(struct server *s, struct layer *l, uint64_t now)
     if (now >= due)
         return false;
     return delay_until(s, due, now); /* cannot wait: run now rather than never */
+}
+
+static void batch_on_delay_timer(void *data)
+{
+    batch_kick(data);
+}
+
+int batch_init(struct server *s)
+{
+    /* Made once, at start, so the daemon's descriptors do not change with
+     * its load (tests compare them before and after). */
+    s->delay_timer = loop_timer(s->loop, 0, batch_on_delay_timer, s);
+    return s->delay_timer ? 0 : -errno;
 }
 
 void batch_kick(struct server *s)

@@ -525,6 +525,10 @@ int server_new(struct config *cfg, struct backend **backends, int n_backends,
         return rc;
     }
     worker_set_spin(s->compute, server_spin_us(s));
+    if ((rc = batch_init(s)) < 0) {
+        server_free(&s);
+        return rc;
+    }
     *out = s;
     return 0;
 }

@@ -240,6 +240,8 @@ int layer_load_conf(struct server *s, const struct layer_conf *lc, char *err, si
 void layer_unload_all(struct server *s);
 
 /* batch.c */
+/* The batcher's timer (max_delay_us, return_wait_us). 0 or -errno. */
+int batch_init(struct server *s);
 /* Take ownership of req and queue it (or reply BUSY and free it). */
 void batch_enqueue(struct server *s, struct request *req);
 /* Start a batch if the compute worker is idle and work is queued. */
