@@ -7,7 +7,7 @@
  * Each case runs in its own child, so setenv() and seteuid() here cannot leak
  * into other cases.
  */
-#include "tests/harness.h"
+#include "tests/unit/unit.h"
 #include "daemon/config.h"
 #include "moe.pb-c.h"
 
@@ -15,40 +15,13 @@
 #include <limits.h>
 #include <sys/stat.h>
 
-/* In the SAN build, a case that leaked fails: the harness ends each child
- * with _exit(), which skips LeakSanitizer's own check at exit. */
-#if defined(__SANITIZE_ADDRESS__)
-#include <sanitizer/lsan_interface.h>
-#define CHECK_NO_LEAKS() CHECK(__lsan_do_recoverable_leak_check() == 0)
-#else
-#define CHECK_NO_LEAKS() ((void)0)
-#endif
 
 /* ---- helpers ------------------------------------------------------------ */
 
-static char tmp_root[64];
-
-static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
-{
-    (void)st;
-    (void)flag;
-    (void)ftw;
-    remove(path);
-    return 0;
-}
-
-static void tmp_cleanup(void)
-{
-    if (tmp_root[0])
-        nftw(tmp_root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
-    tmp_root[0] = '\0';
-}
 
 static const char *tmp_dir(void)
 {
-    snprintf(tmp_root, sizeof(tmp_root), "/tmp/moed-test-cfg-XXXXXX");
-    CHECK(mkdtemp(tmp_root) != NULL);
-    atexit(tmp_cleanup);
+    tmp_dir_new("cfg");
     return tmp_root;
 }
 

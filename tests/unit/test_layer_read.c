@@ -9,7 +9,7 @@
  * file on the machine": paths outside the allowed directories, symlinks and
  * ".." that lead out, and not saying whether a file outside exists.
  */
-#include "tests/harness.h"
+#include "tests/unit/unit.h"
 #include "daemon/layer.h"
 #include "daemon/safetensors.h"
 #include "moe.pb-c.h"
@@ -20,42 +20,15 @@
 #include <limits.h>
 #include <sys/stat.h>
 
-/* In the SAN build, a case that leaked fails: the harness ends each child
- * with _exit(), which skips LeakSanitizer's own check at exit. */
-#if defined(__SANITIZE_ADDRESS__)
-#include <sanitizer/lsan_interface.h>
-#define CHECK_NO_LEAKS() CHECK(__lsan_do_recoverable_leak_check() == 0)
-#else
-#define CHECK_NO_LEAKS() ((void)0)
-#endif
 
 /* ---- helpers ------------------------------------------------------------ */
 
-static char tmp_root[64];
-
-static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
-{
-    (void)st;
-    (void)flag;
-    (void)ftw;
-    remove(path);
-    return 0;
-}
-
-static void tmp_cleanup(void)
-{
-    if (tmp_root[0])
-        nftw(tmp_root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
-    tmp_root[0] = '\0';
-}
 
 /* A fresh directory with "allowed" and "outside" below it. */
 static const char *tmp_dir(void)
 {
     char sub[128];
-    snprintf(tmp_root, sizeof(tmp_root), "/tmp/moed-test-layer-XXXXXX");
-    CHECK(mkdtemp(tmp_root) != NULL);
-    atexit(tmp_cleanup);
+    tmp_dir_new("layer");
     snprintf(sub, sizeof(sub), "%s/allowed", tmp_root);
     CHECK(mkdir(sub, 0700) == 0);
     snprintf(sub, sizeof(sub), "%s/outside", tmp_root);

@@ -7,7 +7,7 @@
  * Expected values come from independent computations (sorting, 128-bit
  * arithmetic) or from hand-worked data, never from the code under test.
  */
-#include "tests/harness.h"
+#include "tests/unit/unit.h"
 #include "daemon/stats.h"
 #include "daemon/util.h"
 #include "moe.pb-c.h"
@@ -15,14 +15,6 @@
 
 #include <limits.h>
 
-/* In the SAN build, a case that leaked fails: the harness ends each child
- * with _exit(), which skips LeakSanitizer's own check at exit. */
-#if defined(__SANITIZE_ADDRESS__)
-#include <sanitizer/lsan_interface.h>
-#define CHECK_NO_LEAKS() CHECK(__lsan_do_recoverable_leak_check() == 0)
-#else
-#define CHECK_NO_LEAKS() ((void)0)
-#endif
 
 /* ---- helpers ------------------------------------------------------------ */
 

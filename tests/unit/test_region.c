@@ -7,21 +7,13 @@
  * the fd, and a region_new() that closed it would make the session close it
  * a second time (possibly someone else's fd by then).
  */
-#include "tests/harness.h"
+#include "tests/unit/unit.h"
 #include "daemon/region.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 
-/* In the SAN build, a case that leaked fails: the harness ends each child
- * with _exit(), which skips LeakSanitizer's own check at exit. */
-#if defined(__SANITIZE_ADDRESS__)
-#include <sanitizer/lsan_interface.h>
-#define CHECK_NO_LEAKS() CHECK(__lsan_do_recoverable_leak_check() == 0)
-#else
-#define CHECK_NO_LEAKS() ((void)0)
-#endif
 
 /* ---- helpers ------------------------------------------------------------ */
 
