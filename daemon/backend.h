@@ -27,6 +27,19 @@ struct backend_moe_io {
     const float *weights;   /* [T, k] */
     int tokens;
     void *out;              /* [T, H], layer dtype */
+    /* A shard of a layer spread over devices: the routing above is over
+     * route_experts experts and remap [route_experts] names this device's
+     * expert for each, or -1 for one held elsewhere (it contributes
+     * nothing here). NULL: the routing is over the weights' experts. */
+    const int32_t *remap;
+    int route_experts;
+};
+
+/* One device's part of a layer spread over devices (shard.h). */
+struct backend_shard {
+    struct backend *b;
+    void *weights;          /* its experts, top-k as the layer */
+    const int32_t *remap;   /* [E] its expert for each of the layer's, or -1 */
 };
 
 struct backend_device {
@@ -47,6 +60,14 @@ struct backend_ops {
     void (*weights_free)(struct backend *b, void *handle);
 
     int (*moe_run)(struct backend *b, void *handle, const struct backend_moe_io *io);
+    /* Optional: a forward of a layer spread over n devices of this backend
+     * (shards[0] is the home device), done by the devices themselves: the
+     * batch goes to every device, each computes the slots of its experts,
+     * the partial outputs are summed in fp32 on the home device. io as for
+     * moe_run over all `experts` of the layer (io->remap unset). NULL:
+     * shard.c calls moe_run on each device and sums on the host. */
+    int (*moe_run_sharded)(const struct backend_shard *shards, int n, int experts,
+                           const struct backend_moe_io *io);
     /* A [M, K] grouped by m_sizes [G] -> C [M, N]. */
     int (*gemm_run)(struct backend *b, void *handle, const void *a,
                     const int64_t *m_sizes, int64_t m, void *c);
@@ -76,6 +97,12 @@ struct backend {
 int backend_cpu_new(int threads, struct backend **out);
 /* -ENODEV when no usable GPU (or not built with CUDA). */
 int backend_cuda_new(int device, struct backend **out);
+/* Visible CUDA devices (0 without CUDA). */
+int backend_cuda_count(void);
+/* How CUDA devices exchange a spread layer's batches: "auto" (NCCL when
+ * libnccl.so.2 loads, else peer copies), "nccl" or "peer". Set before the
+ * first forward. */
+void backend_cuda_transport(const char *name);
 
 /* Pick by name: "cpu", "cuda", or "auto" (CUDA device `device` when it
  * exists, else the CPU). */

@@ -80,8 +80,11 @@ static int cpu_moe_run(struct backend *b, void *handle, const struct backend_moe
     struct cpu_weights *m = handle;
     const int32_t *ids = io->ids;
     const float *weights = io->weights;
-    if (io->logits) {
-        size_t need = (size_t)io->tokens * (size_t)m->shape.topk;
+    size_t slots = (size_t)io->tokens * (size_t)m->shape.topk;
+    if (io->logits && m->shape.topk > (io->remap ? io->route_experts : m->shape.experts))
+        return -EINVAL; /* top-k of fewer experts */
+    if (io->logits || io->remap) {
+        size_t need = slots;
         if (need > cb->route_cap) {
             int32_t *ni = realloc(cb->ids, need * sizeof(*ni));
             if (ni)
@@ -93,11 +96,20 @@ static int cpu_moe_run(struct backend *b, void *handle, const struct backend_moe
                 return -ENOMEM;
             cb->route_cap = need;
         }
-        moek_ref_route(io->logits, io->tokens, m->shape.experts, m->shape.topk,
-                       m->scoring, m->renormalize, cb->ids, cb->weights);
+    }
+    if (io->logits) {
+        moek_ref_route(io->logits, io->tokens, io->remap ? io->route_experts : m->shape.experts,
+                       m->shape.topk, m->scoring, m->renormalize, cb->ids, cb->weights);
         ids = cb->ids;
         weights = cb->weights;
+    } else if (io->remap) {
+        memcpy(cb->ids, io->ids, slots * sizeof(*cb->ids));
+        ids = cb->ids;
     }
+    if (io->remap) /* a shard: keep the slots of this device's experts */
+        for (size_t s = 0; s < slots; s++)
+            cb->ids[s] = cb->ids[s] >= 0 && cb->ids[s] < io->route_experts
+                             ? io->remap[cb->ids[s]] : -1;
     return moek_cpu_fused_moe(cb->pool, m->moe, io->x, ids, weights, io->tokens, io->out);
 }
 

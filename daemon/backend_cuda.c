@@ -29,6 +29,15 @@ int backend_cuda_new(int device, struct backend **out)
     return -ENODEV;
 }
 
+int backend_cuda_count(void)
+{
+    return 0;
+}
+
+void backend_cuda_transport(const char *name)
+{
+}
+
 #else
 
 #include <stdio.h>
@@ -59,7 +68,19 @@ struct cuda_weights {
     void *graph[GRAPH_MAX_TOKENS + 1];
     unsigned graph_gen[GRAPH_MAX_TOKENS + 1];
     struct backend_moe_io graph_io[GRAPH_MAX_TOKENS + 1];
+    /* A shard of a spread layer: its remap table on the device. */
+    int32_t *remap_dev;
 };
+
+/* Groups of devices that serve spread layers, by device list. */
+#define EP_GROUPS 8
+struct ep_group {
+    int n;
+    int devices[16];
+    moek_cuda_ep *ep;
+};
+
+static moek_cuda_ep_transport g_transport = MOEK_CUDA_EP_AUTO;
 
 struct cuda_backend {
     struct backend base;
@@ -70,6 +91,7 @@ struct cuda_backend {
     unsigned gen;       /* bumped whenever a buffer above moves */
     bool broken;        /* a sticky error: the context is unusable */
     char name[96];
+    struct ep_group eps[EP_GROUPS]; /* as the home device of spread layers */
 };
 
 static int cuda_check(struct cuda_backend *cb, int rc)
@@ -168,6 +190,7 @@ static void cuda_weights_free(struct backend *b, void *handle)
         moek_cuda_graph_free(w->graph[t]);
     moek_cuda_moe_layer_free(w->moe);
     moek_cuda_gemm_weights_free(w->g);
+    moek_cuda_free(w->remap_dev);
     free(w);
 }
 
@@ -206,6 +229,8 @@ static int cuda_moe_run(struct backend *b, void *handle, const struct backend_mo
     struct cuda_weights *w = handle;
     if (cb->broken)
         return -EIO;
+    if (io->remap)
+        return -ENOTSUP; /* spread layers run through moe_run_sharded */
     size_t T = (size_t)io->tokens, H = (size_t)w->shape.hidden, E = (size_t)w->shape.experts,
            k = (size_t)w->shape.topk, es = moek_dtype_size(w->dt);
     /* Buffers sized for at least a graph's worth, so small batches never
@@ -254,6 +279,84 @@ static int cuda_moe_run(struct backend *b, void *handle, const struct backend_mo
     if (!rc)
         rc = moek_cuda_stream_sync(cb->stream);
     return cuda_check(cb, rc);
+}
+
+/* The group of these devices, made on first use (NCCL set-up is slow). */
+static int cuda_ep_get(struct cuda_backend *home, const int *devices, int n, moek_cuda_ep **out)
+{
+    struct ep_group *free_slot = NULL;
+    for (int i = 0; i < EP_GROUPS; i++) {
+        struct ep_group *g = &home->eps[i];
+        if (g->ep && g->n == n && !memcmp(g->devices, devices, (size_t)n * sizeof(int))) {
+            *out = g->ep;
+            return 0;
+        }
+        if (!g->ep && !free_slot)
+            free_slot = g;
+    }
+    if (!free_slot) { /* more device sets than slots: drop the first */
+        free_slot = &home->eps[0];
+        moek_cuda_ep_free(free_slot->ep);
+        free_slot->ep = NULL;
+    }
+    int rc = moek_cuda_ep_new(devices, n, g_transport, &free_slot->ep);
+    if (rc)
+        return rc;
+    free_slot->n = n;
+    memcpy(free_slot->devices, devices, (size_t)n * sizeof(int));
+    *out = free_slot->ep;
+    return 0;
+}
+
+static int cuda_moe_run_sharded(const struct backend_shard *sh, int n, int experts,
+                                const struct backend_moe_io *io)
+{
+    struct cuda_backend *home = (struct cuda_backend *)sh[0].b;
+    int devices[16];
+    moek_cuda_moe_layer *layers[16];
+    const int32_t *remaps[16];
+    if (n < 1 || n > 16)
+        return -EINVAL;
+    for (int i = 0; i < n; i++) {
+        struct cuda_backend *cb = (struct cuda_backend *)sh[i].b;
+        struct cuda_weights *w = sh[i].weights;
+        if (cb->broken)
+            return -EIO;
+        if (!w->remap_dev) {
+            int rc = moek_cuda_set_device(cb->device);
+            if (!rc)
+                rc = moek_cuda_malloc((size_t)experts * sizeof(int32_t), (void **)&w->remap_dev);
+            if (!rc)
+                rc = moek_cuda_copy_to_device(w->remap_dev, sh[i].remap,
+                                              (size_t)experts * sizeof(int32_t));
+            if (rc) {
+                moek_cuda_free(w->remap_dev);
+                w->remap_dev = NULL;
+                return cuda_check(cb, rc);
+            }
+        }
+        devices[i] = cb->device;
+        layers[i] = w->moe;
+        remaps[i] = w->remap_dev;
+    }
+    moek_cuda_ep *ep;
+    int rc = cuda_ep_get(home, devices, n, &ep);
+    if (rc)
+        return rc == -EIO ? cuda_check(home, rc) : rc;
+    const struct cuda_weights *w0 = sh[0].weights;
+    moek_cuda_routing r = {
+        .kind = io->logits ? MOEK_CUDA_ROUTE_LOGITS : MOEK_CUDA_ROUTE_GIVEN,
+        .logits_dev = io->logits, .scoring = w0->scoring, .renormalize = w0->renormalize,
+        .ids_dev = io->ids, .weights_dev = io->weights,
+    };
+    rc = moek_cuda_ep_forward(ep, layers, remaps, experts, io->x, &r, io->tokens, io->out);
+    if (rc == -EIO)
+        for (int i = 0; i < n; i++) {
+            struct cuda_backend *cb = (struct cuda_backend *)sh[i].b;
+            if (moek_cuda_set_device(cb->device) == 0)
+                cuda_check(cb, rc);
+        }
+    return rc;
 }
 
 static int cuda_gemm_run(struct backend *b, void *handle, const void *a, const int64_t *m_sizes,
@@ -333,6 +436,8 @@ static bool cuda_healthy(struct backend *b)
 static void cuda_destroy(struct backend *b)
 {
     struct cuda_backend *cb = (struct cuda_backend *)b;
+    for (int i = 0; i < EP_GROUPS; i++)
+        moek_cuda_ep_free(cb->eps[i].ep);
     moek_cuda_set_device(cb->device);
     moek_cuda_stream_sync(cb->stream);
     moek_cuda_free(cb->x.p);
@@ -349,6 +454,7 @@ static const struct backend_ops cuda_ops = {
     .gemm_new = cuda_gemm_new,
     .weights_free = cuda_weights_free,
     .moe_run = cuda_moe_run,
+    .moe_run_sharded = cuda_moe_run_sharded,
     .gemm_run = cuda_gemm_run,
     .host_alloc = cuda_host_alloc,
     .host_free = cuda_host_free,
@@ -356,6 +462,18 @@ static const struct backend_ops cuda_ops = {
     .healthy = cuda_healthy,
     .destroy = cuda_destroy,
 };
+
+int backend_cuda_count(void)
+{
+    return moek_cuda_device_count();
+}
+
+void backend_cuda_transport(const char *name)
+{
+    g_transport = !strcmp(name, "nccl")   ? MOEK_CUDA_EP_NCCL
+                  : !strcmp(name, "peer") ? MOEK_CUDA_EP_PEER
+                                          : MOEK_CUDA_EP_AUTO;
+}
 
 int backend_cuda_new(int device, struct backend **out)
 {

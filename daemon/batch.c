@@ -352,10 +352,7 @@ static void run_moe(struct batch_job *bj)
         .weights = given ? w : NULL, .tokens = (int)row, .out = out,
     };
     if (l->shards.n)
-        bj->rc = shard_run(&l->shards, bj->s->backends, &l->shape, l->dt,
-                           l->routing == MOE__ROUTING__ROUTING_SIGMOID ? MOEK_SCORING_SIGMOID
-                                                                      : MOEK_SCORING_SOFTMAX,
-                           l->renormalize, &io);
+        bj->rc = shard_run(&l->shards, bj->s->backends, &l->shape, l->dt, &io);
     else
         bj->rc = bj->s->backend->ops->moe_run(bj->s->backend, l->weights, &io);
     if (bj->rc) {

@@ -39,7 +39,8 @@ int config_init(struct config *c)
     memset(c, 0, sizeof(*c));
     c->runtime_dir = config_default_runtime_dir();
     c->backend = strdup("auto");
-    if (!c->runtime_dir || !c->backend)
+    c->transport = strdup("auto");
+    if (!c->runtime_dir || !c->backend || !c->transport)
         return -ENOMEM;
     c->log_level = 6;
     c->max_batch_tokens = 4096;
@@ -80,6 +81,7 @@ void config_done(struct config *c)
 {
     free(c->runtime_dir);
     free(c->backend);
+    free(c->transport);
     for (size_t i = 0; i < c->n_allowed_dirs; i++)
         free(c->allowed_dirs[i]);
     free(c->allowed_dirs);
@@ -213,7 +215,7 @@ static int set_str(char **dst, const char *v)
     return 0;
 }
 
-static int daemon_key(struct config *c, const char *k, const char *v)
+int config_set_daemon(struct config *c, const char *k, const char *v)
 {
     uint64_t x = 0;
     if (!strcmp(k, "runtime_dir"))
@@ -237,6 +239,34 @@ static int daemon_key(struct config *c, const char *k, const char *v)
         int rc = parse_u64(v, 1024, &x);
         c->cpu_threads = (int)x;
         return rc;
+    }
+    if (!strcmp(k, "gpus")) {
+        if (!strcmp(v, "all")) {
+            c->gpus_all = true;
+            c->n_gpus = 0;
+            return 0;
+        }
+        uint32_t *list;
+        size_t n;
+        int rc = parse_u32_list(v, 16, &list, &n);
+        if (rc)
+            return rc;
+        for (size_t i = 0; i < n; i++)
+            for (size_t j = 0; j < i; j++)
+                if (list[i] == list[j]) {
+                    free(list);
+                    return -EINVAL;
+                }
+        memcpy(c->gpus, list, n * sizeof(uint32_t));
+        c->n_gpus = n;
+        c->gpus_all = false;
+        free(list);
+        return 0;
+    }
+    if (!strcmp(k, "transport")) {
+        if (strcmp(v, "auto") && strcmp(v, "nccl") && strcmp(v, "peer"))
+            return -EINVAL;
+        return set_str(&c->transport, v);
     }
     if (!strcmp(k, "device")) {
         int rc = parse_u64(v, 255, &x);
@@ -385,7 +415,7 @@ static int on_ini(void *user, const char *section, const char *key, const char *
     if (p->rc)
         return 1;
     if (!strcmp(section, "daemon"))
-        rc = daemon_key(p->c, key, value);
+        rc = config_set_daemon(p->c, key, value);
     else if (!strcmp(section, "batch") && !strcmp(key, "batching"))
         rc = parse_bool(value, &p->c->batching);
     else if (!strcmp(section, "batch") && !strcmp(key, "spin_us") && !strcmp(value, "auto"))

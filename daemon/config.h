@@ -8,6 +8,9 @@
  *   backend = auto            ; auto | cpu | cuda
  *   cpu_threads = 0           ; 0: one per CPU
  *   device = 0                ; CUDA device index (the CPU backend ignores it)
+ *   gpus = 0,1                ; or "all": own these CUDA devices (daemon devices 0, 1, ...
+ *                             ; in this order); unset: only `device`
+ *   transport = auto          ; between GPUs: auto (NCCL if installed, else peer) | nccl | peer
  *   log_level = info
  *
  *   [batch]
@@ -77,6 +80,10 @@ struct config {
     char *backend;
     int cpu_threads;
     int device;              /* CUDA device index */
+    uint32_t gpus[16];       /* gpus = 0,1: CUDA devices the daemon owns */
+    size_t n_gpus;
+    bool gpus_all;           /* gpus = all */
+    char *transport;         /* auto | nccl | peer */
     int log_level;
 
     uint32_t max_batch_tokens;
@@ -114,6 +121,9 @@ int config_parse_string(struct config *c, const char *text, char *err, size_t er
 
 /* Add one allowed directory; it must exist (stored canonical). */
 int config_add_allowed_dir(struct config *c, const char *dir);
+/* One [daemon] key as the file would set it: 0, -EINVAL for a bad value,
+ * -ENOENT for an unknown key, -ENOMEM. */
+int config_set_daemon(struct config *c, const char *key, const char *value);
 
 /* The runtime directory rule shared with libmoe: $MOED_RUNTIME_DIR, else
  * /run/moed for root, else $XDG_RUNTIME_DIR/moed, else /tmp/moed-<uid>.

@@ -141,8 +141,10 @@ static void load_run(struct job *job)
         lj->rc = shard_plan(l->shape.experts, lj->devices, lj->n_devices, lj->expert_map, lj->n_map,
                             lj->s->n_backends, &l->shards, lj->err, sizeof(lj->err));
         if (!lj->rc)
-            lj->rc = shard_upload(&l->shards, lj->s->backends, &l->shape, l->dt, w1, w3, w2,
-                                  lj->err, sizeof(lj->err));
+            lj->rc = shard_upload(&l->shards, lj->s->backends, &l->shape, l->dt,
+                                  l->routing == MOE__ROUTING__ROUTING_SIGMOID
+                                      ? MOEK_SCORING_SIGMOID : MOEK_SCORING_SOFTMAX,
+                                  l->renormalize, w1, w3, w2, lj->err, sizeof(lj->err));
         if (lj->rc)
             shard_done(&l->shards, lj->s->backends);
     } else if (l->kind == MOE__LAYER_KIND__LAYER_MOE) {

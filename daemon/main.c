@@ -34,6 +34,7 @@ struct cli {
     const char *allow[64];
     int n_allow, threads, log_level;
     uint32_t mbt, mdu, mst, rwu, spin, vdev;
+    const char *gpus, *transport;
     bool no_batch;
 };
 
@@ -77,6 +78,8 @@ static void usage(FILE *f)
             "      --no-batch           run every request alone (to measure what batching gains)\n"
             "      --virtual-devices N  with --backend cpu: N devices (threads split between\n"
             "                           them) for layers whose experts are spread over devices\n"
+            "      --gpus LIST|all      own these CUDA devices (e.g. 0,1; default: --device's)\n"
+            "      --transport NAME     between GPUs: auto (default), nccl or peer\n"
             "  -l, --log-level LEVEL    err, warning, notice, info (default), debug\n"
             "      --demo               generate and serve the demo layers 'demo' and 'demo-gemm'\n"
             "  -h, --help               this text\n"
@@ -128,6 +131,16 @@ static int cli_apply(const struct cli *o, struct config *c, char *err, size_t er
         c->spin_us = o->spin;
     if (o->log_level >= 0)
         c->log_level = o->log_level;
+    if (o->gpus && (rc = config_set_daemon(c, "gpus", o->gpus)) < 0) {
+        snprintf(err, errlen, "--gpus %s: %s", o->gpus,
+                 rc == -ENOMEM ? "out of memory" : "not a list of device numbers or 'all'");
+        return rc;
+    }
+    if (o->transport && (rc = config_set_daemon(c, "transport", o->transport)) < 0) {
+        snprintf(err, errlen, "--transport %s: %s", o->transport,
+                 rc == -ENOMEM ? "out of memory" : "not auto, nccl or peer");
+        return rc;
+    }
     return 0;
 }
 
@@ -166,6 +179,41 @@ static int open_virtual_devices(const struct config *c, uint32_t n, struct backe
             return rc;
         }
     }
+    return 0;
+}
+
+/* [daemon] gpus: a CUDA backend per listed device (or every visible one),
+ * daemon device i being the i-th. -ENODEV when there is none. */
+static int open_gpus(const struct config *c, struct backend **out, int *n)
+{
+    uint32_t list[MAX_DEVICES];
+    int count = 0;
+    *n = 0;
+    if (c->gpus_all) {
+        int have = backend_cuda_count();
+        for (int i = 0; i < have && i < MAX_DEVICES; i++)
+            list[count++] = (uint32_t)i;
+    } else {
+        for (size_t i = 0; i < c->n_gpus && i < MAX_DEVICES; i++)
+            list[count++] = c->gpus[i];
+    }
+    if (count == 0)
+        return -ENODEV;
+    /* Nothing of moed's uses NVLink multicast; keep NCCL off it too (set
+     * here, before any thread runs, unless the environment says). */
+    setenv("NCCL_NVLS_ENABLE", "0", 0);
+    backend_cuda_transport(c->transport);
+    for (int i = 0; i < count; i++) {
+        int rc = backend_cuda_new((int)list[i], &out[i]);
+        if (rc) {
+            log_err("CUDA device %u: %s", list[i],
+                    rc == -ENODEV ? "no such usable device" : strerror(-rc));
+            while (i > 0)
+                backend_free(&out[--i]);
+            return rc;
+        }
+    }
+    *n = count;
     return 0;
 }
 
@@ -281,7 +329,7 @@ static int setup_signals(struct daemon *d)
 int main(int argc, char **argv)
 {
     enum { OPT_CHECK = 256, OPT_MBT, OPT_MDU, OPT_MST, OPT_RWU, OPT_SPIN, OPT_VDEV, OPT_NOBATCH,
-           OPT_DEMO };
+           OPT_DEMO, OPT_GPUS, OPT_TRANSPORT };
     static const struct option opts[] = {
         {"config", required_argument, NULL, 'c'},
         {"check-config", no_argument, NULL, OPT_CHECK},
@@ -296,6 +344,8 @@ int main(int argc, char **argv)
         {"return-wait-us", required_argument, NULL, OPT_RWU},
         {"spin-us", required_argument, NULL, OPT_SPIN},
         {"virtual-devices", required_argument, NULL, OPT_VDEV},
+        {"gpus", required_argument, NULL, OPT_GPUS},
+        {"transport", required_argument, NULL, OPT_TRANSPORT},
         {"log-level", required_argument, NULL, 'l'},
         {"demo", no_argument, NULL, OPT_DEMO},
         {"help", no_argument, NULL, 'h'},
@@ -346,6 +396,8 @@ int main(int argc, char **argv)
             }
             break;
         case OPT_NOBATCH: o->no_batch = true; break;
+        case OPT_GPUS: o->gpus = optarg; break;
+        case OPT_TRANSPORT: o->transport = optarg; break;
         case OPT_VDEV:
             if (parse_u32_arg(optarg, &o->vdev) < 0 || o->vdev < 1 || o->vdev > MAX_DEVICES) {
                 log_err("--virtual-devices needs a number from 1 to %d", MAX_DEVICES);
@@ -407,6 +459,12 @@ int main(int argc, char **argv)
         }
         rc = open_virtual_devices(&d.cfg, d.cli.vdev, d.backends);
         d.n_backends = rc < 0 ? 0 : (int)d.cli.vdev;
+    } else if (strcmp(d.cfg.backend, "cpu") != 0 && (d.cfg.gpus_all || d.cfg.n_gpus > 0)) {
+        rc = open_gpus(&d.cfg, d.backends, &d.n_backends);
+        if (rc == -ENODEV && !strcmp(d.cfg.backend, "auto")) {
+            rc = backend_open("cpu", 0, d.cfg.cpu_threads, &d.backends[0]);
+            d.n_backends = rc < 0 ? 0 : 1;
+        }
     } else {
         rc = open_backend(&d.cfg, &d.backends[0]);
         d.n_backends = rc < 0 ? 0 : 1;

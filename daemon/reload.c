@@ -434,6 +434,9 @@ static void reload_begin(struct reload *r)
     warn_restart("backend", strcmp(c->backend, n->backend) != 0);
     warn_restart("cpu_threads", c->cpu_threads != n->cpu_threads);
     warn_restart("device", c->device != n->device);
+    warn_restart("gpus", c->gpus_all != n->gpus_all || c->n_gpus != n->n_gpus ||
+                             memcmp(c->gpus, n->gpus, sizeof(c->gpus)) != 0);
+    warn_restart("transport", strcmp(c->transport, n->transport) != 0);
     warn_restart("max_message_bytes", c->max_message_bytes != n->max_message_bytes);
     warn_restart("spin_us", c->spin_us != n->spin_us);
     c->log_level = n->log_level;

@@ -27,6 +27,7 @@ void shard_done(struct shard_set *set, struct backend **backends)
         if (sh->weights)
             backends[sh->device]->ops->weights_free(backends[sh->device], sh->weights);
         free(sh->experts);
+        free(sh->remap);
     }
     free(set->shards);
     free(set->expert_shard);
@@ -85,19 +86,23 @@ int shard_plan(int experts, const uint32_t *devices, int n_devices, const uint32
             return fail(err, errlen, -EINVAL, "device %u would hold no expert", devices[s]);
         }
         sh->experts = calloc((size_t)sh->n_experts, sizeof(int32_t));
-        if (!sh->experts) {
+        sh->remap = malloc((size_t)experts * sizeof(int32_t));
+        if (!sh->experts || !sh->remap) {
             shard_done(out, NULL);
             return -ENOMEM;
         }
     }
-    for (int e = 0; e < experts; e++)
+    for (int e = 0; e < experts; e++) {
         out->shards[out->expert_shard[e]].experts[out->expert_local[e]] = e;
+        for (int t = 0; t < n_devices; t++)
+            out->shards[t].remap[e] = t == out->expert_shard[e] ? out->expert_local[e] : -1;
+    }
     return 0;
 }
 
 int shard_upload(struct shard_set *set, struct backend **backends, const moek_moe_shape *shape,
-                 moek_dtype dt, const void *w1, const void *w3, const void *w2, char *err,
-                 size_t errlen)
+                 moek_dtype dt, moek_scoring scoring, bool renormalize, const void *w1,
+                 const void *w3, const void *w2, char *err, size_t errlen)
 {
     size_t per = (size_t)shape->hidden * (size_t)shape->intermediate * moek_dtype_size(dt);
     for (int s = 0; s < set->n; s++) {
@@ -111,11 +116,12 @@ int shard_upload(struct shard_set *set, struct backend **backends, const moek_mo
             memcpy(b + i * per, (const uint8_t *)w3 + e * per, per);
             memcpy(c + i * per, (const uint8_t *)w2 + e * per, per);
         }
-        /* Each slot routes to one expert with its own weight: top-1, given. */
-        moek_moe_shape local = {(int)n, 1, shape->hidden, shape->intermediate};
+        /* The local experts, routed as the layer (top-k over all E, then
+         * remapped: backend_moe_io.remap). */
+        moek_moe_shape local = {(int)n, shape->topk, shape->hidden, shape->intermediate};
         struct backend *be = backends[sh->device];
         if (!rc)
-            rc = be->ops->moe_new(be, &local, dt, MOEK_SCORING_SOFTMAX, false, a, b, c, &sh->weights);
+            rc = be->ops->moe_new(be, &local, dt, scoring, renormalize, a, b, c, &sh->weights);
         free(a);
         free(b);
         free(c);
@@ -135,80 +141,41 @@ int shard_upload(struct shard_set *set, struct backend **backends, const moek_mo
 }
 
 int shard_run(struct shard_set *set, struct backend **backends, const moek_moe_shape *shape,
-              moek_dtype dt, moek_scoring scoring, bool renormalize,
-              const struct backend_moe_io *io)
+              moek_dtype dt, const struct backend_moe_io *io)
 {
-    size_t T = (size_t)io->tokens, k = (size_t)shape->topk, H = (size_t)shape->hidden;
-    size_t es = moek_dtype_size(dt), slots = T * k, row = H * es;
-    int32_t *ids = malloc(slots * sizeof(int32_t));
-    float *w = malloc(slots * sizeof(float));
-    int32_t *slot_pos = malloc(slots * sizeof(int32_t));   /* row within its shard */
-    size_t *count = calloc((size_t)set->n, sizeof(size_t));
+    struct backend_shard sh[SHARD_MAX];
+    const struct backend_ops *ops = backends[set->shards[0].device]->ops;
+    bool same = set->n <= SHARD_MAX;
+    for (int s = 0; same && s < set->n; s++) {
+        sh[s] = (struct backend_shard){backends[set->shards[s].device], set->shards[s].weights,
+                                       set->shards[s].remap};
+        same = sh[s].b->ops == ops;
+    }
+    if (same && ops->moe_run_sharded)
+        return ops->moe_run_sharded(sh, set->n, set->experts, io);
+
+    /* Through the host: each device computes its experts' slots of the
+     * whole batch; the partials are summed in fp32, in device order. */
+    size_t T = (size_t)io->tokens, H = (size_t)shape->hidden, es = moek_dtype_size(dt);
+    uint8_t *part = malloc(T * H * es);
     float *acc = calloc(T * H, sizeof(float)), *tmp = malloc(H * sizeof(float));
-    uint8_t **xs = calloc((size_t)set->n, sizeof(*xs)), **outs = calloc((size_t)set->n, sizeof(*outs));
-    int32_t **lids = calloc((size_t)set->n, sizeof(*lids));
-    float **lws = calloc((size_t)set->n, sizeof(*lws));
-    int rc = (!ids || !w || !slot_pos || !count || !acc || !tmp || !xs || !outs || !lids || !lws)
-                 ? -ENOMEM : 0;
-    /* Route once, on the home device (here: the host). */
-    if (!rc && io->logits)
-        moek_ref_route(io->logits, (int)T, shape->experts, (int)k, scoring, renormalize, ids, w);
-    else if (!rc) {
-        memcpy(ids, io->ids, slots * sizeof(int32_t));
-        memcpy(w, io->weights, slots * sizeof(float));
-    }
-    for (size_t i = 0; !rc && i < slots; i++)
-        slot_pos[i] = (int32_t)count[set->expert_shard[ids[i]]]++;
-    /* Dispatch: each device receives the rows, local ids and weights of the
-     * slots routed to its experts. */
+    int rc = !part || !acc || !tmp ? -ENOMEM : 0;
     for (int s = 0; !rc && s < set->n; s++) {
-        size_t n = count[s] ? count[s] : 1;
-        xs[s] = malloc(n * row);
-        outs[s] = malloc(n * row);
-        lids[s] = malloc(n * sizeof(int32_t));
-        lws[s] = malloc(n * sizeof(float));
-        if (!xs[s] || !outs[s] || !lids[s] || !lws[s])
-            rc = -ENOMEM;
-    }
-    for (size_t i = 0; !rc && i < slots; i++) {
-        int s = set->expert_shard[ids[i]];
-        size_t p = (size_t)slot_pos[i];
-        memcpy(xs[s] + p * row, (const uint8_t *)io->x + (i / k) * row, row);
-        lids[s][p] = set->expert_local[ids[i]];
-        lws[s][p] = w[i];
-    }
-    for (int s = 0; !rc && s < set->n; s++) {
-        if (!count[s])
-            continue;
-        struct shard *sh = &set->shards[s];
-        struct backend_moe_io sub = {.x = xs[s], .ids = lids[s], .weights = lws[s],
-                                     .tokens = (int)count[s], .out = outs[s]};
-        rc = backends[sh->device]->ops->moe_run(backends[sh->device], sh->weights, &sub);
-    }
-    /* Combine on the home device, in slot order, in fp32. */
-    for (size_t i = 0; !rc && i < slots; i++) {
-        int s = set->expert_shard[ids[i]];
-        moek_to_f32(dt, outs[s] + (size_t)slot_pos[i] * row, tmp, H);
-        float *a = acc + (i / k) * H;
-        for (size_t h = 0; h < H; h++)
-            a[h] += tmp[h];
+        struct backend *be = backends[set->shards[s].device];
+        struct backend_moe_io sub = *io;
+        sub.remap = set->shards[s].remap;
+        sub.route_experts = set->experts;
+        sub.out = part;
+        rc = be->ops->moe_run(be, set->shards[s].weights, &sub);
+        for (size_t t = 0; !rc && t < T; t++) {
+            moek_to_f32(dt, part + t * H * es, tmp, H);
+            for (size_t h = 0; h < H; h++)
+                acc[t * H + h] += tmp[h];
+        }
     }
     if (!rc)
         moek_from_f32(dt, acc, io->out, T * H);
-    for (int s = 0; s < set->n && xs; s++) {
-        free(xs[s]);
-        free(outs ? outs[s] : NULL);
-        free(lids ? lids[s] : NULL);
-        free(lws ? lws[s] : NULL);
-    }
-    free(xs);
-    free(outs);
-    free(lids);
-    free(lws);
-    free(ids);
-    free(w);
-    free(slot_pos);
-    free(count);
+    free(part);
     free(acc);
     free(tmp);
     return rc;

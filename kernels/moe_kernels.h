@@ -86,7 +86,9 @@ void moek_ref_route(const float *logits, int tokens, int experts, int topk,
 /*
  * Reference MoE forward over T tokens. x [T, H], w1/w3 [E, I, H], w2 [E, H, I]
  * and out [T, H] are all of dtype dt; ids/weights [T, k] come from routing.
- * Every id must be in [0, E) (checked: -EINVAL otherwise, out untouched).
+ * Every id must be in [0, E), or -1 for an empty slot that contributes
+ * nothing (a shard of a layer spread over devices holds some of the routed
+ * experts); anything else is refused with -EINVAL, out untouched.
  */
 int moek_ref_fused_moe(const moek_moe_shape *shape, moek_dtype dt,
                        const void *x, const int32_t *ids, const float *weights,

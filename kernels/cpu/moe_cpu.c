@@ -289,7 +289,7 @@ int moek_cpu_moe_weights_new(const moek_moe_shape *shape, moek_dtype dt,
     *out = NULL;
     size_t es = moek_dtype_size(dt);
     if (!shape || es == 0 || shape->experts <= 0 || shape->topk <= 0 ||
-        shape->topk > shape->experts || shape->hidden <= 0 ||
+        shape->hidden <= 0 ||
         shape->intermediate <= 0 || !w1 || !w3 || !w2)
         return -EINVAL;
 
@@ -442,6 +442,8 @@ static void moe_combine_item(void *arg, int item)
             o[h] = 0.0f;
         /* j in the order of the ids array, never in scheduling order. */
         for (size_t j = 0; j < c->k; j++) {
+            if (c->pos[t * c->k + j] < 0)
+                continue; /* an empty slot */
             float wj = c->weights[t * c->k + j];
             const float *yj = c->y + (size_t)c->pos[t * c->k + j] * H;
             for (size_t h = 0; h < H; h++)
@@ -471,7 +473,7 @@ int moek_cpu_fused_moe(moek_cpu_pool *pool, const moek_cpu_moe_weights *w,
     if (!moe_mul(T, k, &S) || S > INT32_MAX)
         return -EINVAL;
     for (size_t s = 0; s < S; s++)
-        if (ids[s] < 0 || (size_t)ids[s] >= E)
+        if (ids[s] < -1 || (ids[s] >= 0 && (size_t)ids[s] >= E))
             return -EINVAL;
 
     /* One scratch block, sized from the token count. */
@@ -501,7 +503,8 @@ int moek_cpu_fused_moe(moek_cpu_pool *pool, const moek_cpu_moe_weights *w,
     /* Counting sort of the slots by expert, stable in slot order. */
     memset(start, 0, (E + 1) * sizeof(int32_t));
     for (size_t s = 0; s < S; s++)
-        start[ids[s] + 1]++;
+        if (ids[s] >= 0) /* -1: an empty slot */
+            start[ids[s] + 1]++;
     size_t n_used = 0;
     for (size_t e = 0; e < E; e++) {
         if (start[e + 1] > 0)
@@ -509,6 +512,10 @@ int moek_cpu_fused_moe(moek_cpu_pool *pool, const moek_cpu_moe_weights *w,
         start[e + 1] += start[e];
     }
     for (size_t s = 0; s < S; s++) {
+        if (ids[s] < 0) {
+            pos[s] = -1;
+            continue;
+        }
         int32_t p = start[ids[s]]++;
         order[p] = (int32_t)s;
         pos[s] = p;

@@ -121,8 +121,8 @@ void moek_ref_route(const float *logits, int tokens, int experts, int topk,
 
 static bool ref_shape_ok(const moek_moe_shape *s)
 {
-    return s && s->experts > 0 && s->topk > 0 && s->topk <= s->experts &&
-           s->hidden > 0 && s->intermediate > 0;
+    /* top-k may exceed E in a shard of a spread layer (empty slots). */
+    return s && s->experts > 0 && s->topk > 0 && s->hidden > 0 && s->intermediate > 0;
 }
 
 /*
@@ -151,7 +151,7 @@ int moek_ref_fused_moe(const moek_moe_shape *shape, moek_dtype dt,
         !ref_size_mul(H, I, &mat))
         return -EINVAL;
     for (size_t s = 0; s < slots; s++)
-        if (ids[s] < 0 || (size_t)ids[s] >= E)
+        if (ids[s] < -1 || (ids[s] >= 0 && (size_t)ids[s] >= E))
             return -EINVAL;
 
     float *xf = malloc(xs_n * sizeof(float));
@@ -195,6 +195,8 @@ int moek_ref_fused_moe(const moek_moe_shape *shape, moek_dtype dt,
         for (size_t h = 0; h < H; h++)
             o[h] = 0.0f;
         for (size_t j = 0; j < k; j++) {
+            if (ids[t * k + j] < 0)
+                continue; /* an empty slot */
             float wj = weights[t * k + j];
             const float *yj = y + (t * k + j) * H;
             for (size_t h = 0; h < H; h++)

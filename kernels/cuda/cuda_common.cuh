@@ -177,6 +177,10 @@ template <> struct moek_dt<__nv_bfloat16> {
         __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
         return *reinterpret_cast<uint32_t *>(&h);
     }
+    static __device__ __forceinline__ float2 unpack2(uint32_t u)
+    {
+        return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 *>(&u));
+    }
 };
 template <> struct moek_dt<__half> {
     static __device__ __forceinline__ float to_f(__half v)
@@ -191,6 +195,10 @@ template <> struct moek_dt<__half> {
     {
         __half2 h = __floats2half2_rn(a, b);
         return *reinterpret_cast<uint32_t *>(&h);
+    }
+    static __device__ __forceinline__ float2 unpack2(uint32_t u)
+    {
+        return __half22float2(*reinterpret_cast<__half2 *>(&u));
     }
 };
 
@@ -328,8 +336,10 @@ struct moek_route_args {
     int scoring, renorm;
     const int *ids_in;   /* given: [T, k] */
     const float *w_in;
-    int tokens, experts, topk, hidden;
-    int *ids;     /* computed: [T, k] */
+    int tokens, experts, topk, hidden; /* experts: of the routing (E) */
+    const int *remap;    /* [E] the layer's expert of each routed expert, -1
+                            for none (a shard of a layer), or NULL */
+    int *ids;     /* computed or remapped: [T, k], the layer's experts */
     float *wts;
     int *rank;    /* [T, k] rank of the slot inside its expert */
     int *counts;  /* [E] (multi-block path; zeroed before) */

@@ -262,6 +262,15 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
                : (routing->kind != MOEK_CUDA_ROUTE_GIVEN || !routing->ids_dev ||
                   !routing->weights_dev))
         return moek_cuda_refuse(-EINVAL, "fused_moe: bad routing");
+    const bool remap = routing->remap_dev != nullptr;
+    if (logits && L->shape.topk > (remap ? routing->route_experts
+                                         : L->shape.experts))
+        return moek_cuda_refuse(-EINVAL, "fused_moe: top-%d of fewer experts",
+                                L->shape.topk);
+    if (remap && (routing->route_experts < 1 ||
+                  routing->route_experts > MOEK_MAX_EXPERTS))
+        return moek_cuda_refuse(-EINVAL, "fused_moe: %d routed experts",
+                                routing->route_experts);
     if ((long long)T * L->shape.topk >= (1LL << 31) / 2)
         return moek_cuda_refuse(-ENOTSUP, "fused_moe: %d tokens is too many",
                                 T);
@@ -334,7 +343,8 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     ra.ids_in = logits ? nullptr : routing->ids_dev;
     ra.w_in = logits ? nullptr : routing->weights_dev;
     ra.tokens = T;
-    ra.experts = E;
+    ra.experts = remap ? routing->route_experts : E;
+    ra.remap = routing->remap_dev;
     ra.topk = k;
     ra.hidden = H;
     ra.ids = w.ids;
@@ -355,8 +365,8 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     aa.cg_start = w.cg_start;
     aa.cg_count = w.cg_count;
     aa.cg_before = w.cg_before;
-    aa.ids = logits ? w.ids : routing->ids_dev;
-    aa.wts = logits ? w.wts : routing->weights_dev;
+    aa.ids = logits || remap ? w.ids : routing->ids_dev;
+    aa.wts = logits || remap ? w.wts : routing->weights_dev;
     aa.rank = w.rank;
     aa.slots = T * k;
     aa.topk = k;

@@ -169,6 +169,15 @@ typedef struct moek_cuda_routing {
      * device cannot report it without a synchronisation). */
     const int32_t *ids_dev;
     const float *weights_dev;
+    /* A shard of a layer spread over devices (expert parallelism): when
+     * remap_dev is set, the routing above is over route_experts experts
+     * (logits [T, route_experts], ids in [0, route_experts)) and remap_dev
+     * int32 [route_experts] on the layer's device names the layer's own
+     * expert for each, or -1 for one held elsewhere, which contributes
+     * nothing here. Renormalisation is over the whole top-k. NULL: the
+     * routing is over the layer's experts. */
+    const int32_t *remap_dev;
+    int route_experts;
 } moek_cuda_routing;
 
 /*
@@ -223,6 +232,47 @@ size_t moek_cuda_gemm_workspace_size(const moek_cuda_gemm_weights *w,
 int moek_cuda_grouped_gemm(moek_cuda_gemm_weights *w, moek_cuda_workspace *ws,
                            const void *a_dev, const int64_t *m_sizes_dev,
                            int64_t total_m, void *c_dev, void *stream);
+
+/* ---- expert parallelism: one layer over several GPUs --------------------- */
+
+/*
+ * A group of devices of this process that serve layers whose experts are
+ * spread over them; devices[0] is the home device, where batches arrive
+ * and results are summed. Transports: NCCL send/recv (libnccl.so.2, opened
+ * at run time; -ENOTSUP when it is missing), peer copies (over NVLink where
+ * the devices have it, else staged by the driver), or AUTO (NCCL when
+ * installed, else peer copies). NVLink multicast is never used. Caller owns
+ * *out; free with moek_cuda_ep_free(), which accepts NULL. A group serves
+ * one forward at a time.
+ */
+typedef enum moek_cuda_ep_transport {
+    MOEK_CUDA_EP_AUTO = 0,
+    MOEK_CUDA_EP_NCCL = 1,
+    MOEK_CUDA_EP_PEER = 2,
+} moek_cuda_ep_transport;
+typedef struct moek_cuda_ep moek_cuda_ep;
+int moek_cuda_ep_new(const int *devices, int n, moek_cuda_ep_transport transport,
+                     moek_cuda_ep **out);
+void moek_cuda_ep_free(moek_cuda_ep *ep);
+/* "NCCL 2.27.7", "peer copies", ... (borrowed). */
+const char *moek_cuda_ep_transport_name(const moek_cuda_ep *ep);
+
+/*
+ * One forward of a spread layer: layers[i] holds device i's experts and
+ * remap_dev[i] int32 [route_experts] (on that device) maps each of the
+ * layer's experts to layers[i]'s or -1 (moek_cuda_routing.remap_dev).
+ * x_host [T, H] and out_host [T, H] (layer dtype) and the routing's
+ * pointers (logits [T, route_experts], or ids and weights [T, k]) are host
+ * memory, pinned for speed. The batch goes to every device, each computes
+ * its experts' slots, the partial outputs are summed in fp32 on the home
+ * device. Returns when out_host holds the result. Every device's work is
+ * enqueued before the host waits once.
+ */
+int moek_cuda_ep_forward(moek_cuda_ep *ep, moek_cuda_moe_layer *const *layers,
+                         const int32_t *const *remap_dev, int route_experts,
+                         const void *x_host,
+                         const moek_cuda_routing *routing_host, int tokens,
+                         void *out_host);
 
 /* ---- tuning knobs (benchmarks and tests) -------------------------------- */
 

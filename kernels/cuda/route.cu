@@ -139,10 +139,14 @@ __device__ void route_one(const moek_route_args &a, int t, int lane,
             if (s != 0.f)
                 my_w = my_w / s;
         }
-        if (lane < k) {
-            a.ids[(size_t)t * k + lane] = my_id;
-            a.wts[(size_t)t * k + lane] = my_w;
-        }
+    }
+    /* A shard holds some of the routed experts: the others contribute
+     * nothing here (another device computes them). */
+    if (a.remap && my_id >= 0)
+        my_id = a.remap[my_id];
+    if (lane < k && (a.logits != nullptr || a.remap != nullptr)) {
+        a.ids[(size_t)t * k + lane] = my_id;
+        a.wts[(size_t)t * k + lane] = my_w;
     }
     if (lane < k) {
         int r = my_id >= 0 ? atomicAdd(&counts[my_id], 1) : -1;
@@ -328,7 +332,7 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
     __shared__ int s_counts[MOEK_MAX_EXPERTS];
     moek_pdl_wait();
     moek_pdl_trigger();
-    for (int e = threadIdx.x; e < ra.experts; e += blockDim.x)
+    for (int e = threadIdx.x; e < aa.groups; e += blockDim.x)
         s_counts[e] = 0;
     __syncthreads();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -364,7 +368,7 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
         return moek_launch(route_align_small, dim3(1),
                            dim3(MOEK_ALIGN_THREADS), 0, stream, pdl, ra, aa);
     cudaError_t e = cudaMemsetAsync(counts_dev, 0,
-                                    sizeof(int) * (size_t)ra.experts, stream);
+                                    sizeof(int) * (size_t)aa.groups, stream);
     if (e != cudaSuccess)
         return e;
     moek_route_args r2 = ra;

@@ -168,7 +168,7 @@ int moek_cuda_host_register(void *p, size_t bytes)
 {
     if (!p || !bytes)
         return -EINVAL;
-    MOEK_CU(cudaHostRegister(p, bytes, cudaHostRegisterDefault));
+    MOEK_CU(cudaHostRegister(p, bytes, cudaHostRegisterPortable));
     return 0;
 }
 

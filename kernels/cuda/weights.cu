@@ -120,8 +120,10 @@ int check_dtype(moek_dtype dt)
 int check_moe_shape(const moek_moe_shape *s)
 {
     if (!s || s->experts <= 0 || s->topk <= 0 || s->hidden <= 0 ||
-        s->intermediate <= 0 || s->topk > s->experts)
+        s->intermediate <= 0)
         return moek_cuda_refuse(-EINVAL, "bad MoE shape");
+    /* top-k above E is a shard of a spread layer (slots of experts held
+     * elsewhere are empty); routing from logits refuses it. */
     if (s->experts > MOEK_MAX_EXPERTS)
         return moek_cuda_refuse(-ENOTSUP, "%d experts: at most %d on CUDA",
                                 s->experts, MOEK_MAX_EXPERTS);

@@ -15,7 +15,7 @@ cd "$(dirname "$0")/../.."
 export LD_LIBRARY_PATH="$PWD/.carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 B=.carry/bin
 SECONDS_PER=${SECONDS_PER:-4}
-STEPS=${STEPS:-"check itest service"}
+STEPS=${STEPS:-"check itest service"}  # also: shapes compare shard
 has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 $B/moed --version || { echo "moed does not run here"; ldd $B/moed; exit 1; }
@@ -88,6 +88,39 @@ for c in 1 4 16 32; do
 done
 $M stats | tee "$OUT/stats.txt"
 kill $!; wait
+fi
+
+if has shard; then
+echo "### a layer spread over every GPU of the machine (2 or more)"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# libnccl.so.2: the toolkit's, else the one PyTorch ships.
+for d in /usr/local/cuda/lib /usr/local/cuda/lib64 \
+         "$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0] + "/lib")' 2>/dev/null)"; do
+    if [ -n "$d" ] && [ -e "$d/libnccl.so.2" ]; then
+        export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$d"; echo "NCCL from $d"; break
+    fi
+done
+nvidia-smi topo -m 2>&1 | head -n 8
+timeout 120 .carry/tests/test_cuda_kernels moe_shards 2>&1 | tail -n 8
+MOE_TEST_BACKEND=cuda BUILD=.carry/bin timeout 300 .carry/tests/itest_shard 2>&1 \
+    | grep -E '^(PASS|FAIL|SKIP)|check failed|:[0-9]+: '
+timeout 400 .carry/bin/bench_ep ${EP_ARGS:-} 2>&1 | tee "$OUT/bench_ep.txt"
+for tr in nccl peer; do
+    start_daemon /tmp/moed-ep --gpus all --transport $tr || exit 1
+    M="$B/moectl -r /tmp/moed-ep"
+    $M info | grep -i -E "device|gpu" | head -n 4
+    $M load one --random --experts 8 --topk 2 --hidden 4096 --intermediate 14336 >/dev/null || exit 1
+    $M load two --random --experts 8 --topk 2 --hidden 4096 --intermediate 14336 --devices 0,1 \
+        >/dev/null || exit 1
+    $M layers
+    for t in 1 64 512 4096; do
+        n=$(( t >= 512 ? 200 : 1000 ))
+        for l in one two; do
+            echo "daemon $tr layer=$l T=$t: $($M forward --layer $l --tokens $t --repeat $n | tail -n 1)"
+        done
+    done
+    kill $!; wait
+done
 fi
 
 if has compare; then

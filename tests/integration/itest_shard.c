@@ -1,11 +1,32 @@
 /*
- * itest_shard.c: expert parallelism on the CPU backend's virtual devices.
- * A layer spread over 2 or 3 devices (evenly or by an explicit map) gives
- * the single-device result within tolerance in every routing mode, its
+ * itest_shard.c: expert parallelism on the CPU backend's virtual devices,
+ * or with MOE_TEST_BACKEND=cuda on every GPU of the machine (moed --gpus
+ * all; cases that need more devices than there are are skipped). A layer
+ * spread over 2 or 3 devices (evenly or by an explicit map) gives the
+ * single-device result within tolerance in every routing mode, its
  * placement is visible, several clients are served at once, and bad
  * placements are refused without half-loading anything.
  */
 #include "tests/integration/itest.h"
+
+/* moed with n virtual devices, or with every GPU; returns the device
+ * count the daemon reports (the test is skipped under 2). */
+static int shard_daemon(struct itest_daemon *d, const char *n, moe_client **c)
+{
+    if (itest_on_gpu())
+        itest_daemon_start(d, "--gpus", "all", NULL);
+    else
+        itest_daemon_start(d, "--virtual-devices", n, NULL);
+    *c = itest_connect(d, "shard");
+    moe_server_info info;
+    CHECK(moe_hello(*c, &info) == 0);
+    if (info.n_devices < 2) {
+        moe_disconnect(c);
+        itest_daemon_stop(d);
+        TEST_SKIP("one device: a layer needs two to be spread");
+    }
+    return (int)info.n_devices;
+}
 
 static void forward_matches(moe_client *c, struct itest_layer *L, struct itest_layer *whole,
                             size_t T, uint64_t *seed)
@@ -37,17 +58,15 @@ static void forward_matches(moe_client *c, struct itest_layer *L, struct itest_l
 
 TEST(sharded_layers_match_one_device)
 {
-    if (itest_on_gpu())
-        TEST_SKIP("virtual devices are the CPU backend's");
     uint64_t seed = test_seed();
     struct itest_daemon d;
-    itest_daemon_start(&d, "--virtual-devices", "3", NULL);
-    moe_client *c = itest_connect(&d, "shard");
-    moe_server_info info;
-    CHECK(moe_hello(c, &info) == 0);
-    CHECK_EQ_INT(info.n_devices, 3);
-    static const uint32_t two[] = {0, 1}, three[] = {2, 0, 1}, odd[] = {1, 2};
+    moe_client *c;
+    int n_dev = shard_daemon(&d, "3", &c);
+    if (!itest_on_gpu())
+        CHECK_EQ_INT(n_dev, 3);
+    static const uint32_t two[] = {0, 1}, three[] = {2, 0, 1}, odd[] = {1, 2}, rev[] = {1, 0};
     static const uint32_t map[] = {2, 1, 2, 2, 1, 2, 2, 2, 1, 1, 2, 2, 2, 2, 2, 1};
+    static const uint32_t map01[] = {1, 0, 1, 1, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 0};
     const struct {
         moe_routing routing;
         bool renorm;
@@ -60,9 +79,20 @@ TEST(sharded_layers_match_one_device)
         {MOE_ROUTING_SIGMOID, false, MOE_DTYPE_FP16, 16, 4, three, NULL, 3, 0},
         {MOE_ROUTING_GIVEN, false, MOE_DTYPE_FP32, 16, 3, odd, map, 2, 16},
         {MOE_ROUTING_SOFTMAX, false, MOE_DTYPE_BF16, 4, 4, three, NULL, 3, 0}, /* k = E */
+        {MOE_ROUTING_GIVEN, false, MOE_DTYPE_BF16, 16, 3, rev, map01, 2, 16},
+        {MOE_ROUTING_SOFTMAX, true, MOE_DTYPE_FP16, 4, 4, two, NULL, 2, 0}, /* k = E */
     };
+    bool loaded[ARRAY_LEN(cases)] = {false};
+    int n_loaded = 0;
     for (size_t i = 0; i < ARRAY_LEN(cases); i++) {
-        struct itest_layer L = {.dt = cases[i].dt, .sh = {cases[i].E, cases[i].k, 64, 96},
+        bool fits = true;
+        for (size_t j = 0; j < cases[i].n_devs; j++)
+            fits &= (int)cases[i].devs[j] < n_dev;
+        if (!fits)
+            continue; /* more devices than this machine has */
+        loaded[i] = true;
+        n_loaded++;
+        struct itest_layer L = {.dt = itest_dt(cases[i].dt), .sh = {cases[i].E, cases[i].k, 64, 96},
                                 .routing = cases[i].routing, .renorm = cases[i].renorm,
                                 .devices = cases[i].devs, .n_devices = cases[i].n_devs,
                                 .expert_device = cases[i].map, .n_expert_device = cases[i].n_map};
@@ -97,11 +127,12 @@ TEST(sharded_layers_match_one_device)
     /* Placement is visible: bytes split over the devices named. */
     moe_layer_info infos[16];
     int n = moe_layer_list(c, infos, 16);
-    CHECK(n == 8);
+    CHECK_EQ_INT(n, 2 * n_loaded);
     for (int i = 0; i < n; i++) {
         if (strncmp(infos[i].name, "sharded-", 8))
             continue;
         size_t which = (size_t)(infos[i].name[8] - '0');
+        CHECK(which < ARRAY_LEN(cases) && loaded[which]);
         CHECK_EQ_INT(infos[i].n_devices, cases[which].n_devs);
         uint64_t sum = 0;
         for (int k = 0; k < infos[i].n_devices; k++) {
@@ -117,13 +148,12 @@ TEST(sharded_layers_match_one_device)
 
 TEST(bad_placements_are_refused)
 {
-    if (itest_on_gpu())
-        TEST_SKIP("virtual devices are the CPU backend's");
     uint64_t seed = test_seed();
     struct itest_daemon d;
-    itest_daemon_start(&d, "--virtual-devices", "2", NULL);
-    moe_client *c = itest_connect(&d, "shard");
-    static const uint32_t nodev[] = {0, 2}, dup[] = {1, 1}, ok2[] = {0, 1};
+    moe_client *c;
+    int n_dev = shard_daemon(&d, "2", &c);
+    const uint32_t nodev[] = {0, (uint32_t)n_dev};
+    static const uint32_t dup[] = {1, 1}, ok2[] = {0, 1};
     static const uint32_t short_map[] = {0, 1, 0}, stray[] = {0, 1, 1, 2},
                           empty_dev[] = {0, 0, 0, 0};
     const struct {
@@ -131,7 +161,7 @@ TEST(bad_placements_are_refused)
         size_t n_devs, n_map;
         const char *needle;
     } cases[] = {
-        {nodev, NULL, 2, 0, "device 2 does not exist"},
+        {nodev, NULL, 2, 0, "does not exist"},
         {dup, NULL, 2, 0, "listed twice"},
         {ok2, short_map, 2, 3, "names 3 experts"},
         {ok2, stray, 2, 4, "not among the layer's devices"},
@@ -168,12 +198,10 @@ TEST(bad_placements_are_refused)
 /* Several clients on a sharded layer: batched, each output correct. */
 TEST(sharded_layer_serves_concurrent_clients)
 {
-    if (itest_on_gpu())
-        TEST_SKIP("virtual devices are the CPU backend's");
     uint64_t seed = test_seed();
     struct itest_daemon d;
-    itest_daemon_start(&d, "--virtual-devices", "2", NULL);
-    moe_client *c = itest_connect(&d, "shard");
+    moe_client *c;
+    shard_daemon(&d, "2", &c);
     static const uint32_t devs[] = {0, 1};
     struct itest_layer L = {.name = "shared", .dt = MOE_DTYPE_BF16, .sh = {8, 2, 64, 128},
                             .routing = MOE_ROUTING_SOFTMAX, .renorm = true, .devices = devs,

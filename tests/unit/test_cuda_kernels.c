@@ -450,6 +450,183 @@ TEST(moe_deepseek)
     run_moe(&c, &rng);
 }
 
+/*
+ * A layer spread over devices: each shard (its experts' weights and a remap
+ * table) computes its slots of every token, the partials summed in fp32
+ * equal the whole layer's output. Shards on device 0 run through
+ * moek_cuda_fused_moe with the remap; with two or more GPUs the same split
+ * runs through moek_cuda_ep_forward with each transport.
+ */
+static void run_shards(moek_cuda_routing_kind kind, uint64_t *rng)
+{
+    const moek_moe_shape s = {16, 4, 256, 512};
+    const int E = s.experts, k = s.topk, H = s.hidden, I = s.intermediate, T = 100;
+    const size_t ih = (size_t)I * H;
+    const uint64_t seed = test_rand(rng);
+    void *w1 = dmalloc(E * ih * 2), *w3 = dmalloc(E * ih * 2), *w2 = dmalloc(E * ih * 2);
+    CK(moek_cuda_fill_uniform(w1, MOEK_DTYPE_BF16, E * ih, seed + 1, 0.0625f, NULL));
+    CK(moek_cuda_fill_uniform(w3, MOEK_DTYPE_BF16, E * ih, seed + 2, 0.0625f, NULL));
+    CK(moek_cuda_fill_uniform(w2, MOEK_DTYPE_BF16, E * ih, seed + 3, 0.044f, NULL));
+    /* Uneven split: experts 0-4, 5-15, so top-4 often spans both. */
+    const int cut = 5;
+    moek_cuda_moe_layer *whole = NULL, *part[2] = {NULL, NULL};
+    CK(moek_cuda_moe_layer_new_from_device(&s, MOEK_DTYPE_BF16, w1, w3, w2, 0, &whole));
+    moek_moe_shape s0 = s, s1 = s;
+    s0.experts = cut;
+    s1.experts = E - cut;
+    CK(moek_cuda_moe_layer_new_from_device(&s0, MOEK_DTYPE_BF16, w1, w3, w2, 0, &part[0]));
+    CK(moek_cuda_moe_layer_new_from_device(&s1, MOEK_DTYPE_BF16, (char *)w1 + cut * ih * 2,
+                                           (char *)w3 + cut * ih * 2,
+                                           (char *)w2 + cut * ih * 2, 0, &part[1]));
+    int32_t remap[2][16];
+    for (int e = 0; e < E; e++) {
+        remap[0][e] = e < cut ? e : -1;
+        remap[1][e] = e < cut ? -1 : e - cut;
+    }
+    int32_t *d_remap[2] = {dmalloc(sizeof remap[0]), dmalloc(sizeof remap[1])};
+    CK(moek_cuda_copy_to_device(d_remap[0], remap[0], sizeof remap[0]));
+    CK(moek_cuda_copy_to_device(d_remap[1], remap[1], sizeof remap[1]));
+
+    /* Inputs, on the host too (moek_cuda_ep_forward takes host memory). */
+    uint16_t *x = xmalloc((size_t)T * H * 2);
+    float *logits = xmalloc(sizeof(float) * T * E), *wts = xmalloc(sizeof(float) * T * k);
+    int32_t *ids = xmalloc(sizeof(int32_t) * T * k);
+    host_fill(x, MOEK_DTYPE_BF16, seed + 4, 0, (size_t)T * H, 1.0f);
+    host_fill(logits, MOEK_DTYPE_FP32, seed + 5, 0, (size_t)T * E, 3.0f);
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < k; j++) {
+            ids[t * k + j] = (t * 7 + j * 5) % E; /* distinct: 5 is prime to 16 */
+            wts[t * k + j] = (test_randf(rng) + 1.0f) * 0.5f;
+        }
+    void *dx = dmalloc((size_t)T * H * 2), *dl = dmalloc(sizeof(float) * T * E),
+         *di = dmalloc(sizeof(int32_t) * T * k), *dw = dmalloc(sizeof(float) * T * k);
+    CK(moek_cuda_copy_to_device(dx, x, (size_t)T * H * 2));
+    CK(moek_cuda_copy_to_device(dl, logits, sizeof(float) * T * E));
+    CK(moek_cuda_copy_to_device(di, ids, sizeof(int32_t) * T * k));
+    CK(moek_cuda_copy_to_device(dw, wts, sizeof(float) * T * k));
+    moek_cuda_routing rt = {kind, dl, MOEK_SCORING_SOFTMAX, true, di, dw, NULL, 0};
+
+    moek_cuda_workspace *ws = NULL;
+    CK(moek_cuda_workspace_new(0, moek_cuda_moe_workspace_size(whole, T), &ws));
+    void *dout = dmalloc((size_t)T * H * 2);
+    uint16_t *want = xmalloc((size_t)T * H * 2), *got = xmalloc((size_t)T * H * 2);
+    CK(moek_cuda_memset(dout, 0xff, (size_t)T * H * 2));
+    CK(moek_cuda_fused_moe(whole, ws, dx, &rt, T, dout, NULL));
+    CK(moek_cuda_copy_to_host(want, dout, (size_t)T * H * 2));
+    float *wf = xmalloc(sizeof(float) * T * H), *acc = calloc((size_t)T * H, sizeof(float)),
+          *tmp = xmalloc(sizeof(float) * T * H);
+    CHECK(acc != NULL);
+    moek_to_f32(MOEK_DTYPE_BF16, want, wf, (size_t)T * H);
+
+    /* Each shard through fused_moe with its remap; sum on the host. */
+    for (int p = 0; p < 2; p++) {
+        moek_cuda_routing r = rt;
+        r.remap_dev = d_remap[p];
+        r.route_experts = E;
+        CK(moek_cuda_memset(dout, 0xff, (size_t)T * H * 2));
+        CK(moek_cuda_fused_moe(part[p], ws, dx, &r, T, dout, NULL));
+        CK(moek_cuda_copy_to_host(got, dout, (size_t)T * H * 2));
+        moek_to_f32(MOEK_DTYPE_BF16, got, tmp, (size_t)T * H);
+        for (size_t i = 0; i < (size_t)T * H; i++)
+            acc[i] += tmp[i];
+    }
+    double err = moek_rel_error(acc, wf, (size_t)T * H);
+    fprintf(stderr, "  shards on one device, %s routing: rel err %.2e\n",
+            kind == MOEK_CUDA_ROUTE_LOGITS ? "computed" : "given", err);
+    CHECK_MSG(err < 1e-2, "shards summed: rel err %g", err);
+
+    /* A shard whose routing is over fewer experts than its top-k is refused. */
+    moek_cuda_routing bad = rt;
+    bad.remap_dev = d_remap[0];
+    bad.route_experts = 0;
+    CHECK_EQ_INT(moek_cuda_fused_moe(part[0], ws, dx, &bad, T, dout, NULL), -EINVAL);
+
+    /* Across devices: every group of the first two GPUs, both transports. */
+    if (moek_cuda_device_count() >= 2) {
+        const int devs[2] = {0, 1};
+        moek_cuda_moe_layer *l1 = NULL;
+        void *v1 = NULL, *v3 = NULL, *v2 = NULL;
+        int32_t *r1 = NULL;
+        CK(moek_cuda_set_device(1));
+        v1 = dmalloc(E * ih * 2);
+        v3 = dmalloc(E * ih * 2);
+        v2 = dmalloc(E * ih * 2);
+        CK(moek_cuda_fill_uniform(v1, MOEK_DTYPE_BF16, E * ih, seed + 1, 0.0625f, NULL));
+        CK(moek_cuda_fill_uniform(v3, MOEK_DTYPE_BF16, E * ih, seed + 2, 0.0625f, NULL));
+        CK(moek_cuda_fill_uniform(v2, MOEK_DTYPE_BF16, E * ih, seed + 3, 0.044f, NULL));
+        CK(moek_cuda_moe_layer_new_from_device(&s1, MOEK_DTYPE_BF16, (char *)v1 + cut * ih * 2,
+                                               (char *)v3 + cut * ih * 2,
+                                               (char *)v2 + cut * ih * 2, 1, &l1));
+        r1 = dmalloc(sizeof remap[1]);
+        CK(moek_cuda_copy_to_device(r1, remap[1], sizeof remap[1]));
+        moek_cuda_moe_layer *layers[2] = {part[0], l1};
+        const int32_t *remaps[2] = {d_remap[0], r1};
+        moek_cuda_routing rh = {kind, logits, MOEK_SCORING_SOFTMAX, true, ids, wts, NULL, 0};
+        for (int tr = MOEK_CUDA_EP_NCCL; tr <= MOEK_CUDA_EP_PEER; tr++) {
+            moek_cuda_ep *ep = NULL;
+            int rc = moek_cuda_ep_new(devs, 2, (moek_cuda_ep_transport)tr, &ep);
+            if (rc == -ENOTSUP) {
+                fprintf(stderr, "  two GPUs, transport %d: %s (skipped)\n", tr,
+                        moek_cuda_last_error());
+                continue;
+            }
+            CK(rc);
+            memset(got, 0xff, (size_t)T * H * 2);
+            CK(moek_cuda_ep_forward(ep, layers, remaps, E, x, &rh, T, got));
+            moek_to_f32(MOEK_DTYPE_BF16, got, tmp, (size_t)T * H);
+            err = moek_rel_error(tmp, wf, (size_t)T * H);
+            fprintf(stderr, "  two GPUs over %s: rel err %.2e\n",
+                    moek_cuda_ep_transport_name(ep), err);
+            CHECK_MSG(err < 1e-2, "two GPUs, transport %d: rel err %g", tr, err);
+            moek_cuda_ep_free(ep);
+        }
+        CK(moek_cuda_set_device(1));
+        moek_cuda_moe_layer_free(l1);
+        moek_cuda_free(v1);
+        moek_cuda_free(v2);
+        moek_cuda_free(v3);
+        moek_cuda_free(r1);
+        CK(moek_cuda_set_device(0));
+    } else {
+        /* One device: the group of one still runs the whole path. */
+        const int dev0 = 0;
+        moek_cuda_ep *ep = NULL;
+        CK(moek_cuda_ep_new(&dev0, 1, MOEK_CUDA_EP_AUTO, &ep));
+        moek_cuda_moe_layer *layers[1] = {whole};
+        int32_t ident[16];
+        for (int e = 0; e < E; e++)
+            ident[e] = e;
+        int32_t *d_ident = dmalloc(sizeof ident);
+        CK(moek_cuda_copy_to_device(d_ident, ident, sizeof ident));
+        const int32_t *remaps[1] = {d_ident};
+        moek_cuda_routing rh = {kind, logits, MOEK_SCORING_SOFTMAX, true, ids, wts, NULL, 0};
+        memset(got, 0xff, (size_t)T * H * 2);
+        CK(moek_cuda_ep_forward(ep, layers, remaps, E, x, &rh, T, got));
+        CHECK_MSG(memcmp(got, want, (size_t)T * H * 2) == 0,
+                  "a group of one device differs from the layer's own output");
+        moek_cuda_ep_free(ep);
+        moek_cuda_free(d_ident);
+    }
+
+    free(x); free(logits); free(wts); free(ids); free(want); free(got);
+    free(wf); free(acc); free(tmp);
+    moek_cuda_free(dx); moek_cuda_free(dl); moek_cuda_free(di); moek_cuda_free(dw);
+    moek_cuda_free(dout); moek_cuda_free(d_remap[0]); moek_cuda_free(d_remap[1]);
+    moek_cuda_free(w1); moek_cuda_free(w2); moek_cuda_free(w3);
+    moek_cuda_workspace_free(ws);
+    moek_cuda_moe_layer_free(whole);
+    moek_cuda_moe_layer_free(part[0]);
+    moek_cuda_moe_layer_free(part[1]);
+}
+
+TEST(moe_shards)
+{
+    need_gpu();
+    uint64_t rng = test_seed();
+    run_shards(MOEK_CUDA_ROUTE_LOGITS, &rng);
+    run_shards(MOEK_CUDA_ROUTE_GIVEN, &rng);
+}
+
 /* A forward captured once in a CUDA graph, replayed over new inputs. */
 TEST(moe_graph_replay)
 {
@@ -472,7 +649,7 @@ TEST(moe_graph_replay)
          *lg = dmalloc(sizeof(float) * T * E), *stream = NULL, *graph = NULL;
     CK(moek_cuda_stream_new(&stream));
     moek_cuda_routing rt = {MOEK_CUDA_ROUTE_LOGITS, lg, MOEK_SCORING_SOFTMAX,
-                            true, NULL, NULL};
+                            true, NULL, NULL, NULL, 0};
     CK(moek_cuda_graph_begin(stream));
     CK(moek_cuda_fused_moe(layer, ws, x, &rt, T, out, stream));
     CK(moek_cuda_graph_end(stream, &graph));
@@ -654,12 +831,12 @@ TEST(refuses_unsupported)
     CK(moek_cuda_workspace_new(0, moek_cuda_moe_workspace_size(l, 4), &ws));
     void *x = dmalloc(64 * 256 * 2), *lg = dmalloc(64 * 8 * 4);
     moek_cuda_routing rt = {MOEK_CUDA_ROUTE_LOGITS, lg, MOEK_SCORING_SOFTMAX,
-                            false, NULL, NULL};
+                            false, NULL, NULL, NULL, 0};
     CHECK_EQ_INT(moek_cuda_fused_moe(l, ws, x, &rt, 64, x, NULL), -ENOSPC);
     CHECK_STR_CONTAINS(moek_cuda_last_error(), "workspace");
     CHECK_EQ_INT(moek_cuda_fused_moe(l, ws, x, &rt, 0, x, NULL), 0);
     CHECK_EQ_INT(moek_cuda_fused_moe(l, ws, x, NULL, 4, x, NULL), -EINVAL);
-    moek_cuda_routing bad = {MOEK_CUDA_ROUTE_GIVEN, NULL, 0, false, NULL, NULL};
+    moek_cuda_routing bad = {MOEK_CUDA_ROUTE_GIVEN, NULL, 0, false, NULL, NULL, NULL, 0};
     CHECK_EQ_INT(moek_cuda_fused_moe(l, ws, x, &bad, 4, x, NULL), -EINVAL);
     moek_cuda_tuning tu = {100, false};
     CHECK_EQ_INT(moek_cuda_moe_layer_tune(l, &tu), -EINVAL);
@@ -684,6 +861,7 @@ int main(int argc, char **argv)
                          TEST_CASE_TIMEOUT(moe_many_tokens_and_nan, 300),
                          TEST_CASE_TIMEOUT(moe_every_tile, 300),
                          TEST_CASE_TIMEOUT(moe_graph_replay, 120),
+                         TEST_CASE_TIMEOUT(moe_shards, 120),
                          TEST_CASE_TIMEOUT(grouped_gemm, 300),
                          TEST_CASE_TIMEOUT(moe_qwen3, 300),
                          TEST_CASE_TIMEOUT(moe_mixtral, 300),

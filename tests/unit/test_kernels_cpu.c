@@ -602,6 +602,63 @@ TEST(fused_moe_matches_reference)
     moek_cpu_pool_free(pool);
 }
 
+/*
+ * An id of -1 is an empty slot (a shard of a layer spread over devices): it
+ * contributes nothing, exactly as the same slot with a routing weight of 0,
+ * in the fast kernel and the reference; a token whose slots are all empty
+ * gets zeros. A shard's top-k may exceed its experts.
+ */
+TEST(fused_moe_empty_slots)
+{
+    uint64_t s = test_seed();
+    moek_cpu_pool *pool = moek_cpu_pool_new(2);
+    CHECK(pool != NULL);
+    for (int d = 0; d < 3; d++) {
+        struct layer l;
+        layer_init(&l, &s, (moek_dtype)d, 3, 4, 40, 56); /* k = 4 > E = 3 */
+        const int T = 9, k = 4;
+        size_t es = moek_dtype_size(l.dt), n = (size_t)T * 40;
+        void *x = rand_tensor(&s, l.dt, n, 1.0f);
+        int32_t ids[36], zid[36];
+        float w[36], zw[36];
+        for (int i = 0; i < T * k; i++) {
+            ids[i] = (int32_t)(test_rand(&s) % 4) - 1; /* -1, 0, 1, 2 */
+            if (i / k == 4)
+                ids[i] = -1; /* token 4: every slot empty */
+            w[i] = test_randf(&s) + 1.5f;
+            zid[i] = ids[i] < 0 ? (int32_t)(i % 3) : ids[i];
+            zw[i] = ids[i] < 0 ? 0.0f : w[i];
+        }
+        void *got = xmalloc(n * es), *ref = xmalloc(n * es), *zero = xmalloc(n * es);
+        poison(got, n * es);
+        poison(ref, n * es);
+        poison(zero, n * es);
+        CHECK_EQ_INT(moek_cpu_fused_moe(pool, l.packed, x, ids, w, T, got), 0);
+        CHECK_EQ_INT(moek_ref_fused_moe(&l.shape, l.dt, x, ids, w, l.w1, l.w3, l.w2, T, ref), 0);
+        CHECK_EQ_INT(moek_cpu_fused_moe(pool, l.packed, x, zid, zw, T, zero), 0);
+        float *g = to_f32_copy(l.dt, got, n), *r = to_f32_copy(l.dt, ref, n),
+              *z = to_f32_copy(l.dt, zero, n);
+        CHECK_MSG(moek_rel_error(g, r, n) <= dtype_tol(l.dt), "%s: against the reference: %g",
+                  dtype_name(l.dt), moek_rel_error(g, r, n));
+        for (size_t i = 0; i < n; i++) {
+            CHECK_MSG(g[i] == z[i], "%s element %zu: %g with empty slots, %g with weight 0",
+                      dtype_name(l.dt), i, g[i], z[i]);
+            if (i / 40 == 4)
+                CHECK_MSG(g[i] == 0.0f && r[i] == 0.0f, "token 4 (all empty): %g, %g", g[i],
+                          r[i]);
+        }
+        free(g);
+        free(r);
+        free(z);
+        free(x);
+        free(got);
+        free(ref);
+        free(zero);
+        layer_done(&l);
+    }
+    moek_cpu_pool_free(pool);
+}
+
 TEST(fused_moe_check_size)
 {
     /* The size `moectl --check` uses, with uneven thread counts. */
@@ -631,7 +688,7 @@ TEST(fused_moe_rejects_bad_ids)
     rand_routing(&s, T, 8, k, ids, w);
     char *out = xmalloc(bytes), *copy = xmalloc(bytes);
     moek_cpu_pool *pool = moek_cpu_pool_new(2);
-    static const int32_t bad[] = {-1, 8, INT32_MIN, INT32_MAX};
+    static const int32_t bad[] = {-2, 8, INT32_MIN, INT32_MAX}; /* -1: an empty slot */
     for (int b = 0; b < 4; b++) {
         int32_t save = ids[T * k - 1];
         ids[T * k - 1] = bad[b]; /* the last slot: checked before any work */
@@ -662,7 +719,7 @@ TEST(fused_moe_rejects_bad_ids)
     CHECK(memcmp(out, copy, bytes) == 0);
 
     moek_moe_shape bad_shapes[] = {
-        {0, 1, 16, 24}, {8, 0, 16, 24}, {8, 9, 16, 24}, {8, 2, 0, 24},
+        {0, 1, 16, 24}, {8, 0, 16, 24}, {8, -3, 16, 24}, {8, 2, 0, 24},
         {8, 2, 16, -1}};
     moek_cpu_moe_weights *pw = (moek_cpu_moe_weights *)&s;
     for (int i = 0; i < 5; i++) {
@@ -967,6 +1024,7 @@ int main(int argc, char **argv)
         TEST_CASE(ref_gemm_against_double),
         TEST_CASE(fused_moe_matches_reference),
         TEST_CASE(fused_moe_check_size),
+        TEST_CASE(fused_moe_empty_slots),
         TEST_CASE(fused_moe_rejects_bad_ids),
         TEST_CASE(fused_moe_bit_identical_per_token),
         TEST_CASE(grouped_gemm_matches_reference),
