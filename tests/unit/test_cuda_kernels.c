@@ -803,10 +803,25 @@ TEST(refuses_unsupported)
     CHECK_EQ_INT(moek_cuda_moe_layer_new(&bigk, MOEK_DTYPE_BF16, dummy, dummy,
                                          dummy, 0, &l),
                  -ENOTSUP);
+    /* Top-k above E is a shard of a spread layer: loaded, but routing from
+     * logits over its own 4 experts is refused. */
     moek_moe_shape kgte = {4, 5, 256, 128};
-    CHECK_EQ_INT(moek_cuda_moe_layer_new(&kgte, MOEK_DTYPE_BF16, dummy, dummy,
-                                         dummy, 0, &l),
-                 -EINVAL);
+    void *kw = dmalloc(4 * 256 * 128 * 2), *kx = dmalloc(4 * 256 * 2), *kl = dmalloc(4 * 4 * 4);
+    CK(moek_cuda_fill_uniform(kw, MOEK_DTYPE_BF16, 4 * 256 * 128, 7, 0.1f, NULL));
+    CK(moek_cuda_fill_uniform(kl, MOEK_DTYPE_FP32, 16, 8, 1.0f, NULL));
+    CK(moek_cuda_moe_layer_new_from_device(&kgte, MOEK_DTYPE_BF16, kw, kw, kw, 0, &l));
+    moek_cuda_workspace *kws = NULL;
+    CK(moek_cuda_workspace_new(0, moek_cuda_moe_workspace_size(l, 4), &kws));
+    moek_cuda_routing kr = {MOEK_CUDA_ROUTE_LOGITS, kl, MOEK_SCORING_SOFTMAX, false,
+                            NULL, NULL, NULL, 0};
+    CHECK_EQ_INT(moek_cuda_fused_moe(l, kws, kx, &kr, 4, kx, NULL), -EINVAL);
+    CHECK_STR_CONTAINS(moek_cuda_last_error(), "fewer experts");
+    moek_cuda_workspace_free(kws);
+    moek_cuda_moe_layer_free(l);
+    l = NULL;
+    moek_cuda_free(kw);
+    moek_cuda_free(kx);
+    moek_cuda_free(kl);
     CHECK_EQ_INT(moek_cuda_moe_layer_new(&s, MOEK_DTYPE_BF16, NULL, dummy,
                                          dummy, 0, &l),
                  -EINVAL);
