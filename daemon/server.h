@@ -149,6 +149,7 @@ struct server {
     void *zsock;
     int zfd;
     struct loop_watch *zwatch;
+    bool zmq_dirty;         /* the socket may hold messages ZMQ_FD did not signal */
     char endpoint[300];
 
     int listen_fd;
