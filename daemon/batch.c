@@ -198,7 +198,10 @@ void batch_enqueue(struct server *s, struct request *req)
         se->queued_requests++;
         se->queued_tokens += (uint64_t)req->tokens;
     }
-    batch_kick(s);
+    /* Requests read in one drain of the socket start one batch together,
+     * at its end, rather than the first alone and the rest after it. */
+    if (!s->in_drain)
+        batch_kick(s);
 }
 
 /* Cancel queued requests that match. One whose earlier slices are in the

@@ -485,16 +485,15 @@ static int server_recv_one(struct server *s)
  */
 static void server_drain(struct server *s)
 {
-    for (int budget = 0; budget < 4096; budget++) {
-        int rc = server_recv_one(s);
-        if (rc == -EAGAIN) {
-            s->zmq_dirty = false;
-            return;
-        }
-        if (rc < 0)
-            break; /* EINTR, ETERM: look again before sleeping */
-    }
-    s->zmq_dirty = true; /* more may be waiting */
+    int budget = 0, rc = 0;
+    s->in_drain = true;
+    while (budget++ < 4096 && (rc = server_recv_one(s)) == 0)
+        ;
+    s->in_drain = false;
+    /* EINTR, ETERM or the budget spent: look again before sleeping. */
+    s->zmq_dirty = rc != -EAGAIN;
+    if (budget > 1)
+        batch_kick(s); /* what the drain queued (see batch_enqueue) */
 }
 
 static void server_on_zmq(void *data, int fd, uint32_t events)

@@ -150,6 +150,7 @@ struct server {
     int zfd;
     struct loop_watch *zwatch;
     bool zmq_dirty;         /* the socket may hold messages ZMQ_FD did not signal */
+    bool in_drain;          /* in server_drain, which kicks the batcher at its end */
     char endpoint[300];
 
     int listen_fd;
