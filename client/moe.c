@@ -55,6 +55,7 @@ struct moe_client {
     int sfd;
     void *zctx;
     void *zsock;
+    int zfd;              /* zsock's ZMQ_FD, for poll() */
     uint8_t token[16];
     size_t token_len;
     uint64_t session_id;
@@ -251,6 +252,9 @@ static int connection_open(moe_client *c)
     zmq_setsockopt(c->zsock, ZMQ_LINGER, &linger, sizeof(linger));
     if (zmq_connect(c->zsock, endpoint) < 0)
         return seterr(-zmq_errno(), "cannot connect to %s: %s", endpoint, zmq_strerror(zmq_errno()));
+    size_t fl = sizeof(c->zfd);
+    if (zmq_getsockopt(c->zsock, ZMQ_FD, &c->zfd, &fl) < 0)
+        return seterr(-zmq_errno(), "ZMQ_FD: %s", zmq_strerror(zmq_errno()));
     for (struct moe_region *r = c->regions; r; r = r->next)
         if ((rc = region_register(c, r, "moe-region")) < 0)
             return rc;
@@ -383,10 +387,17 @@ static Moe__Reply *pending_take(moe_client *c, uint64_t id)
     return NULL;
 }
 
-/* Receive whatever has arrived into the pending list; wait up to wait_ms
- * for the first message. Caller holds mu. */
-/* Move every reply that has arrived into the pending list. */
-static int receive_ready(moe_client *c)
+/*
+ * Move the replies that have arrived into the pending list, until the socket
+ * says EAGAIN or (stop_id != 0) the reply to stop_id is taken. Caller holds
+ * mu. 1 if stop_id's reply came, else 0, or -errno.
+ *
+ * ZMQ_FD only signals edges: a receive that returns EAGAIN has consumed the
+ * socket's pending commands, so only after one may the caller sleep on the
+ * fd. Receiving until EAGAIN is also what ZMQ_EVENTS would cost (libzmq
+ * looks at its command pipe either way), without the second look.
+ */
+static int receive_ready(moe_client *c, uint64_t stop_id)
 {
     for (;;) {
         zmq_msg_t msg;
@@ -408,35 +419,41 @@ static int receive_ready(moe_client *c)
         p->reply = rep;
         p->next = c->pending;
         c->pending = p;
+        if (stop_id && p->id == stop_id)
+            return 1;
     }
 }
 
-/* Receive whatever has arrived into the pending list; wait up to wait_ms
- * for the first message. Caller holds mu. */
-static int receive_some(moe_client *c, int wait_ms)
+/* Receive whatever has arrived into the pending list; if nothing has, wait
+ * up to wait_ms for it. stop_id as for receive_ready(). Caller holds mu. */
+static int receive_some(moe_client *c, uint64_t stop_id, int wait_ms)
 {
     if (c->broken || !c->zsock)
         return seterr(-ECONNRESET, "the daemon stopped or restarted; the request is lost");
-    /* The session socket wakes us too: it only becomes readable (EOF)
-     * when the daemon goes away. Replies it sent before it went may still
-     * be on their way through ZeroMQ, so collect those first. */
-    zmq_pollitem_t it[2] = {{c->zsock, 0, ZMQ_POLLIN, 0}, {NULL, c->sfd, ZMQ_POLLIN, 0}};
-    int pr = zmq_poll(it, 2, wait_ms);
-    if (pr < 0)
-        return zmq_errno() == EINTR ? 0 : seterr(-zmq_errno(), "%s", zmq_strerror(zmq_errno()));
-    if (it[1].revents) {
+    int rc = receive_ready(c, stop_id);
+    if (rc || wait_ms == 0)
+        return rc < 0 ? rc : 0;
+    /* Nothing yet. The session socket wakes us too: it only becomes
+     * readable (EOF) when the daemon goes away. Replies it sent before it
+     * went may still be on their way through ZeroMQ, so collect those
+     * first. */
+    struct pollfd p[2] = {{c->zfd, POLLIN, 0}, {c->sfd, POLLIN, 0}};
+    if (poll(p, 2, wait_ms) < 0)
+        return errno == EINTR ? 0 : seterr(-errno, "poll: %s", strerror(errno));
+    if (p[1].revents) {
         char b;
         ssize_t n = recv(c->sfd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
         if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
             zmq_pollitem_t z = {c->zsock, 0, ZMQ_POLLIN, 0};
-            int rc = 0;
-            while (!rc && zmq_poll(&z, 1, 100) > 0) /* the last replies, if any */
-                rc = receive_ready(c);
+            rc = 0;
+            while (rc >= 0 && zmq_poll(&z, 1, 100) > 0) /* the last replies, if any */
+                rc = receive_ready(c, 0);
             c->broken = true;
-            return rc;
+            return rc < 0 ? rc : 0;
         }
     }
-    return receive_ready(c);
+    rc = receive_ready(c, stop_id);
+    return rc < 0 ? rc : 0;
 }
 
 /* Wait for the reply to id. timeout_ms < 0: forever. On success *out is the
@@ -452,7 +469,7 @@ static int wait_reply(moe_client *c, uint64_t id, int timeout_ms, Moe__Reply **o
             uint64_t now = mono_ms();
             /* Short slices, so other threads can send while one waits. */
             int slice = now >= deadline ? 0 : deadline - now > 10 ? 10 : (int)(deadline - now);
-            rc = receive_some(c, slice);
+            rc = receive_some(c, id, slice);
             if (!rc)
                 rep = pending_take(c, id);
             if (!rc && !rep && c->broken)
@@ -808,75 +825,97 @@ static void timings_from(const Moe__Reply *rep, moe_timings *t)
     }
 }
 
-static int submit(moe_client *c, Moe__Request *req, moe_request **out)
+/* A compute request on the stack: the message and its parts. */
+struct compute_msg {
+    Moe__Request req;
+    Moe__FusedMoe fused;
+    Moe__GroupedGemm gemm;
+    Moe__Tensor t[5];
+};
+
+static void forward_build(struct compute_msg *cm, const void *args)
+{
+    const moe_forward_args *a = args;
+    Moe__FusedMoe *m = &cm->fused;
+    moe__request__init(&cm->req);
+    moe__fused_moe__init(m);
+    m->layer = (char *)(a->layer ? a->layer : "");
+    m->x = wire_tensor(&a->x, &cm->t[0]);
+    m->logits = wire_tensor(&a->logits, &cm->t[1]);
+    m->topk_ids = wire_tensor(&a->topk_ids, &cm->t[2]);
+    m->topk_weights = wire_tensor(&a->topk_weights, &cm->t[3]);
+    m->out = wire_tensor(&a->out, &cm->t[4]);
+    cm->req.timeout_us = a->timeout_us;
+    cm->req.no_batch = a->no_batch != 0;
+    cm->req.body_case = MOE__REQUEST__BODY_FUSED_MOE;
+    cm->req.fused_moe = m;
+}
+
+static void gemm_build(struct compute_msg *cm, const void *args)
+{
+    const moe_gemm_args *a = args;
+    Moe__GroupedGemm *m = &cm->gemm;
+    moe__request__init(&cm->req);
+    moe__grouped_gemm__init(m);
+    m->layer = (char *)(a->layer ? a->layer : "");
+    m->a = wire_tensor(&a->a, &cm->t[0]);
+    m->c = wire_tensor(&a->c, &cm->t[1]);
+    m->n_m_sizes = a->groups;
+    m->m_sizes = (uint64_t *)a->m_sizes;
+    cm->req.timeout_us = a->timeout_us;
+    cm->req.no_batch = a->no_batch != 0;
+    cm->req.body_case = MOE__REQUEST__BODY_GROUPED_GEMM;
+    cm->req.grouped_gemm = m;
+}
+
+/* Check the connection (reconnecting if the daemon went away), build the
+ * request and send it, all under one hold of mu: the tensors name regions
+ * by id, and a reconnection gives the regions new ids. Fills *r. */
+static int submit(moe_client *c, void (*build)(struct compute_msg *, const void *),
+                  const void *args, moe_request *r)
+{
+    struct compute_msg cm;
+    pthread_mutex_lock(&c->mu);
+    int rc = connection_ensure(c);
+    if (!rc) {
+        build(&cm, args);
+        rc = send_request(c, &cm.req);
+    }
+    r->generation = c->generation;
+    r->id = rc ? 0 : cm.req.id;
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
+
+static int submit_new(moe_client *c, void (*build)(struct compute_msg *, const void *),
+                      const void *args, moe_request **out)
 {
     *out = NULL;
     moe_request *r = malloc(sizeof(*r));
     if (!r)
         return seterr(-ENOMEM, "out of memory");
-    pthread_mutex_lock(&c->mu);
-    int rc = connection_ensure(c);
-    if (!rc)
-        rc = send_request(c, req);
-    r->generation = c->generation;
-    pthread_mutex_unlock(&c->mu);
+    int rc = submit(c, build, args, r);
     if (rc) {
         free(r);
         return rc;
     }
-    r->id = req->id;
     *out = r;
     return 0;
 }
 
 int moe_forward_submit(moe_client *c, const moe_forward_args *a, moe_request **out)
 {
-    *out = NULL;
-    int rc = connection_ready(c);
-    if (rc)
-        return rc;
-    Moe__Request req = MOE__REQUEST__INIT;
-    Moe__FusedMoe m = MOE__FUSED_MOE__INIT;
-    Moe__Tensor tx, tl, ti, tw, to;
-    m.layer = (char *)(a->layer ? a->layer : "");
-    m.x = wire_tensor(&a->x, &tx);
-    m.logits = wire_tensor(&a->logits, &tl);
-    m.topk_ids = wire_tensor(&a->topk_ids, &ti);
-    m.topk_weights = wire_tensor(&a->topk_weights, &tw);
-    m.out = wire_tensor(&a->out, &to);
-    req.timeout_us = a->timeout_us;
-    req.no_batch = a->no_batch != 0;
-    req.body_case = MOE__REQUEST__BODY_FUSED_MOE;
-    req.fused_moe = &m;
-    return submit(c, &req, out);
+    return submit_new(c, forward_build, a, out);
 }
 
 int moe_gemm_submit(moe_client *c, const moe_gemm_args *a, moe_request **out)
 {
-    *out = NULL;
-    int rc = connection_ready(c);
-    if (rc)
-        return rc;
-    Moe__Request req = MOE__REQUEST__INIT;
-    Moe__GroupedGemm m = MOE__GROUPED_GEMM__INIT;
-    Moe__Tensor ta, tc;
-    m.layer = (char *)(a->layer ? a->layer : "");
-    m.a = wire_tensor(&a->a, &ta);
-    m.c = wire_tensor(&a->c, &tc);
-    m.n_m_sizes = a->groups;
-    m.m_sizes = (uint64_t *)a->m_sizes;
-    req.timeout_us = a->timeout_us;
-    req.no_batch = a->no_batch != 0;
-    req.body_case = MOE__REQUEST__BODY_GROUPED_GEMM;
-    req.grouped_gemm = &m;
-    return submit(c, &req, out);
+    return submit_new(c, gemm_build, a, out);
 }
 
-int moe_wait(moe_client *c, moe_request **rp, int timeout_ms, moe_timings *timings)
+/* moe_wait() without freeing r. */
+static int request_wait(moe_client *c, const moe_request *r, int timeout_ms, moe_timings *timings)
 {
-    moe_request *r = *rp;
-    if (!r)
-        return seterr(-EINVAL, "no request");
     Moe__Reply *rep = NULL;
     int rc;
     pthread_mutex_lock(&c->mu);
@@ -886,10 +925,6 @@ int moe_wait(moe_client *c, moe_request **rp, int timeout_ms, moe_timings *timin
         rc = seterr(-ECONNRESET, "the daemon restarted since the request was sent; it is lost");
     else
         rc = wait_reply(c, r->id, timeout_ms < 0 ? c->timeout_ms : timeout_ms, &rep);
-    if (rc == -ETIMEDOUT)
-        return rc; /* still the caller's: wait again or give up */
-    free(r);
-    *rp = NULL;
     if (rc)
         return rc;
     timings_from(rep, timings);
@@ -898,11 +933,24 @@ int moe_wait(moe_client *c, moe_request **rp, int timeout_ms, moe_timings *timin
     return rc;
 }
 
+int moe_wait(moe_client *c, moe_request **rp, int timeout_ms, moe_timings *timings)
+{
+    moe_request *r = *rp;
+    if (!r)
+        return seterr(-EINVAL, "no request");
+    int rc = request_wait(c, r, timeout_ms, timings);
+    if (rc == -ETIMEDOUT)
+        return rc; /* still the caller's: wait again or give up */
+    free(r);
+    *rp = NULL;
+    return rc;
+}
+
 int moe_poll(moe_client *c, moe_request *r)
 {
     pthread_mutex_lock(&c->mu);
     /* A request of an earlier connection is settled: moe_wait says lost. */
-    int rc = r->generation != c->generation ? 1 : receive_some(c, 0);
+    int rc = r->generation != c->generation ? 1 : receive_some(c, 0, 0);
     if (rc == 1) {
         pthread_mutex_unlock(&c->mu);
         return 1;
@@ -914,26 +962,19 @@ int moe_poll(moe_client *c, moe_request *r)
     return rc ? rc : found;
 }
 
+/* The synchronous calls: a request on the stack, one connection check. */
 int moe_forward(moe_client *c, const moe_forward_args *a, moe_timings *timings)
 {
-    moe_request *r;
-    int rc = moe_forward_submit(c, a, &r);
-    if (rc)
-        return rc;
-    rc = moe_wait(c, &r, -1, timings);
-    free(r); /* only on -ETIMEDOUT is it still here */
-    return rc;
+    moe_request r;
+    int rc = submit(c, forward_build, a, &r);
+    return rc ? rc : request_wait(c, &r, -1, timings);
 }
 
 int moe_gemm(moe_client *c, const moe_gemm_args *a, moe_timings *timings)
 {
-    moe_request *r;
-    int rc = moe_gemm_submit(c, a, &r);
-    if (rc)
-        return rc;
-    rc = moe_wait(c, &r, -1, timings);
-    free(r);
-    return rc;
+    moe_request r;
+    int rc = submit(c, gemm_build, a, &r);
+    return rc ? rc : request_wait(c, &r, -1, timings);
 }
 
 /* ---- stats ------------------------------------------------------------- */

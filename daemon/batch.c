@@ -134,6 +134,8 @@ static void queue_unlink(struct server *s, struct layer *l, struct request *prev
     req->queued = false;
     l->queued--;
     s->queued_total--;
+    if (req->deadline_us)
+        s->queued_deadlines--;
     struct session *se = session_by_id(s, req->session_id);
     if (se)
         se->queued_requests--;
@@ -190,11 +192,16 @@ void batch_enqueue(struct server *s, struct request *req)
     l->queued++;
     l->queued_tokens += (uint64_t)req->tokens;
     s->queued_total++;
+    if (req->deadline_us)
+        s->queued_deadlines++;
     if (se) {
         se->queued_requests++;
         se->queued_tokens += (uint64_t)req->tokens;
     }
-    batch_kick(s);
+    /* Requests read in one drain of the socket start one batch together,
+     * at its end, rather than the first alone and the rest after it. */
+    if (!s->in_drain)
+        batch_kick(s);
 }
 
 /* Cancel queued requests that match. One whose earlier slices are in the
@@ -236,6 +243,8 @@ void batch_cancel_layer(struct server *s, struct layer *l, int err, const char *
 /* Requests whose deadline passed before any of their rows started. */
 static void expire_queued(struct server *s, uint64_t now)
 {
+    if (!s->queued_deadlines)
+        return; /* the usual case: no walk over every queue at each kick */
     for (struct layer *l = s->layers; l; l = l->next) {
         struct request *prev = NULL, *req = l->queue_head;
         while (req) {
@@ -541,10 +550,18 @@ static int batch_add(struct batch_job *bj, struct request *req, int rows)
 
 /* With max_delay_us, a batch that is not yet full waits until its oldest
  * request has waited that long. True if the caller should wait. */
-/* Arm the delay timer to fire at `due`; false if it cannot be armed. */
+/* Arm the delay timer to fire at `due`; false if it cannot be armed. While
+ * the batcher waits, every request that arrives kicks it again with the same
+ * due time: a timer already set to fire by then is left alone (one
+ * timerfd_settime per wait, not one per request). */
 static bool delay_until(struct server *s, uint64_t due, uint64_t now)
 {
-    return s->delay_timer && loop_timer_set(s->delay_timer, due - now, 0) == 0;
+    if (s->delay_due_us && s->delay_due_us <= due)
+        return true;
+    if (!s->delay_timer || loop_timer_set(s->delay_timer, due - now, 0) < 0)
+        return false;
+    s->delay_due_us = due;
+    return true;
 }
 
 /* True while a session served by the last batch has not come back. */
@@ -582,7 +599,9 @@ static bool batch_should_wait(struct server *s, struct layer *l, uint64_t now)
 
 static void batch_on_delay_timer(void *data)
 {
-    batch_kick(data);
+    struct server *s = data;
+    s->delay_due_us = 0;
+    batch_kick(s);
 }
 
 int batch_init(struct server *s)

@@ -32,6 +32,7 @@ void server_reply(struct server *s, const uint8_t *route_id, size_t route_len, v
     if (zmq_msg_init_size(&msg, n) != 0)
         return;
     moe__reply__pack(rep, zmq_msg_data(&msg));
+    s->zmq_dirty = true; /* see server_drain */
     /* Unroutable (the client is gone) or over its high-water mark (it does
      * not read): ROUTER drops the reply, which is all that can be done. */
     if (zmq_send(s->zsock, route_id, route_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
@@ -418,61 +419,81 @@ out:
     moe__request__free_unpacked(m, NULL);
 }
 
-/* Read every waiting message. ZMQ_FD only signals edges, so the loop calls
- * this before each sleep as well as on the fd's readiness. */
+/* Read one message: [routing id] [body], and nothing else (extra parts are
+ * drained and the request refused). 0, or -errno of the receive: -EAGAIN
+ * when none is waiting. */
+static int server_recv_one(struct server *s)
+{
+    zmq_msg_t part;
+    uint8_t rid[ROUTE_ID_MAX];
+    size_t rlen = 0;
+    int nparts = 0;
+    zmq_msg_t body;
+    zmq_msg_init(&body);
+    bool bad = false;
+    int more = 1;
+    while (more) {
+        zmq_msg_init(&part);
+        if (zmq_msg_recv(&part, s->zsock, ZMQ_DONTWAIT) < 0) {
+            int e = zmq_errno();
+            zmq_msg_close(&part);
+            if (nparts == 0) {
+                zmq_msg_close(&body);
+                return -e;
+            }
+            break;
+        }
+        more = zmq_msg_more(&part);
+        if (nparts == 0) {
+            rlen = zmq_msg_size(&part);
+            if (rlen > sizeof(rid))
+                rlen = 0;
+            memcpy(rid, zmq_msg_data(&part), rlen);
+            zmq_msg_close(&part);
+        } else if (nparts == 1) {
+            zmq_msg_move(&body, &part);
+            zmq_msg_close(&part);
+        } else {
+            bad = true;
+            zmq_msg_close(&part);
+        }
+        nparts++;
+    }
+    if (rlen == 0) {
+        /* Without a routing id there is nobody to answer. */
+    } else if (bad || nparts != 2) {
+        server_reply_error(s, rid, rlen, 0, -EPROTO,
+                           "a request is one message part, got %d", nparts - 1);
+    } else {
+        server_handle_message(s, rid, rlen, zmq_msg_data(&body), zmq_msg_size(&body));
+    }
+    zmq_msg_close(&body);
+    return 0;
+}
+
+/*
+ * Read every waiting message, until the socket says EAGAIN. ZMQ_FD only
+ * signals edges, and a receive that returns EAGAIN has consumed the socket's
+ * pending commands, so from then on a new message makes the fd readable
+ * again. Receiving until EAGAIN costs one look at the socket's command pipe
+ * per drain; asking ZMQ_EVENTS before each message costs one per message
+ * (a poll() and a getpid() each, in libzmq).
+ *
+ * A send may also consume the fd's edge (libzmq processes commands there
+ * too), so every reply marks the socket for another drain before the loop
+ * sleeps (zmq_dirty).
+ */
 static void server_drain(struct server *s)
 {
-    for (int budget = 0; budget < 4096; budget++) {
-        int ev = 0;
-        size_t evlen = sizeof(ev);
-        if (zmq_getsockopt(s->zsock, ZMQ_EVENTS, &ev, &evlen) < 0 || !(ev & ZMQ_POLLIN))
-            return;
-        zmq_msg_t part;
-        uint8_t rid[ROUTE_ID_MAX];
-        size_t rlen = 0;
-        int nparts = 0;
-        const uint8_t *data = NULL;
-        size_t len = 0;
-        zmq_msg_t body;
-        zmq_msg_init(&body);
-        bool bad = false;
-        int more = 1;
-        /* [routing id] [body], and nothing else: extra parts are drained
-         * and the request refused. */
-        while (more) {
-            zmq_msg_init(&part);
-            if (zmq_msg_recv(&part, s->zsock, ZMQ_DONTWAIT) < 0) {
-                zmq_msg_close(&part);
-                break;
-            }
-            more = zmq_msg_more(&part);
-            if (nparts == 0) {
-                rlen = zmq_msg_size(&part);
-                if (rlen > sizeof(rid))
-                    rlen = 0;
-                memcpy(rid, zmq_msg_data(&part), rlen);
-                zmq_msg_close(&part);
-            } else if (nparts == 1) {
-                zmq_msg_move(&body, &part);
-                zmq_msg_close(&part);
-            } else {
-                bad = true;
-                zmq_msg_close(&part);
-            }
-            nparts++;
-        }
-        data = zmq_msg_data(&body);
-        len = zmq_msg_size(&body);
-        if (rlen == 0) {
-            /* Without a routing id there is nobody to answer. */
-        } else if (bad || nparts != 2) {
-            server_reply_error(s, rid, rlen, 0, -EPROTO,
-                               "a request is one message part, got %d", nparts - 1);
-        } else {
-            server_handle_message(s, rid, rlen, data, len);
-        }
-        zmq_msg_close(&body);
-    }
+    int budget = 0, rc = 0;
+    s->in_drain = true;
+    while (budget++ < 4096 && (rc = server_recv_one(s)) == 0)
+        ;
+    s->in_drain = false;
+    /* EINTR, ETERM or the budget spent: look again before sleeping. */
+    s->zmq_dirty = rc != -EAGAIN;
+    if (budget > 1)
+        batch_kick(s); /* what the drain queued (see batch_enqueue) */
 }
 
 static void server_on_zmq(void *data, int fd, uint32_t events)
@@ -496,7 +517,8 @@ static void server_before_sleep(void *data)
     unsigned spin = server_spin_us(s);
     if (spin && s->batch_running)
         worker_poll(s->compute, spin);
-    server_drain(s);
+    if (s->zmq_dirty)
+        server_drain(s);
     batch_kick(s);
 }
 
@@ -570,6 +592,7 @@ int server_listen(struct server *s, int session_fd, int zmq_fd)
     size_t fl = sizeof(s->zfd);
     if (zmq_getsockopt(s->zsock, ZMQ_FD, &s->zfd, &fl) < 0)
         return -zmq_errno();
+    s->zmq_dirty = true;
     s->zwatch = loop_watch(s->loop, s->zfd, EPOLLIN, server_on_zmq, s);
     if (!s->zwatch)
         return -errno;

@@ -149,6 +149,8 @@ struct server {
     void *zsock;
     int zfd;
     struct loop_watch *zwatch;
+    bool zmq_dirty;         /* the socket may hold messages ZMQ_FD did not signal */
+    bool in_drain;          /* in server_drain, which kicks the batcher at its end */
     char endpoint[300];
 
     int listen_fd;
@@ -163,12 +165,14 @@ struct server {
     struct layer *layers;
     bool batch_running;     /* a batch is on the compute worker */
     struct loop_watch *delay_timer; /* max_delay_us: wake to start a batch */
+    uint64_t delay_due_us;  /* when delay_timer fires; 0: not armed */
     /* Sessions served by the batch that just completed, which the batcher
      * waits for (up to return_wait_us) before starting a smaller batch. */
     uint64_t awaited[64];
     uint32_t n_awaited;
     uint64_t awaited_until_us;
     uint32_t queued_total;
+    uint32_t queued_deadlines; /* queued requests with a timeout_us */
 
     struct stats stats;
     bool draining;

@@ -29,6 +29,9 @@ struct worker {
     /* Spinning (worker_set_spin): jobs queued and finished, readable
      * without the lock, so either side can poll instead of sleeping. */
     atomic_uint queued_n, finished_n;
+    /* The loop thread is spinning in worker_poll(): a finished job needs no
+     * eventfd write, whose wake-up would find nothing (see worker_poll). */
+    atomic_bool polling;
     unsigned spin_us;
     int efd;
     struct loop *loop;
@@ -73,10 +76,15 @@ static void *worker_main(void *arg)
         else
             w->finished = j;
         w->finished_tail = j;
-        atomic_fetch_add_explicit(&w->finished_n, 1, memory_order_release);
-        uint64_t one = 1;
-        ssize_t r = write(w->efd, &one, sizeof(one));
-        (void)r;
+        atomic_fetch_add(&w->finished_n, 1);
+        pthread_mutex_unlock(&w->mu);
+        if (!atomic_load(&w->polling)) {
+            /* Outside the lock: the loop thread woken here takes it next. */
+            uint64_t one = 1;
+            ssize_t r = write(w->efd, &one, sizeof(one));
+            (void)r;
+        }
+        pthread_mutex_lock(&w->mu);
     }
     pthread_mutex_unlock(&w->mu);
     return NULL;
@@ -178,14 +186,22 @@ void worker_set_spin(struct worker *w, unsigned us)
     w->spin_us = us;
 }
 
+/*
+ * While the loop thread spins here the worker does not write the eventfd.
+ * Both sides use sequentially consistent operations: the worker publishes
+ * finished_n, then reads polling; this side clears polling, then reads
+ * finished_n. So either the worker sees polling cleared and writes, or this
+ * side sees the finished job; never neither.
+ */
 bool worker_poll(struct worker *w, unsigned spin_us)
 {
     uint64_t until = now_us() + spin_us;
-    while (!atomic_load_explicit(&w->finished_n, memory_order_acquire)) {
-        if (now_us() >= until)
-            return false;
+    atomic_store(&w->polling, true);
+    while (!atomic_load_explicit(&w->finished_n, memory_order_acquire) && now_us() < until)
         cpu_relax();
-    }
+    atomic_store(&w->polling, false);
+    if (!atomic_load(&w->finished_n))
+        return false;
     worker_drain_finished(w);
     return true;
 }
