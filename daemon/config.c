@@ -43,6 +43,7 @@ int config_init(struct config *c)
     if (!c->runtime_dir || !c->backend || !c->transport)
         return -ENOMEM;
     c->log_level = 6;
+    c->io_threads = 2;
     c->max_batch_tokens = 4096;
     c->max_delay_us = 0;
     c->max_request_tokens = 65536;
@@ -262,6 +263,13 @@ int config_set_daemon(struct config *c, const char *k, const char *v)
         c->gpus_all = false;
         free(list);
         return 0;
+    }
+    if (!strcmp(k, "io_threads")) {
+        int rc = parse_u64(v, 64, &x);
+        if (!rc && x == 0)
+            rc = -EINVAL;
+        c->io_threads = rc ? c->io_threads : (int)x;
+        return rc;
     }
     if (!strcmp(k, "transport")) {
         if (strcmp(v, "auto") && strcmp(v, "nccl") && strcmp(v, "peer"))

@@ -11,6 +11,7 @@
  *   gpus = 0,1                ; or "all": own these CUDA devices (daemon devices 0, 1, ...
  *                             ; in this order); unset: only `device`
  *   transport = auto          ; between GPUs: auto (NCCL if installed, else peer) | nccl | peer
+ *   io_threads = 2            ; ZeroMQ I/O threads (client connections spread over them)
  *   log_level = info
  *
  *   [batch]
@@ -84,6 +85,7 @@ struct config {
     size_t n_gpus;
     bool gpus_all;           /* gpus = all */
     char *transport;         /* auto | nccl | peer */
+    int io_threads;          /* ZeroMQ I/O threads */
     int log_level;
 
     uint32_t max_batch_tokens;

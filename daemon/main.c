@@ -34,7 +34,7 @@ struct cli {
     const char *allow[64];
     int n_allow, threads, log_level;
     uint32_t mbt, mdu, mst, rwu, spin, vdev;
-    const char *gpus, *transport;
+    const char *gpus, *transport, *io_threads;
     bool no_batch;
 };
 
@@ -80,6 +80,7 @@ static void usage(FILE *f)
             "                           them) for layers whose experts are spread over devices\n"
             "      --gpus LIST|all      own these CUDA devices (e.g. 0,1; default: --device's)\n"
             "      --transport NAME     between GPUs: auto (default), nccl or peer\n"
+            "      --io-threads N       ZeroMQ I/O threads (default 2)\n"
             "  -l, --log-level LEVEL    err, warning, notice, info (default), debug\n"
             "      --demo               generate and serve the demo layers 'demo' and 'demo-gemm'\n"
             "  -h, --help               this text\n"
@@ -134,6 +135,11 @@ static int cli_apply(const struct cli *o, struct config *c, char *err, size_t er
     if (o->gpus && (rc = config_set_daemon(c, "gpus", o->gpus)) < 0) {
         snprintf(err, errlen, "--gpus %s: %s", o->gpus,
                  rc == -ENOMEM ? "out of memory" : "not a list of device numbers or 'all'");
+        return rc;
+    }
+    if (o->io_threads && (rc = config_set_daemon(c, "io_threads", o->io_threads)) < 0) {
+        snprintf(err, errlen, "--io-threads %s: %s", o->io_threads,
+                 rc == -ENOMEM ? "out of memory" : "not a number from 1 to 64");
         return rc;
     }
     if (o->transport && (rc = config_set_daemon(c, "transport", o->transport)) < 0) {
@@ -329,7 +335,7 @@ static int setup_signals(struct daemon *d)
 int main(int argc, char **argv)
 {
     enum { OPT_CHECK = 256, OPT_MBT, OPT_MDU, OPT_MST, OPT_RWU, OPT_SPIN, OPT_VDEV, OPT_NOBATCH,
-           OPT_DEMO, OPT_GPUS, OPT_TRANSPORT };
+           OPT_DEMO, OPT_GPUS, OPT_TRANSPORT, OPT_IOT };
     static const struct option opts[] = {
         {"config", required_argument, NULL, 'c'},
         {"check-config", no_argument, NULL, OPT_CHECK},
@@ -346,6 +352,7 @@ int main(int argc, char **argv)
         {"virtual-devices", required_argument, NULL, OPT_VDEV},
         {"gpus", required_argument, NULL, OPT_GPUS},
         {"transport", required_argument, NULL, OPT_TRANSPORT},
+        {"io-threads", required_argument, NULL, OPT_IOT},
         {"log-level", required_argument, NULL, 'l'},
         {"demo", no_argument, NULL, OPT_DEMO},
         {"help", no_argument, NULL, 'h'},
@@ -398,6 +405,7 @@ int main(int argc, char **argv)
         case OPT_NOBATCH: o->no_batch = true; break;
         case OPT_GPUS: o->gpus = optarg; break;
         case OPT_TRANSPORT: o->transport = optarg; break;
+        case OPT_IOT: o->io_threads = optarg; break;
         case OPT_VDEV:
             if (parse_u32_arg(optarg, &o->vdev) < 0 || o->vdev < 1 || o->vdev > MAX_DEVICES) {
                 log_err("--virtual-devices needs a number from 1 to %d", MAX_DEVICES);

@@ -437,6 +437,7 @@ static void reload_begin(struct reload *r)
     warn_restart("gpus", c->gpus_all != n->gpus_all || c->n_gpus != n->n_gpus ||
                              memcmp(c->gpus, n->gpus, sizeof(c->gpus)) != 0);
     warn_restart("transport", strcmp(c->transport, n->transport) != 0);
+    warn_restart("io_threads", c->io_threads != n->io_threads);
     warn_restart("max_message_bytes", c->max_message_bytes != n->max_message_bytes);
     warn_restart("spin_us", c->spin_us != n->spin_us);
     c->log_level = n->log_level;

@@ -568,6 +568,9 @@ int server_listen(struct server *s, int session_fd, int zmq_fd)
     s->zctx = zmq_ctx_new();
     if (!s->zctx)
         return -ENOMEM;
+    /* Before the first socket: each client connection is served by one of
+     * these threads, so many clients' sends and receives spread over cores. */
+    zmq_ctx_set(s->zctx, ZMQ_IO_THREADS, s->cfg->io_threads);
     s->zsock = zmq_socket(s->zctx, ZMQ_ROUTER);
     if (!s->zsock)
         return -zmq_errno();
