@@ -1008,6 +1008,12 @@ int moe_stats_get(moe_client *c, moe_stats *o)
         o->compute_p50_us = s->compute_p50_us;
         o->compute_p99_us = s->compute_p99_us;
         o->compute_us_total = s->compute_us_total;
+        o->idle_p50_us = s->idle_p50_us;
+        o->idle_p99_us = s->idle_p99_us;
+        o->notice_p50_us = s->notice_p50_us;
+        o->reply_p50_us = s->reply_p50_us;
+        o->return_p50_us = s->return_p50_us;
+        o->launch_p50_us = s->launch_p50_us;
         for (size_t i = 0; i < s->n_batch_requests && i < MOE_STATS_BUCKETS; i++) {
             o->batch_requests[i].le = s->batch_requests[i]->le;
             o->batch_requests[i].count = s->batch_requests[i]->count;

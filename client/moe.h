@@ -259,6 +259,11 @@ typedef struct moe_stats {
     uint32_t queue_depth;
     uint64_t queue_wait_p50_us, queue_wait_p99_us;
     uint64_t compute_p50_us, compute_p99_us, compute_us_total;
+    /* A batch cycle under load (p50s): the device's idle time between two
+     * batches, and of it the daemon noticing a batch's end, answering its
+     * requests, waiting for the next requests, starting the compute. */
+    uint64_t idle_p50_us, idle_p99_us, notice_p50_us, reply_p50_us, return_p50_us,
+        launch_p50_us;
     /* Histograms: count of batches with at most `le` requests / tokens. */
     int n_batch_requests, n_batch_tokens;
     struct {

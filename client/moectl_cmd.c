@@ -447,6 +447,12 @@ int cmd_stats(const char *rt, int argc, char **argv)
         cJSON_AddNumberToObject(j, "compute_p50_us", (double)s.compute_p50_us);
         cJSON_AddNumberToObject(j, "compute_p99_us", (double)s.compute_p99_us);
         cJSON_AddNumberToObject(j, "compute_us_total", (double)s.compute_us_total);
+        cJSON_AddNumberToObject(j, "idle_p50_us", (double)s.idle_p50_us);
+        cJSON_AddNumberToObject(j, "idle_p99_us", (double)s.idle_p99_us);
+        cJSON_AddNumberToObject(j, "notice_p50_us", (double)s.notice_p50_us);
+        cJSON_AddNumberToObject(j, "reply_p50_us", (double)s.reply_p50_us);
+        cJSON_AddNumberToObject(j, "return_p50_us", (double)s.return_p50_us);
+        cJSON_AddNumberToObject(j, "launch_p50_us", (double)s.launch_p50_us);
         cJSON_AddNumberToObject(j, "mean_batch_requests",
                                 s.batches ? (double)s.requests / (double)s.batches : 0);
         cJSON_AddItemToObject(j, "batch_requests_hist", hist_json(s.n_batch_requests, br));
@@ -476,6 +482,11 @@ int cmd_stats(const char *rt, int argc, char **argv)
            (unsigned long long)s.queue_wait_p50_us, (unsigned long long)s.queue_wait_p99_us,
            (unsigned long long)s.compute_p50_us, (unsigned long long)s.compute_p99_us,
            (double)s.compute_us_total / 1e6);
+    printf("between batches under load: device idle p50 %llu us p99 %llu us; p50s: notice %llu, "
+           "reply %llu, return %llu, launch %llu us\n",
+           (unsigned long long)s.idle_p50_us, (unsigned long long)s.idle_p99_us,
+           (unsigned long long)s.notice_p50_us, (unsigned long long)s.reply_p50_us,
+           (unsigned long long)s.return_p50_us, (unsigned long long)s.launch_p50_us);
     printf("requests per batch:");
     for (int i = 0; i < s.n_batch_requests; i++)
         printf(" <=%llu:%llu", (unsigned long long)br[i][0], (unsigned long long)br[i][1]);

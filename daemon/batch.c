@@ -55,6 +55,9 @@ struct batch_job {
     uint32_t n_items, cap_items;
     uint64_t tokens;
     uint64_t compute_us;
+    /* The cycle's phases (stats.h): submitted by the loop, started and
+     * ended on the compute thread. */
+    uint64_t t_submit, t_start, t_end;
     int rc;                   /* a failure of the whole batch */
     char err[192];
 };
@@ -438,11 +441,13 @@ static void batch_run(struct job *job)
 {
     struct batch_job *bj = (struct batch_job *)job;
     uint64_t t0 = now_us();
+    bj->t_start = t0;
     if (bj->layer->kind == MOE__LAYER_KIND__LAYER_MOE)
         run_moe(bj);
     else
         run_gemm(bj);
-    bj->compute_us = now_us() - t0;
+    bj->t_end = now_us();
+    bj->compute_us = bj->t_end - t0;
     for (uint32_t i = 0; i < bj->n_items; i++) {
         struct request *req = bj->items[i].req;
         if (bj->rc && !req->status) {
@@ -459,6 +464,7 @@ static void batch_done(struct job *job)
     struct batch_job *bj = (struct batch_job *)job;
     struct server *s = bj->s;
     struct stats *st = &s->stats;
+    uint64_t t_seen = now_us();
     /* Requests are freed below; keep their sessions for the wait. */
     for (uint32_t i = 0; i < bj->n_items; i++)
         bj->items[i].session_id = bj->items[i].req->session_id;
@@ -506,6 +512,20 @@ static void batch_done(struct job *job)
             s->n_awaited = 0;
         s->awaited_until_us = now_us() + s->cfg->return_wait_us;
     }
+    /* Where the device's time between two batches goes, counted while the
+     * device is kept busy (gaps under 10 ms). */
+    uint64_t t_replied = now_us();
+    if (st->prev_end_us && bj->t_start > st->prev_end_us &&
+        bj->t_start - st->prev_end_us < 10000) {
+        ring_add(&st->idle_us, bj->t_start - st->prev_end_us);
+        ring_add(&st->return_us, bj->t_submit > st->prev_replied_us
+                                     ? bj->t_submit - st->prev_replied_us : 0);
+    }
+    ring_add(&st->notice_us, t_seen - bj->t_end);
+    ring_add(&st->reply_us, t_replied - t_seen);
+    ring_add(&st->launch_us, bj->t_start - bj->t_submit);
+    st->prev_end_us = bj->t_end;
+    st->prev_replied_us = t_replied;
     layer_unref(s, &bj->layer);
     free(bj->items);
     free(bj);
@@ -666,5 +686,6 @@ void batch_kick(struct server *s)
     bj->job.run = batch_run;
     bj->job.done = batch_done;
     s->batch_running = true;
+    bj->t_submit = now_us();
     worker_submit(s->compute, &bj->job);
 }

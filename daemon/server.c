@@ -170,6 +170,12 @@ static void handle_stats(struct server *s, const uint8_t *rid, size_t rlen, cons
     sr.compute_p50_us = ring_quantile(&st->compute_us, 0.5);
     sr.compute_p99_us = ring_quantile(&st->compute_us, 0.99);
     sr.compute_us_total = st->compute_us_total;
+    sr.idle_p50_us = ring_quantile(&st->idle_us, 0.5);
+    sr.idle_p99_us = ring_quantile(&st->idle_us, 0.99);
+    sr.notice_p50_us = ring_quantile(&st->notice_us, 0.5);
+    sr.reply_p50_us = ring_quantile(&st->reply_us, 0.5);
+    sr.return_p50_us = ring_quantile(&st->return_us, 0.5);
+    sr.launch_p50_us = ring_quantile(&st->launch_us, 0.5);
     sr.n_batch_requests = fill_hist(&st->batch_requests, hb1, hp1);
     sr.batch_requests = hp1;
     sr.n_batch_tokens = fill_hist(&st->batch_tokens, hb2, hp2);

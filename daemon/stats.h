@@ -39,6 +39,13 @@ struct stats {
     uint64_t compute_us_total;
     struct hist batch_requests, batch_tokens;
     struct ring queue_wait_us, compute_us;
+    /* A batch cycle under load: the device idles from one batch's end to
+     * the next one's start (idle_us, gaps under 10 ms); of that, the loop
+     * notices the end (notice_us), answers the batch's requests (reply_us),
+     * waits for the next requests (return_us: from the last reply to the
+     * next submit) and the compute thread starts (launch_us). */
+    struct ring idle_us, notice_us, reply_us, return_us, launch_us;
+    uint64_t prev_end_us, prev_replied_us;
 };
 
 #endif

@@ -15,7 +15,7 @@ cd "$(dirname "$0")/../.."
 export LD_LIBRARY_PATH="$PWD/.carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 B=.carry/bin
 SECONDS_PER=${SECONDS_PER:-4}
-STEPS=${STEPS:-"check itest service"}  # also: shapes compare shard
+STEPS=${STEPS:-"check itest service"}  # also: shapes compare shard variants
 has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 $B/moed --version || { echo "moed does not run here"; ldd $B/moed; exit 1; }
@@ -118,6 +118,21 @@ for tr in nccl peer; do
         for l in one two; do
             echo "daemon $tr layer=$l T=$t: $($M forward --layer $l --tokens $t --repeat $n | tail -n 1)"
         done
+    done
+    kill $!; wait
+done
+fi
+
+if has variants; then
+echo "### 32 clients under daemon settings (VARIANTS, ';'-separated argument lists)"
+echo "${VARIANTS:---io-threads 1;--io-threads 4;--return-wait-us 150;--return-wait-us 600}" | tr ';' '\n' |
+while read -r args; do
+    start_daemon /tmp/moed-var $args </dev/null || exit 1
+    M="$B/moectl -r /tmp/moed-var"
+    $M load mixtral --random --experts 8 --topk 2 --hidden 4096 --intermediate 14336 >/dev/null </dev/null || exit 1
+    for c in ${VARIANT_CLIENTS:-32}; do
+        echo "[$args] clients $c: $($M bench --layer mixtral --clients $c --tokens 1 --seconds "$SECONDS_PER" --json </dev/null)"
+        $M stats </dev/null | grep -E "^(queue|between)" | sed "s/^/[$args] /"
     done
     kill $!; wait
 done
