@@ -43,12 +43,12 @@ int config_init(struct config *c)
     if (!c->runtime_dir || !c->backend || !c->transport)
         return -ENOMEM;
     c->log_level = 6;
-    c->io_threads = 2;
+    c->io_threads = 1;
     c->max_batch_tokens = 4096;
     c->max_delay_us = 0;
     c->max_request_tokens = 65536;
     c->max_slice_tokens = 1024;
-    c->return_wait_us = 300;
+    c->return_wait_us = 600;
     c->spin_us = CONFIG_SPIN_AUTO;
     c->batching = true;
     c->max_sessions = 256;

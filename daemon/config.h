@@ -11,7 +11,7 @@
  *   gpus = 0,1                ; or "all": own these CUDA devices (daemon devices 0, 1, ...
  *                             ; in this order); unset: only `device`
  *   transport = auto          ; between GPUs: auto (NCCL if installed, else peer) | nccl | peer
- *   io_threads = 2            ; ZeroMQ I/O threads (client connections spread over them)
+ *   io_threads = 1            ; ZeroMQ I/O threads (client connections spread over them)
  *   log_level = info
  *
  *   [batch]
@@ -19,7 +19,7 @@
  *   max_delay_us = 0          ; wait this long for more requests when the device frees
  *   max_request_tokens = 65536
  *   max_slice_tokens = 1024   ; rows one request adds to a batch (long prefills run in slices)
- *   return_wait_us = 300      ; after a batch of several clients, wait up to this long for
+ *   return_wait_us = 600      ; after a batch of several clients, wait up to this long for
  *                             ; those clients' next requests (0: never)
  *   batching = true           ; false: every request runs alone (for comparison)
  *   spin_us = auto            ; spin this long for a batch to finish instead of sleeping
