@@ -5,6 +5,8 @@
 #include "daemon/backend.h"
 
 #include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 int backend_open(const char *which, int device, int cpu_threads, struct backend **out)
@@ -28,4 +30,87 @@ void backend_free(struct backend **bp)
     *bp = NULL;
     if (b)
         b->ops->destroy(b);
+}
+
+/* ---- a device that failed at start ----------------------------------------- */
+
+struct dead_backend {
+    struct backend base;
+    char name[160];
+};
+
+static int dead_moe_new(struct backend *b, const moek_moe_shape *shape, moek_dtype dt,
+                        moek_scoring scoring, bool renormalize, const void *w1, const void *w3,
+                        const void *w2, void **handle)
+{
+    return -ENODEV;
+}
+
+static int dead_gemm_new(struct backend *b, moek_dtype dt, int groups, int n, int k,
+                         const void *w, void **handle)
+{
+    return -ENODEV;
+}
+
+static void dead_weights_free(struct backend *b, void *handle)
+{
+}
+
+static int dead_moe_run(struct backend *b, void *handle, const struct backend_moe_io *io)
+{
+    return -ENODEV;
+}
+
+static int dead_gemm_run(struct backend *b, void *handle, const void *a, const int64_t *m_sizes,
+                         int64_t m, void *c)
+{
+    return -ENODEV;
+}
+
+static void *dead_host_alloc(struct backend *b, size_t size)
+{
+    return NULL;
+}
+
+static void dead_host_free(struct backend *b, void *p, size_t size)
+{
+}
+
+static int dead_devices(struct backend *b, struct backend_device *out, int max)
+{
+    if (max < 1)
+        return 0;
+    memset(out, 0, sizeof(*out));
+    snprintf(out->name, sizeof(out->name), "%s", b->name);
+    return 1;
+}
+
+static void dead_destroy(struct backend *b)
+{
+    free(b);
+}
+
+static const struct backend_ops dead_ops = {
+    .moe_new = dead_moe_new,
+    .gemm_new = dead_gemm_new,
+    .weights_free = dead_weights_free,
+    .moe_run = dead_moe_run,
+    .gemm_run = dead_gemm_run,
+    .host_alloc = dead_host_alloc,
+    .host_free = dead_host_free,
+    .devices = dead_devices,
+    .destroy = dead_destroy,
+};
+
+int backend_unavailable_new(const char *why, struct backend **out)
+{
+    struct dead_backend *d = calloc(1, sizeof(*d));
+    *out = NULL;
+    if (!d)
+        return -ENOMEM;
+    snprintf(d->name, sizeof(d->name), "unavailable: %s", why);
+    d->base.ops = &dead_ops;
+    d->base.name = d->name;
+    *out = &d->base;
+    return 0;
 }

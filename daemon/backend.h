@@ -104,6 +104,11 @@ int backend_cuda_count(void);
  * first forward. */
 void backend_cuda_transport(const char *name);
 
+/* A device that failed at start: it keeps its number, reports `why` as its
+ * name, and refuses every load with -ENODEV, so layers placed on it are
+ * refused whole while the other devices serve. */
+int backend_unavailable_new(const char *why, struct backend **out);
+
 /* Pick by name: "cpu", "cuda", or "auto" (CUDA device `device` when it
  * exists, else the CPU). */
 int backend_open(const char *which, int device, int cpu_threads, struct backend **out);

@@ -189,7 +189,9 @@ static int open_virtual_devices(const struct config *c, uint32_t n, struct backe
 }
 
 /* [daemon] gpus: a CUDA backend per listed device (or every visible one),
- * daemon device i being the i-th. -ENODEV when there is none. */
+ * daemon device i being the i-th. -ENODEV when there is none. The first
+ * device must open (batches arrive there); another that fails is reported
+ * and kept as unavailable: layers placed on it are refused. */
 static int open_gpus(const struct config *c, struct backend **out, int *n)
 {
     uint32_t list[MAX_DEVICES];
@@ -212,11 +214,17 @@ static int open_gpus(const struct config *c, struct backend **out, int *n)
     for (int i = 0; i < count; i++) {
         int rc = backend_cuda_new((int)list[i], &out[i]);
         if (rc) {
-            log_err("CUDA device %u: %s", list[i],
-                    rc == -ENODEV ? "no such usable device" : strerror(-rc));
-            while (i > 0)
-                backend_free(&out[--i]);
-            return rc;
+            char why[96];
+            snprintf(why, sizeof(why), "CUDA device %u: %s", list[i],
+                     rc == -ENODEV ? "no such usable device" : strerror(-rc));
+            log_err("%s%s", why, i ? "; its layers will be refused" : "");
+            if (i > 0)
+                rc = backend_unavailable_new(why, &out[i]);
+            if (rc) {
+                while (i > 0)
+                    backend_free(&out[--i]);
+                return rc;
+            }
         }
     }
     *n = count;

@@ -8,6 +8,8 @@
  * arithmetic) or from hand-worked data, never from the code under test.
  */
 #include "tests/unit/unit.h"
+#include "daemon/backend.h"
+#include "daemon/shard.h"
 #include "daemon/stats.h"
 #include "daemon/util.h"
 #include "moe.pb-c.h"
@@ -451,6 +453,34 @@ TEST(random_bytes_random)
     CHECK_NO_LEAKS();
 }
 
+/* A device that failed at start: layers placed on it are refused whole,
+ * with the reason, and nothing stays on the devices that work. */
+TEST(unavailable_device_refuses_its_layers)
+{
+    struct backend *b[2] = {NULL, NULL};
+    CHECK_EQ_INT(backend_cpu_new(1, &b[0]), 0);
+    CHECK_EQ_INT(backend_unavailable_new("CUDA device 3: no such usable device", &b[1]), 0);
+    struct backend_device dev;
+    CHECK_EQ_INT(b[1]->ops->devices(b[1], &dev, 1), 1);
+    CHECK_STR_CONTAINS(dev.name, "CUDA device 3");
+    const uint32_t devs[2] = {0, 1};
+    struct shard_set set;
+    char err[256] = "";
+    CHECK_EQ_INT(shard_plan(4, devs, 2, NULL, 0, 2, &set, err, sizeof(err)), 0);
+    const moek_moe_shape shape = {4, 2, 16, 8};
+    uint16_t w[4 * 16 * 8];
+    for (size_t i = 0; i < sizeof(w) / sizeof(w[0]); i++)
+        w[i] = (uint16_t)(0x3c00 + (i % 64));
+    CHECK_EQ_INT(shard_upload(&set, b, &shape, MOEK_DTYPE_BF16, MOEK_SCORING_SOFTMAX, true, w, w,
+                              w, err, sizeof(err)),
+                 -ENODEV);
+    CHECK_STR_CONTAINS(err, "device 1 (unavailable: CUDA device 3");
+    CHECK(set.shards[0].weights == NULL && set.shards[1].weights == NULL);
+    shard_done(&set, b);
+    backend_free(&b[0]);
+    backend_free(&b[1]);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -464,5 +494,6 @@ int main(int argc, char **argv)
         TEST_CASE(names),
         TEST_CASE(checked_arithmetic),
         TEST_CASE(random_bytes_random),
+        TEST_CASE(unavailable_device_refuses_its_layers),
         {0}});
 }
