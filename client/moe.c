@@ -61,6 +61,7 @@ struct moe_client {
     uint64_t session_id;
     uint64_t next_id;
     int timeout_ms;
+    unsigned spin_us;     /* busy-poll this long for a reply before sleeping */
     struct moe_region *regions;
     struct pending *pending;
     unsigned generation;  /* connections made so far */
@@ -101,6 +102,13 @@ static uint64_t mono_ms(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+static uint64_t mono_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
 }
 
 /* ---- session socket ---------------------------------------------------- */
@@ -186,6 +194,11 @@ static int default_runtime_dir(char *buf, size_t len)
 void moe_set_timeout(moe_client *c, int timeout_ms)
 {
     c->timeout_ms = timeout_ms;
+}
+
+void moe_set_spin_us(moe_client *c, unsigned spin_us)
+{
+    c->spin_us = spin_us;
 }
 
 /* Close the sockets of the current connection (not the regions). */
@@ -461,14 +474,18 @@ static int receive_some(moe_client *c, uint64_t stop_id, int wait_ms)
 static int wait_reply(moe_client *c, uint64_t id, int timeout_ms, Moe__Reply **out)
 {
     uint64_t deadline = timeout_ms >= 0 ? mono_ms() + (uint64_t)timeout_ms : UINT64_MAX;
+    uint64_t spin_end = c->spin_us ? mono_us() + c->spin_us : 0;
     for (;;) {
         pthread_mutex_lock(&c->mu);
         Moe__Reply *rep = pending_take(c, id);
         int rc = 0;
         if (!rep) {
             uint64_t now = mono_ms();
-            /* Short slices, so other threads can send while one waits. */
+            /* Short slices, so other threads can send while one waits;
+             * none while spinning. */
             int slice = now >= deadline ? 0 : deadline - now > 10 ? 10 : (int)(deadline - now);
+            if (spin_end && mono_us() < spin_end)
+                slice = 0;
             rc = receive_some(c, id, slice);
             if (!rc)
                 rep = pending_take(c, id);

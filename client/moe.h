@@ -121,6 +121,11 @@ void moe_disconnect(moe_client **c);
 
 /* Default timeout of synchronous calls, ms (default 60000; <0: forever). */
 void moe_set_timeout(moe_client *c, int timeout_ms);
+/* Busy-poll up to spin_us microseconds for a reply before sleeping on the
+ * socket (default 0: sleep at once). Spinning trades a CPU for the
+ * wake-up latency of a sleeping thread; worth it only where cores are
+ * spare. */
+void moe_set_spin_us(moe_client *c, unsigned spin_us);
 
 typedef struct moe_server_info {
     uint32_t protocol_version;

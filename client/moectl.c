@@ -1,7 +1,7 @@
 /*
  * moectl: the command-line client of moed.
  *
- *   moectl [-r DIR] ping [--count N]
+ *   moectl [-r DIR] ping [--count N] [--interval-us U]
  *   moectl [-r DIR] info
  *   moectl [-r DIR] layers
  *   moectl [-r DIR] load NAME (--file F [--prefix P] | --random [--seed S]) [--kind moe|gemm] [--topk K]
@@ -14,6 +14,7 @@
  *   moectl [-r DIR] gemm --layer L --rows M [--check] [--seed S]
  *   moectl [-r DIR] stats [--json]
  *   moectl [-r DIR] bench [--layer L] [--clients N] [--tokens T] [--seconds S] [--json]
+ *                         [--no-batch] [--client-spin-us U]
  *                         [--no-batch]
  *   moectl zmq-rtt [--count N]
  *
@@ -35,7 +36,8 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: moectl [-r RUNTIME_DIR] COMMAND [options]\n\n"
             "commands:\n"
-            "  ping [--count N]             round trips to the daemon, p50/p99 latency\n"
+            "  ping [--count N] [--interval-us U]\n"
+            "                               round trips to the daemon (U us apart), p50/p99 latency\n"
             "  info                         daemon version, backend, devices, capabilities\n"
             "  layers                       the loaded layers\n"
             "  load NAME (--file F [--prefix P] | --random) [--kind moe|gemm] [--topk K] [--experts E]\n"
@@ -50,7 +52,8 @@ static void usage(FILE *f)
             "                               one grouped GEMM on random rows\n"
             "  stats [--json]               the daemon's counters\n"
             "  bench [--layer L] [--clients N] [--tokens T] [--seconds S] [--json] [--no-batch]\n"
-            "                               N client processes sending requests back to back\n"
+            "        [--client-spin-us U]   N client processes sending requests back to back\n"
+            "                               (each busy-polls up to U us for its reply)\n"
             "  zmq-rtt [--count N]          bare ZeroMQ round trips between two processes, no daemon\n\n"
             "The runtime directory defaults to $MOED_RUNTIME_DIR, /run/moed as root,\n"
             "else $XDG_RUNTIME_DIR/moed.\n");

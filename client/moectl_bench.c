@@ -43,12 +43,15 @@ static int cmp_u32(const void *a, const void *b)
 }
 
 static void bench_child(const char *rt, const moe_layer_info *li, uint64_t tokens,
-                        double seconds, struct bench_shared *sh, int idx, int no_batch)
+                        double seconds, struct bench_shared *sh, int idx, int no_batch,
+                        unsigned spin_us)
 {
     struct bench_slot *sl = &sh->slots[idx];
     moe_client *c = NULL;
     moe_region *r = NULL;
     int rc = moe_connect(rt, "moectl bench", &c);
+    if (!rc && spin_us)
+        moe_set_spin_us(c, spin_us);
     size_t T = tokens, H = li->hidden, E = li->experts, K = li->topk;
     size_t es = moe_dtype_size(li->dtype);
     bool given = li->routing == MOE_ROUTING_GIVEN;
@@ -130,14 +133,17 @@ int cmd_bench(const char *rt, int argc, char **argv)
     static const struct option o[] = {
         {"layer", required_argument, NULL, 'l'},   {"clients", required_argument, NULL, 'c'},
         {"tokens", required_argument, NULL, 't'},  {"seconds", required_argument, NULL, 's'},
-        {"json", no_argument, NULL, 'j'},          {"no-batch", no_argument, NULL, 'n'}, {0},
+        {"json", no_argument, NULL, 'j'},          {"no-batch", no_argument, NULL, 'n'},
+        {"client-spin-us", required_argument, NULL, 'p'}, {0},
     };
     const char *layer = "demo";
     unsigned long long clients = 4, tokens = 1;
     double seconds = 2.0;
     int json = 0, no_batch = 0, c;
+    unsigned spin_us = 0;
     while ((c = getopt_long(argc, argv, "", o, NULL)) != -1) {
         switch (c) {
+        case 'p': spin_us = (unsigned)moectl_num("--client-spin-us", optarg); break;
         case 'l': layer = optarg; break;
         case 'c': clients = moectl_num("--clients", optarg); break;
         case 't': tokens = moectl_num("--tokens", optarg); break;
@@ -176,7 +182,7 @@ int cmd_bench(const char *rt, int argc, char **argv)
     for (unsigned long long i = 0; i < clients; i++) {
         pids[i] = fork();
         if (pids[i] == 0)
-            bench_child(rt, &li, tokens, seconds, sh, (int)i, no_batch);
+            bench_child(rt, &li, tokens, seconds, sh, (int)i, no_batch, spin_us);
         if (pids[i] < 0) {
             perror("moectl: fork");
             clients = i;

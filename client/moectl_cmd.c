@@ -112,12 +112,15 @@ static int cmp_u64(const void *a, const void *b)
 
 int cmd_ping(const char *rt, int argc, char **argv)
 {
-    static const struct option o[] = {{"count", required_argument, NULL, 'n'}, {0}};
-    unsigned long long count = 1000;
+    static const struct option o[] = {{"count", required_argument, NULL, 'n'},
+                                      {"interval-us", required_argument, NULL, 'i'}, {0}};
+    unsigned long long count = 1000, interval = 0;
     int c;
     while ((c = getopt_long(argc, argv, "n:", o, NULL)) != -1) {
         if (c == 'n')
             count = moectl_num("--count", optarg);
+        else if (c == 'i')
+            interval = moectl_num("--interval-us", optarg);
         else
             return 2;
     }
@@ -131,6 +134,8 @@ int cmd_ping(const char *rt, int argc, char **argv)
         return 1;
     int rc = moe_hello(cl, NULL); /* warm-up */
     for (unsigned long long i = 0; i < count && !rc; i++) {
+        if (interval) /* idle between calls, as a client between decode steps */
+            usleep((useconds_t)interval);
         uint64_t t0 = moectl_now_us();
         rc = moe_hello(cl, NULL);
         lat[i] = moectl_now_us() - t0;

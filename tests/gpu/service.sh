@@ -15,7 +15,7 @@ cd "$(dirname "$0")/../.."
 export LD_LIBRARY_PATH="$PWD/.carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 B=.carry/bin
 SECONDS_PER=${SECONDS_PER:-4}
-STEPS=${STEPS:-"check itest service"}  # also: shapes compare shard variants
+STEPS=${STEPS:-"check itest service"}  # also: shapes compare shard variants spin
 has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 $B/moed --version || { echo "moed does not run here"; ldd $B/moed; exit 1; }
@@ -135,6 +135,23 @@ while read -r args; do
         $M stats </dev/null | grep -E "^(queue|between)" | sed "s/^/[$args] /"
     done
     kill $!; wait
+done
+fi
+
+if has spin; then
+echo "### idle clients: ping after an idle gap; clients that busy-poll for replies"
+start_daemon /tmp/moed-spin || exit 1
+M="$B/moectl -r /tmp/moed-spin"
+for iv in 0 200 1000; do echo "gap $iv us: $($M ping --count 3000 --interval-us $iv)"; done
+kill $!; wait
+for c in ${SPIN_CLIENTS:-16 32}; do
+    for sp in ${SPIN_US:-0 1500}; do
+        start_daemon /tmp/moed-spin </dev/null || exit 1
+        $M load mixtral --random --experts 8 --topk 2 --hidden 4096 --intermediate 14336 >/dev/null </dev/null || exit 1
+        echo "clients $c client-spin $sp: $($M bench --layer mixtral --clients $c --tokens 1 --seconds "$SECONDS_PER" --client-spin-us $sp --json </dev/null)"
+        $M stats </dev/null | grep -E "^(queue|between)" | sed "s/^/    /"
+        kill $!; wait
+    done
 done
 fi
 

@@ -104,6 +104,9 @@ TEST(cli_ping_stats_json_and_bench)
     char out[16384];
     CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s ping --count 50", b, d.dir), 0);
     CHECK_STR_CONTAINS(out, "p50");
+    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s ping --count 20 --interval-us 500", b,
+                         d.dir), 0);
+    CHECK_STR_CONTAINS(out, "20 round trips");
     CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s info", b, d.dir), 0);
     CHECK_STR_CONTAINS(out, "backend cpu");
     CHECK_EQ_INT(run_cmd(out, sizeof(out),
@@ -113,6 +116,17 @@ TEST(cli_ping_stats_json_and_bench)
     double reqs = cJSON_GetNumberValue(cJSON_GetObjectItem(j, "requests"));
     CHECK(reqs > 10);
     CHECK(cJSON_GetNumberValue(cJSON_GetObjectItem(j, "p50_us")) > 0);
+    CHECK_EQ_INT((int)cJSON_GetNumberValue(cJSON_GetObjectItem(j, "errors")), 0);
+    cJSON_Delete(j);
+    /* Clients that busy-poll for their replies (moe_set_spin_us) are
+     * served the same. */
+    CHECK_EQ_INT(run_cmd(out, sizeof(out),
+                         "%s/moectl -r %s bench --clients 2 --seconds 1 --client-spin-us 300 --json",
+                         b, d.dir), 0);
+    j = cJSON_Parse(out);
+    CHECK(j != NULL);
+    reqs += cJSON_GetNumberValue(cJSON_GetObjectItem(j, "requests"));
+    CHECK(cJSON_GetNumberValue(cJSON_GetObjectItem(j, "requests")) > 10);
     CHECK_EQ_INT((int)cJSON_GetNumberValue(cJSON_GetObjectItem(j, "errors")), 0);
     cJSON_Delete(j);
     CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s stats --json", b, d.dir), 0);
