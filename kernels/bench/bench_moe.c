@@ -241,7 +241,7 @@ static double check_case(const model *m, moek_cuda_moe_layer *layer,
     const moek_dtype dt = MOEK_DTYPE_BF16;
     CK(moek_cuda_memset(in->out, 0xff, (size_t)T * H * 2));
     moek_cuda_routing rt = {MOEK_CUDA_ROUTE_LOGITS, in->logits[0],
-                            MOEK_SCORING_SOFTMAX, true, NULL, NULL};
+                            MOEK_SCORING_SOFTMAX, true, NULL, NULL, NULL, 0};
     CK(moek_cuda_fused_moe(layer, ws, in->x[0], &rt, T, in->out, stream));
     int32_t *ids = xmalloc(sizeof(int32_t) * T * k);
     float *wts = xmalloc(sizeof(float) * T * k);
@@ -316,7 +316,7 @@ static double experts_hit(const model *m, moek_cuda_moe_layer *layer,
     double sum = 0;
     for (int r = 0; r < NSETS; r++) {
         moek_cuda_routing rt = {MOEK_CUDA_ROUTE_LOGITS, in->logits[r],
-                                MOEK_SCORING_SOFTMAX, true, NULL, NULL};
+                                MOEK_SCORING_SOFTMAX, true, NULL, NULL, NULL, 0};
         CK(moek_cuda_fused_moe(layer, ws, in->x[r], &rt, T, in->out, stream));
         CK(moek_cuda_moe_read_routing(layer, ws, T, ids, wts, stream));
         memset(seen, 0, E);
@@ -340,7 +340,7 @@ static double time_case(moek_cuda_moe_layer *layer, moek_cuda_workspace *ws,
     void *graphs[NSETS];
     for (int r = 0; r < NSETS; r++) {
         moek_cuda_routing rt = {MOEK_CUDA_ROUTE_LOGITS, in->logits[r],
-                                MOEK_SCORING_SOFTMAX, true, NULL, NULL};
+                                MOEK_SCORING_SOFTMAX, true, NULL, NULL, NULL, 0};
         CK(moek_cuda_graph_begin(stream));
         CK(moek_cuda_fused_moe(layer, ws, in->x[r], &rt, T, in->out, stream));
         CK(moek_cuda_graph_end(stream, &graphs[r]));
