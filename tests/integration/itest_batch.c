@@ -270,7 +270,10 @@ TEST(killed_client_queue_vanishes)
     fprintf(stderr, "  one request alone %llu ms; after the kill %llu ms (40 queued would be ~%llu ms)\n",
             (unsigned long long)single, (unsigned long long)after,
             (unsigned long long)(40 * single));
-    CHECK(after < 10 * single + 50);
+    /* A batch already running holds up to max_batch_tokens (8 of these
+     * requests) and CI machines are shared: 20x still tells 40 queued
+     * requests (40x) from none. */
+    CHECK(after < 20 * single + 100);
     moe_stats s;
     CHECK(moe_stats_get(c, &s) == 0);
     CHECK(s.requests < 2 + 10); /* at most the batches already running completed */

@@ -602,8 +602,12 @@ static void run_shards(moek_cuda_routing_kind kind, uint64_t *rng)
         moek_cuda_routing rh = {kind, logits, MOEK_SCORING_SOFTMAX, true, ids, wts, NULL, 0};
         memset(got, 0xff, (size_t)T * H * 2);
         CK(moek_cuda_ep_forward(ep, layers, remaps, E, x, &rh, T, got));
-        CHECK_MSG(memcmp(got, want, (size_t)T * H * 2) == 0,
-                  "a group of one device differs from the layer's own output");
+        /* Not bit for bit: the order of the fp32 sums over a token's
+         * experts follows the device's atomics. */
+        moek_to_f32(MOEK_DTYPE_BF16, got, tmp, (size_t)T * H);
+        err = moek_rel_error(tmp, wf, (size_t)T * H);
+        fprintf(stderr, "  a group of one device: rel err %.2e\n", err);
+        CHECK_MSG(err < 1e-2, "a group of one device: rel err %g", err);
         moek_cuda_ep_free(ep);
         moek_cuda_free(d_ident);
     }
