@@ -24,6 +24,7 @@
  */
 #include "moe_kernels.h"
 #include "cuda/moe_cuda.h"
+#include "bench_check.h"
 #include "ceilings.h"
 
 #include <cuda_runtime_api.h>
@@ -33,26 +34,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-#define CK(call)                                                              \
-    do {                                                                      \
-        int r_ = (call);                                                      \
-        if (r_) {                                                             \
-            fprintf(stderr, "%s:%d: %s = %d (%s)\n", __FILE__, __LINE__,      \
-                    #call, r_, moek_cuda_last_error());                       \
-            exit(1);                                                          \
-        }                                                                     \
-    } while (0)
-
-#define CR(call)                                                              \
-    do {                                                                      \
-        cudaError_t e_ = (call);                                              \
-        if (e_ != cudaSuccess) {                                              \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,     \
-                    cudaGetErrorString(e_));                                  \
-            exit(1);                                                          \
-        }                                                                     \
-    } while (0)
 
 typedef struct model {
     const char *name;
