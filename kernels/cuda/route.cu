@@ -2,7 +2,9 @@
  * route.cu: routing and alignment, everything between the router logits and
  * the first GEMM, with no host synchronisation.
  *
- *   route_one       one warp routes one token: scores (softmax over E, or
+ *   route_one       one warp routes one token (each lane holding VPL of
+ *                   the E logits, VPL the power of two that covers E / 32):
+ *                   scores (softmax over E, or
  *                   sigmoid), top-k by a warp arg-max on 64-bit keys (score
  *                   bits, then the inverted expert index, so ties go to the
  *                   lower index and NaN ranks below every number), optional
@@ -46,6 +48,7 @@ __device__ __forceinline__ unsigned long long route_key(float s, int e)
     return ((unsigned long long)u << 32) | (unsigned int)~(unsigned int)e;
 }
 
+template <int VPL>
 __device__ void route_one(const moek_route_args &a, int t, int lane,
                           int *counts)
 {
@@ -65,10 +68,10 @@ __device__ void route_one(const moek_route_args &a, int t, int lane,
         }
     } else {
         const float *row = a.logits + (size_t)t * E;
-        float v[MOEK_MAX_EXPERTS / 32];
+        float v[VPL];
         float mx = -INFINITY;
 #pragma unroll
-        for (int i = 0; i < MOEK_MAX_EXPERTS / 32; i++) {
+        for (int i = 0; i < VPL; i++) {
             int e = lane + 32 * i;
             v[i] = e < E ? row[e] : -INFINITY;
             mx = fmaxf(mx, v[i]); /* fmaxf ignores NaN */
@@ -81,7 +84,7 @@ __device__ void route_one(const moek_route_args &a, int t, int lane,
              * score (ranked last), as in moek_ref_route. */
             float sum = 0.f;
 #pragma unroll
-            for (int i = 0; i < MOEK_MAX_EXPERTS / 32; i++) {
+            for (int i = 0; i < VPL; i++) {
                 int e = lane + 32 * i;
                 bool ok = e < E && !isnan(v[i]);
                 float x = ok ? expf(v[i] - mx) : 0.f;
@@ -92,23 +95,23 @@ __device__ void route_one(const moek_route_args &a, int t, int lane,
             for (int o = 16; o; o >>= 1)
                 sum += __shfl_xor_sync(FULL, sum, o);
 #pragma unroll
-            for (int i = 0; i < MOEK_MAX_EXPERTS / 32; i++)
+            for (int i = 0; i < VPL; i++)
                 v[i] = v[i] / sum;
         } else {
 #pragma unroll
-            for (int i = 0; i < MOEK_MAX_EXPERTS / 32; i++)
+            for (int i = 0; i < VPL; i++)
                 v[i] = 1.0f / (1.0f + expf(-v[i]));
         }
-        unsigned long long key[MOEK_MAX_EXPERTS / 32];
+        unsigned long long key[VPL];
 #pragma unroll
-        for (int i = 0; i < MOEK_MAX_EXPERTS / 32; i++) {
+        for (int i = 0; i < VPL; i++) {
             int e = lane + 32 * i;
             key[i] = e < E ? route_key(v[i], e) : 0ull;
         }
         for (int j = 0; j < k; j++) {
             unsigned long long best = 0;
 #pragma unroll
-            for (int i = 0; i < MOEK_MAX_EXPERTS / 32; i++)
+            for (int i = 0; i < VPL; i++)
                 best = key[i] > best ? key[i] : best;
 #pragma unroll
             for (int o = 16; o; o >>= 1) {
@@ -118,7 +121,7 @@ __device__ void route_one(const moek_route_args &a, int t, int lane,
             int e = (int)~(unsigned int)(best & 0xffffffffu);
             float sc = 0.f;
 #pragma unroll
-            for (int i = 0; i < MOEK_MAX_EXPERTS / 32; i++) {
+            for (int i = 0; i < VPL; i++) {
                 if (i == (e >> 5)) {
                     sc = v[i];
                     if (lane == (e & 31))
@@ -326,6 +329,7 @@ __device__ void align_block(const moek_align_args &a, const int *counts)
     }
 }
 
+template <int VPL>
 __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
     route_align_small(moek_route_args ra, moek_align_args aa)
 {
@@ -337,11 +341,12 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
     __syncthreads();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int t = warp; t < ra.tokens; t += blockDim.x >> 5)
-        route_one(ra, t, lane, s_counts);
+        route_one<VPL>(ra, t, lane, s_counts);
     __syncthreads();
     align_block(aa, s_counts);
 }
 
+template <int VPL>
 __global__ void __launch_bounds__(256) route_kernel(moek_route_args ra)
 {
     moek_pdl_wait();
@@ -349,7 +354,7 @@ __global__ void __launch_bounds__(256) route_kernel(moek_route_args ra)
     const int lane = threadIdx.x & 31;
     const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (t < ra.tokens)
-        route_one(ra, t, lane, ra.counts);
+        route_one<VPL>(ra, t, lane, ra.counts);
 }
 
 __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
@@ -364,16 +369,42 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
                               const moek_align_args &aa, int *counts_dev,
                               cudaStream_t stream, bool pdl)
 {
-    if (ra.tokens <= SMALL_T)
-        return moek_launch(route_align_small, dim3(1),
-                           dim3(MOEK_ALIGN_THREADS), 0, stream, pdl, ra, aa);
+    /* Router logits per lane: the smallest power of two that covers E
+     * (the top-k loops are unrolled over them). */
+    const int vpl = ra.experts <= 32    ? 1
+                    : ra.experts <= 64  ? 2
+                    : ra.experts <= 128 ? 4
+                    : ra.experts <= 256 ? 8
+                                        : 16;
+    static_assert(MOEK_MAX_EXPERTS == 16 * 32, "VPL covers MOEK_MAX_EXPERTS");
+    if (ra.tokens <= SMALL_T) {
+        /* As few warps as the work needs: a warp per token, two groups per
+         * thread. The kernel is a chain of block barriers, and a barrier
+         * of fewer warps is cheaper. */
+        int threads = 32 * ra.tokens;
+        threads = threads > (aa.groups + 1) / 2 ? threads : (aa.groups + 1) / 2;
+        threads = (threads + 31) / 32 * 32;
+        threads = threads > MOEK_ALIGN_THREADS ? MOEK_ALIGN_THREADS : threads;
+        void (*k)(moek_route_args, moek_align_args) =
+            vpl == 1   ? route_align_small<1>
+            : vpl == 2 ? route_align_small<2>
+            : vpl == 4 ? route_align_small<4>
+            : vpl == 8 ? route_align_small<8>
+                       : route_align_small<16>;
+        return moek_launch(k, dim3(1), dim3(threads), 0, stream, pdl, ra, aa);
+    }
     cudaError_t e = cudaMemsetAsync(counts_dev, 0,
                                     sizeof(int) * (size_t)aa.groups, stream);
     if (e != cudaSuccess)
         return e;
     moek_route_args r2 = ra;
     r2.counts = counts_dev;
-    e = moek_launch(route_kernel, dim3((ra.tokens + 7) / 8), dim3(256), 0,
+    void (*rk)(moek_route_args) = vpl == 1   ? route_kernel<1>
+                                  : vpl == 2 ? route_kernel<2>
+                                  : vpl == 4 ? route_kernel<4>
+                                  : vpl == 8 ? route_kernel<8>
+                                             : route_kernel<16>;
+    e = moek_launch(rk, dim3((ra.tokens + 7) / 8), dim3(256), 0,
                     stream, pdl, r2);
     if (e != cudaSuccess)
         return e;

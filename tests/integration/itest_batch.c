@@ -204,6 +204,9 @@ TEST(deadlines_expire_queued_requests)
     itest_fwd_make(c, &L, 1024, &seed, &big); /* tens of ms on the CPU backend */
     moe_request *rb, *rs[4];
     CHECK(moe_forward_submit(c, &big.args, &rb) == 0);
+    /* Let the big one start alone: requests read together join one batch,
+     * and these must queue behind it. */
+    itest_sleep_ms(20);
     for (int i = 0; i < 4; i++) {
         itest_fwd_make(c, &L, 1, &seed, &small[i]);
         small[i].args.timeout_us = i < 2 ? 1000 : 60000000;
