@@ -122,20 +122,12 @@ static void make_shard(int device, int i, int n, const moek_moe_shape *s, shard 
     free(remap);
 }
 
-static float bf16_to_f(uint16_t v)
-{
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* max |a - b| / max |a| over n bf16 values; NaN anywhere fails. */
 static double rel_diff(const uint16_t *a, const uint16_t *b, size_t n)
 {
     double mx = 0, md = 0;
     for (size_t i = 0; i < n; i++) {
-        double x = bf16_to_f(a[i]), y = bf16_to_f(b[i]);
+        double x = moek_bf16_to_f32(a[i]), y = moek_bf16_to_f32(b[i]);
         if (isnan(x) || isnan(y))
             return INFINITY;
         mx = fmax(mx, fabs(x));
@@ -151,14 +143,6 @@ static float rnd(float scale)
     rng_state ^= rng_state >> 7;
     rng_state ^= rng_state << 17;
     return scale * ((float)(rng_state >> 40) * (1.0f / 8388608.0f) - 1.0f);
-}
-
-static uint16_t f_to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7fff + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
 }
 
 int main(int argc, char **argv)
@@ -255,7 +239,7 @@ int main(int argc, char **argv)
             if (only_t && T != only_t)
                 continue;
             for (size_t i = 0; i < (size_t)T * H; i++)
-                x[i] = f_to_bf16(rnd(1.0f));
+                x[i] = moek_f32_to_bf16(rnd(1.0f));
             for (size_t i = 0; i < (size_t)T * E; i++)
                 logits[i] = rnd(2.0f);
             moek_cuda_routing r = {.kind = MOEK_CUDA_ROUTE_LOGITS, .logits_dev = ld,

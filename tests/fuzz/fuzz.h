@@ -1,7 +1,8 @@
 /*
  * fuzz.h: what the fuzz targets and the seed generator (gen_corpus.c) agree
  * on: the request target's session token and region ids, the layout of its
- * region, the layers it serves, and the framing of its inputs.
+ * region, the layers it serves, and the framing of its inputs; and every
+ * target's check (FUZZ_CHECK).
  *
  * fuzz_request's input, by its first byte (mod FUZZ_MODES):
  *   0        one whole Request envelope, as the ROUTER would receive it;
@@ -18,6 +19,21 @@
  */
 #ifndef MOE_FUZZ_H
 #define MOE_FUZZ_H
+
+#include <stdio.h>
+#include <stdlib.h>
+
+/* A property every input must keep: on failure, say which and where, then
+ * abort so libFuzzer saves the input. */
+#define FUZZ_CHECK(cond, ...)                                                  \
+    do {                                                                       \
+        if (!(cond)) {                                                         \
+            fprintf(stderr, "%s:%d: %s: ", __FILE__, __LINE__, #cond);         \
+            fprintf(stderr, __VA_ARGS__);                                      \
+            fputc('\n', stderr);                                               \
+            abort();                                                           \
+        }                                                                      \
+    } while (0)
 
 #define FUZZ_MODES 10
 enum {

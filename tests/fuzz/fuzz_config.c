@@ -10,17 +10,7 @@
 
 #include "daemon/config.h"
 #include "daemon/util.h"
-
-#define FUZZ_CHECK(cond, ...)                                                  \
-    do {                                                                       \
-        if (!(cond)) {                                                         \
-            fprintf(stderr, "fuzz_config: %s:%d: %s: ", __FILE__, __LINE__,    \
-                    #cond);                                                    \
-            fprintf(stderr, __VA_ARGS__);                                      \
-            fputc('\n', stderr);                                               \
-            abort();                                                           \
-        }                                                                      \
-    } while (0)
+#include "tests/fuzz/fuzz.h"
 
 int LLVMFuzzerInitialize(int *argc, char ***argv);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);

@@ -41,17 +41,6 @@
 #include "moe.pb-c.h"
 #include "tests/fuzz/fuzz.h"
 
-#define FUZZ_CHECK(cond, ...)                                                  \
-    do {                                                                       \
-        if (!(cond)) {                                                         \
-            fprintf(stderr, "fuzz_request: %s:%d: %s: ", __FILE__, __LINE__,   \
-                    #cond);                                                    \
-            fprintf(stderr, __VA_ARGS__);                                      \
-            fputc('\n', stderr);                                               \
-            abort();                                                           \
-        }                                                                      \
-    } while (0)
-
 int LLVMFuzzerInitialize(int *argc, char ***argv);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

@@ -369,6 +369,29 @@ static void raw_client(struct itest_daemon *d, struct slot_stats *st, uint64_t s
 
 /* ---- libmoe clients ------------------------------------------------------------ */
 
+/* Count a libmoe call's outcome: correct or wrong (checked against the
+ * reference), busy, or unexpected (lost when it timed out). */
+static void moe_tally(struct slot_stats *st, int rc, const struct itest_layer *L,
+                      struct itest_fwd *f, const char *what)
+{
+    if (rc == 0) {
+        st->ok++;
+        st->checked++;
+        double e = itest_fwd_error(L, f);
+        if (e > itest_tolerance(L->dt)) {
+            st->wrong++;
+            note(st, "%s: relative error %.3g", what, e);
+        }
+    } else if (rc == -EBUSY) {
+        st->busy++;
+    } else {
+        st->unexpected++;
+        if (rc == -ETIMEDOUT)
+            st->lost++;
+        note(st, "%s: %s", what, moe_errmsg());
+    }
+}
+
 static void moe_client_run(struct itest_daemon *d, struct slot_stats *st, uint64_t seed,
                            uint64_t deadline)
 {
@@ -382,23 +405,7 @@ static void moe_client_run(struct itest_daemon *d, struct slot_stats *st, uint64
             struct itest_fwd f;
             itest_fwd_make(c, L, 1 + test_rand(&seed) % MAXT, &seed, &f);
             st->sent++;
-            int rc = moe_forward(c, &f.args, NULL);
-            if (rc == 0) {
-                st->ok++;
-                st->checked++;
-                double e = itest_fwd_error(L, &f);
-                if (e > itest_tolerance(L->dt)) {
-                    st->wrong++;
-                    note(st, "libmoe forward: relative error %.3g", e);
-                }
-            } else if (rc == -EBUSY) {
-                st->busy++;
-            } else {
-                st->unexpected++;
-                if (rc == -ETIMEDOUT)
-                    st->lost++;
-                note(st, "libmoe forward: %s", moe_errmsg());
-            }
+            moe_tally(st, moe_forward(c, &f.args, NULL), L, &f, "libmoe forward");
             moe_region_free(c, &f.r);
         } else if (a < 80) {
             struct itest_fwd f[4];
@@ -409,20 +416,7 @@ static void moe_client_run(struct itest_daemon *d, struct slot_stats *st, uint64
                 st->sent++;
             }
             for (int i = 3; i >= 0; i--) {
-                int rc = moe_wait(c, &rq[i], -1, NULL);
-                if (rc == 0) {
-                    st->ok++;
-                    st->checked++;
-                    if (itest_fwd_error(&Lsoft, &f[i]) > itest_tolerance(Lsoft.dt))
-                        st->wrong++;
-                } else if (rc == -EBUSY) {
-                    st->busy++;
-                } else {
-                    st->unexpected++;
-                    if (rc == -ETIMEDOUT)
-                        st->lost++;
-                    note(st, "libmoe wait: %s", moe_errmsg());
-                }
+                moe_tally(st, moe_wait(c, &rq[i], -1, NULL), &Lsoft, &f[i], "libmoe wait");
                 moe_region_free(c, &f[i].r);
             }
         } else if (a < 96) {
