@@ -8,8 +8,10 @@
 # Steps: build (nvcc here, the bench Makefile: no daemon libraries needed),
 # quick (the test cases that exercise every kernel variant, short timeout:
 # a hang ends the run early), bench (bench_moe --sweep --csv), variants (the
-# T=1 cases again without early weight loads, and without PDL), peers
-# (peers.py), test (the whole CUDA unit test), report (report.py). Logs and
+# T=1 cases again without early weight loads, and without PDL), ab (every
+# model at AB_TOKENS under each switch of AB_ENVS), ncu (per-kernel times of
+# one forward at NCU_TOKENS), peers (peers.py), test (the whole CUDA unit
+# test), report (report.py). Logs and
 # the tables go to $OUT (8 files at most, or /tmp/moek-out); the report
 # table prints last.
 set -u -o pipefail
@@ -56,6 +58,30 @@ if has variants; then
       env $v=1 timeout 60 "$B/bench/bench_moe" --only $m --tokens 1 2>&1 | grep "^| $m" | sed "s/^/$v /"
     done
   done | tee -a "$OUT/bench.log"
+fi
+if has ab; then
+  # A/B of the measuring switches: each AB_ENVS entry (VAR=VALUE, or "-" for
+  # none) over every model at AB_TOKENS.
+  for v in ${AB_ENVS:-- MOEK_CUDA_NO_TINY=1 MOEK_CUDA_SPLIT_MIN_KB=4}; do
+    for m in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
+      for t in ${AB_TOKENS:-1 8 64}; do
+        if [ "$v" = - ]; then set --; else set -- "$v"; fi
+        env "$@" timeout 60 "$B/bench/bench_moe" --only $m --tokens $t 2>&1 | grep "^| $m" | sed "s/^/$v /"
+      done
+    done
+  done | tee -a "$OUT/ab.log"
+fi
+if has ncu; then
+  # Per-kernel device time of one forward (ncu; NCU_TOKENS tokens).
+  for m in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
+    for t in ${NCU_TOKENS:-1}; do
+      echo "# ncu $m T=$t"
+      timeout 120 /usr/local/cuda/bin/ncu --cache-control none --clock-control none \
+        --metrics gpu__time_duration.sum -k regex:"route|align|gemm|finalize" -c 12 \
+        "$B/bench/bench_moe" --only $m --tokens $t 2>&1 |
+        awk '/^  [^ ].*\(/ {n=($1=="void"?$2:$1); sub(/\(.*/,"",n)} /gpu__time_duration.sum/ {print n, $(NF-1), $NF}' | tail -n 6
+    done
+  done | tee -a "$OUT/ncu.log"
 fi
 if has peers; then
   PYTHONUNBUFFERED=1 timeout 200 python3 kernels/bench/peers.py --out "$OUT/peers.txt" \

@@ -217,7 +217,8 @@ __device__ __forceinline__ float moek_silu(float v)
 template <typename T>
 __device__ __forceinline__ void moek_epi_pair(const moek_gemm_args &a,
                                               const moek_item &it, int R_lo,
-                                              int c, float lo, float hi)
+                                              int c, float lo, float hi,
+                                              const int2 *stg = nullptr)
 {
     if (c >= it.mlen)
         return;
@@ -235,8 +236,9 @@ __device__ __forceinline__ void moek_epi_pair(const moek_gemm_args &a,
     if (f >= a.n_valid)
         return;
     if (a.epi == MOEK_EPI_COMBINE) {
-        const int tok = a.pos_token[pos];
-        const float w = a.pos_weight[pos];
+        /* stg: the tile's (token, weight) pairs staged in shared memory. */
+        const int tok = stg ? stg[c].x : a.pos_token[pos];
+        const float w = stg ? __int_as_float(stg[c].y) : a.pos_weight[pos];
         float *dst = reinterpret_cast<float *>(a.out) + (size_t)tok * a.ldo + f;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         atomicAdd(reinterpret_cast<float2 *>(dst), make_float2(w * lo, w * hi));
@@ -314,6 +316,8 @@ struct moek_cuda_moe_layer {
     moek_cuda_tuning tune;
     bool pdl;
     bool early; /* GEMM 2 loads weights before GEMM 1 ends (early_a) */
+    bool tiny;  /* decode batches take route_align_tiny */
+    int split_min_kb;
 };
 struct moek_cuda_gemm_weights {
     CUtensorMap tm; /* b [G * N16, K] */
@@ -323,6 +327,7 @@ struct moek_cuda_gemm_weights {
     void *b; /* rows paired: [G][N16][K] */
     moek_cuda_tuning tune;
     bool pdl;
+    int split_min_kb;
 };
 struct moek_cuda_workspace {
     int device;
@@ -352,6 +357,8 @@ struct moek_align_args {
     int groups;
     int bn;
     int sms;
+    int split_min_kb; /* K blocks an item of a split GEMM keeps at least */
+    bool tiny;        /* the one-warp plan for T k <= 32 may be used */
     moek_gemm_dims d[2];
     int ngemm;
     /* outputs */

@@ -4,8 +4,9 @@
  * choice.
  *
  * A fused MoE forward of T tokens is, on one stream, with no host sync:
- *   1. routing + alignment (route.cu): one kernel for T <= 64, else a memset
- *      of the expert counts, a routing kernel and an align kernel;
+ *   1. routing + alignment (route.cu): one kernel for T <= 64 (a one-warp
+ *      plan when T k <= 32), else a memset of the expert counts, a routing
+ *      kernel and an align kernel;
  *   2. GEMM 1 (x . w13^T, SiLU(gate)*up in the epilogue) -> inter [T*k, I];
  *   3. GEMM 2 (inter . w2^T, times the routing weight, fp32 atomic adds into
  *      acc [T, H], split over K when there are few tiles); its weight loads
@@ -357,6 +358,8 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     aa.groups = E;
     aa.bn = bn;
     aa.sms = L->sms;
+    aa.split_min_kb = L->split_min_kb;
+    aa.tiny = L->tiny;
     aa.d[0] = {g1.n_tiles, g1.kblocks, 0};
     aa.d[1] = {g2.n_tiles, g2.kblocks, 1};
     aa.ngemm = 2;
@@ -479,6 +482,7 @@ int moek_cuda_grouped_gemm(moek_cuda_gemm_weights *W, moek_cuda_workspace *ws,
     aa.groups = W->groups;
     aa.bn = bn;
     aa.sms = W->sms;
+    aa.split_min_kb = W->split_min_kb;
     aa.d[0] = {g.n_tiles, g.kblocks, 0};
     aa.ngemm = 1;
     aa.plan = w.plan;

@@ -20,12 +20,16 @@
  *                   scatter (token index and routing weight per position).
  *
  * Kernels (variants by token count, picked in moek_launch_route):
- *   route_align_small  T <= 64: one block does both, counts in shared memory:
- *                      one launch for the whole bookkeeping of a decode step.
+ *   route_align_tiny   T k <= 32: a warp per token routes, then one warp
+ *                      builds the tile list with a lane per slot (ballots
+ *                      and shuffles, no block scans): a decode step's whole
+ *                      bookkeeping in one launch and one barrier.
+ *   route_align_small  T <= 64: one block does both, counts in shared memory.
  *   route_kernel + align_kernel
  *                      larger T: a warp per token over many blocks (counts in
  *                      global memory, zeroed by a memset node before), then
- *                      one block aligns.
+ *                      one block builds the tile list while the others
+ *                      scatter the slots, 2048 each.
  *   align_kernel alone builds a grouped GEMM's tile list from m_sizes.
  */
 #include <math.h>
@@ -48,9 +52,12 @@ __device__ __forceinline__ unsigned long long route_key(float s, int e)
     return ((unsigned long long)u << 32) | (unsigned int)~(unsigned int)e;
 }
 
+/* Route token t: lane j < k returns the j-th pick (layer's expert id, or
+ * -1 for none) in *id and its weight in *w; the picks are stored in a.ids /
+ * a.wts when computed or remapped. */
 template <int VPL>
-__device__ void route_one(const moek_route_args &a, int t, int lane,
-                          int *counts)
+__device__ void route_pick(const moek_route_args &a, int t, int lane, int *id,
+                           float *w)
 {
     const int k = a.topk, E = a.experts;
     float4 *accrow = reinterpret_cast<float4 *>(a.acc + (size_t)t * a.hidden);
@@ -151,9 +158,22 @@ __device__ void route_one(const moek_route_args &a, int t, int lane,
         a.ids[(size_t)t * k + lane] = my_id;
         a.wts[(size_t)t * k + lane] = my_w;
     }
-    if (lane < k) {
-        int r = my_id >= 0 ? atomicAdd(&counts[my_id], 1) : -1;
-        a.rank[(size_t)t * k + lane] = r;
+    *id = my_id;
+    *w = my_w;
+}
+
+/* Route token t and count its slots into their experts (the returned atomic
+ * value is the slot's rank inside the expert). */
+template <int VPL>
+__device__ void route_one(const moek_route_args &a, int t, int lane,
+                          int *counts)
+{
+    int id;
+    float w;
+    route_pick<VPL>(a, t, lane, &id, &w);
+    if (lane < a.topk) {
+        int r = id >= 0 ? atomicAdd(&counts[id], 1) : -1;
+        a.rank[(size_t)t * a.topk + lane] = r;
     }
 }
 
@@ -200,9 +220,28 @@ __device__ V block_exclusive_scan(V *data, int n, V *warp_sums)
     return total;
 }
 
+/* K splits of a GEMM whose epilogue accumulates in fp32 (can_split) over
+ * `pairs` token tiles: enough items for four per SM, each item keeping at
+ * least min_kb K blocks. Measured on the H200 (RESULTS.md): a floor of 8 K
+ * blocks keeps qwen3's T=1 down GEMM whole (37.7 against 40.0 us with 4);
+ * a split chosen to balance the SMs' loads exactly (fewer, longer items) was
+ * slower for mixtral (194.0 against 189.2 us). */
+__device__ int pick_split(const moek_gemm_dims &dm, long long pairs, int sms,
+                          int min_kb)
+{
+    if (!dm.can_split || pairs <= 0)
+        return 1;
+    const int cap = dm.kblocks / min_kb > 1 ? dm.kblocks / min_kb : 1;
+    const long long tiles = pairs * dm.n_tiles;
+    const long long want = (4LL * sms + tiles - 1) / tiles;
+    const int split = (int)(want < cap ? want : cap);
+    return split < 1 ? 1 : split;
+}
+
 /* The tile list from per-group counts (counts, or m_sizes clamped to
  * total_m). Whole block, MOEK_ALIGN_THREADS threads, groups <= 2048. */
-__device__ void align_block(const moek_align_args &a, const int *counts)
+__device__ void align_block(const moek_align_args &a, const int *counts,
+                            bool scatter)
 {
     __shared__ int s_cnt[MOEK_MAX_GROUPS];
     __shared__ int s_start[MOEK_MAX_GROUPS];
@@ -287,14 +326,7 @@ __device__ void align_block(const moek_align_args &a, const int *counts)
         a.plan[MOEK_PLAN_NCG] = ncg;
     for (int d = 0; d < a.ngemm; d++) {
         const moek_gemm_dims dm = a.d[d];
-        int split = 1;
-        if (dm.can_split && pairs > 0) {
-            long long tiles = pairs * dm.n_tiles;
-            long long want = (4LL * a.sms + tiles - 1) / tiles;
-            int cap = dm.kblocks / 4 > 1 ? dm.kblocks / 4 : 1;
-            split = (int)(want < cap ? want : cap);
-            split = split < 1 ? 1 : split;
-        }
+        const int split = pick_split(dm, pairs, a.sms, a.split_min_kb);
         for (int tail = 0; tail < 2; tail++) {
             for (int j = 0; j < 2; j++)
                 if (cidx[j] >= 0)
@@ -317,7 +349,7 @@ __device__ void align_block(const moek_align_args &a, const int *counts)
         }
     }
     /* MoE: scatter the slots to their sorted positions. */
-    if (a.ids) {
+    if (a.ids && scatter) {
         for (int s = tid; s < a.slots; s += blockDim.x) {
             int r = a.rank[s];
             if (r < 0)
@@ -326,6 +358,30 @@ __device__ void align_block(const moek_align_args &a, const int *counts)
             a.pos_token[pos] = s / a.topk;
             a.pos_weight[pos] = a.wts[s];
         }
+    }
+}
+
+/* MoE, many slots: part `part` of `parts` of the slot -> sorted position
+ * scatter, with the groups' starts scanned again from the counts by this
+ * block (a few hundred groups cost less than one more launch). */
+__device__ void scatter_part(const moek_align_args &a, const int *counts,
+                             int part, int parts)
+{
+    __shared__ int s_st[MOEK_MAX_GROUPS];
+    __shared__ int s_w[32];
+    for (int g = threadIdx.x; g < a.groups; g += blockDim.x)
+        s_st[g] = counts[g];
+    __syncthreads();
+    block_exclusive_scan<int>(s_st, a.groups, s_w);
+    const int per = (a.slots + parts - 1) / parts;
+    const int s0 = part * per, s1 = min(a.slots, s0 + per);
+    for (int s = s0 + threadIdx.x; s < s1; s += blockDim.x) {
+        const int r = a.rank[s];
+        if (r < 0)
+            continue;
+        const int pos = s_st[a.ids[s]] + r;
+        a.pos_token[pos] = s / a.topk;
+        a.pos_weight[pos] = a.wts[s];
     }
 }
 
@@ -343,7 +399,95 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
     for (int t = warp; t < ra.tokens; t += blockDim.x >> 5)
         route_one<VPL>(ra, t, lane, s_counts);
     __syncthreads();
-    align_block(aa, s_counts);
+    align_block(aa, s_counts, true);
+}
+
+/* T k <= 32 (decode): a warp per token routes into shared memory, then one
+ * warp builds the whole tile list with a lane per slot, from ballots and
+ * shuffles: no atomics and one block barrier, where the general path runs
+ * a chain of block scans. A slot's position inside its expert is its order
+ * among the slots of that expert. */
+template <int VPL>
+__global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
+    route_align_tiny(moek_route_args ra, moek_align_args aa)
+{
+    __shared__ int s_id[32];
+    __shared__ float s_w[32];
+    moek_pdl_wait();
+    moek_pdl_trigger();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int k = ra.topk, n = ra.tokens * k;
+    if (warp < ra.tokens) {
+        int id;
+        float w;
+        route_pick<VPL>(ra, warp, lane, &id, &w);
+        if (lane < k) {
+            s_id[warp * k + lane] = id;
+            s_w[warp * k + lane] = w;
+        }
+    }
+    __syncthreads();
+    if (warp)
+        return;
+    const int e = lane < n ? s_id[lane] : -1;
+    int cnt = 0, rank = 0, start = 0;
+    for (int j = 0; j < n; j++) {
+        const int o = s_id[j];
+        if (e < 0 || o < 0)
+            continue;
+        cnt += o == e;
+        rank += o == e && j < lane;
+        start += o < e;
+    }
+    const bool first = e >= 0 && rank == 0; /* the expert's first slot */
+    const unsigned firsts = __ballot_sync(FULL, first);
+    const int ncg = __popc(firsts);
+    int ci = 0; /* compact index: distinct experts below e */
+    for (int j = 0; j < n; j++)
+        ci += ((firsts >> j) & 1) && s_id[j] < e;
+    if (e >= 0) {
+        aa.pos_token[start + rank] = lane / k;
+        aa.pos_weight[start + rank] = s_w[lane];
+    }
+    int np = 0, npt = 0;
+    if (first) {
+        aa.cg_group[ci] = e;
+        aa.cg_start[ci] = start;
+        aa.cg_count[ci] = cnt;
+        np = moek_main_tiles(cnt, aa.bn);
+        npt = moek_tail_tiles(cnt, aa.bn);
+    }
+    long long pairs = np + npt;
+#pragma unroll
+    for (int o = 16; o; o >>= 1)
+        pairs += __shfl_xor_sync(FULL, pairs, o);
+    if (lane == 0)
+        aa.plan[MOEK_PLAN_NCG] = ncg;
+    for (int d = 0; d < aa.ngemm; d++) {
+        const moek_gemm_dims dm = aa.d[d];
+        const int split = pick_split(dm, pairs, aa.sms, aa.split_min_kb);
+        for (int tail = 0; tail < 2; tail++) {
+            const long long mine =
+                (long long)(tail ? npt : np) * dm.n_tiles * split;
+            long long before = 0, items = 0;
+            for (int j = 0; j < 32; j++) {
+                const long long v = __shfl_sync(FULL, mine, j);
+                const int ej = __shfl_sync(FULL, e, j);
+                items += v;
+                before += ej < e ? v : 0;
+            }
+            int *out = aa.cg_before + (2 * d + tail) * (aa.groups + 1);
+            if (first)
+                out[ci] = (int)before;
+            if (lane == 0) {
+                out[ncg] = (int)items;
+                aa.plan[d ? MOEK_PLAN_SPLIT1 : MOEK_PLAN_SPLIT0] = split;
+                aa.plan[d ? (tail ? MOEK_PLAN_TAIL1 : MOEK_PLAN_ITEMS1)
+                          : (tail ? MOEK_PLAN_TAIL0 : MOEK_PLAN_ITEMS0)] =
+                    (int)items;
+            }
+        }
+    }
 }
 
 template <int VPL>
@@ -362,7 +506,12 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
 {
     moek_pdl_wait();
     moek_pdl_trigger();
-    align_block(aa, aa.counts);
+    /* One block: the whole list. More: block 0 the tile list, the others
+     * the slot scatter, a part each. */
+    if (blockIdx.x == 0)
+        align_block(aa, aa.counts, gridDim.x == 1);
+    else
+        scatter_part(aa, aa.counts, blockIdx.x - 1, gridDim.x - 1);
 }
 
 cudaError_t moek_launch_route(const moek_route_args &ra,
@@ -377,6 +526,16 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
                     : ra.experts <= 256 ? 8
                                         : 16;
     static_assert(MOEK_MAX_EXPERTS == 16 * 32, "VPL covers MOEK_MAX_EXPERTS");
+    if (aa.tiny && ra.tokens * ra.topk <= 32) {
+        void (*k)(moek_route_args, moek_align_args) =
+            vpl == 1   ? route_align_tiny<1>
+            : vpl == 2 ? route_align_tiny<2>
+            : vpl == 4 ? route_align_tiny<4>
+            : vpl == 8 ? route_align_tiny<8>
+                       : route_align_tiny<16>;
+        return moek_launch(k, dim3(1), dim3(32 * ra.tokens), 0, stream, pdl,
+                           ra, aa);
+    }
     if (ra.tokens <= SMALL_T) {
         /* As few warps as the work needs: a warp per token, two groups per
          * thread. The kernel is a chain of block barriers, and a barrier
@@ -410,8 +569,12 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
         return e;
     moek_align_args a2 = aa;
     a2.counts = counts_dev;
-    return moek_launch(align_kernel, dim3(1), dim3(MOEK_ALIGN_THREADS), 0,
-                       stream, pdl, a2);
+    /* The scatter of many slots spreads over blocks of 2048 slots (one
+     * block walking 32768 slots took 75 us of a 1.1 ms forward). */
+    int parts = aa.slots > 2048 ? (aa.slots + 2047) / 2048 : 0;
+    parts = parts > 128 ? 128 : parts;
+    return moek_launch(align_kernel, dim3(1 + parts), dim3(MOEK_ALIGN_THREADS),
+                       0, stream, pdl, a2);
 }
 
 cudaError_t moek_launch_align_groups(const moek_align_args &aa,

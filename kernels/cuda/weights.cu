@@ -16,6 +16,7 @@
  */
 #include <errno.h>
 #include <math.h>
+#include <stdlib.h>
 #include <new>
 
 #include "cuda_common.cuh"
@@ -99,7 +100,8 @@ int device_setup(int device, int *sms, int *cc)
 
 /* Switches for measuring (RESULTS.md): MOEK_CUDA_NO_PDL=1 launches every
  * kernel plainly, MOEK_CUDA_NO_EARLY=1 keeps GEMM 2's weight loads behind
- * GEMM 1. Read once, when a layer or weight set is made. */
+ * GEMM 1, MOEK_CUDA_NO_TINY=1 routes decode batches through the general
+ * small-batch kernel. Read once, when a layer or weight set is made. */
 bool env_off(const char *name)
 {
     const char *e = getenv(name);
@@ -107,6 +109,18 @@ bool env_off(const char *name)
 }
 
 bool pdl_default(void) { return !env_off("MOEK_CUDA_NO_PDL"); }
+
+/* MOEK_CUDA_SPLIT_MIN_KB=N: the K blocks an item of a split GEMM keeps at
+ * least (default 8; 4 was the former rule). */
+int split_min_kb_default(void)
+{
+    const char *e = getenv("MOEK_CUDA_SPLIT_MIN_KB");
+    if (!e || !*e)
+        return 8;
+    char *end;
+    long v = strtol(e, &end, 10);
+    return *end || v < 1 || v > 1024 ? 8 : (int)v;
+}
 
 int check_dtype(moek_dtype dt)
 {
@@ -161,6 +175,8 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
     L->device = device;
     L->pdl = pdl_default();
     L->early = !env_off("MOEK_CUDA_NO_EARLY");
+    L->tiny = !env_off("MOEK_CUDA_NO_TINY");
+    L->split_min_kb = split_min_kb_default();
     if ((r = device_setup(device, &L->sms, &L->cc))) {
         delete L;
         return r;
@@ -267,6 +283,7 @@ int gemm_weights_new(moek_dtype dt, int groups, int n, int k, const void *b,
     W->n16 = (n + 15) / 16 * 16;
     W->device = device;
     W->pdl = pdl_default();
+    W->split_min_kb = split_min_kb_default();
     if ((r = device_setup(device, &W->sms, &W->cc))) {
         delete W;
         return r;

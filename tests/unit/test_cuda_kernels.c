@@ -122,6 +122,7 @@ typedef struct moe_case {
     int check_tokens; /* check at most this many tokens (0: all) */
     moek_cuda_tuning tune;
     bool nan_logit;   /* put a NaN into token 0's logits */
+    bool holes;       /* given routing: every third slot -1 (none) */
 } moe_case;
 
 /* Run one fused MoE on the GPU and compare it with moek_ref_fused_moe. */
@@ -171,7 +172,7 @@ static void run_moe(const moe_case *c, uint64_t *rng)
                     for (int q = 0; q < j && used >= k; q++)
                         again |= ids[t * k + q] == e;
                 } while (again);
-                ids[t * k + j] = e;
+                ids[t * k + j] = c->holes && (t * k + j) % 3 == 1 ? -1 : e;
                 wts[t * k + j] = (test_randf(rng) + 1.0f) * 0.5f;
             }
         }
@@ -265,10 +266,10 @@ static void run_moe(const moe_case *c, uint64_t *rng)
     for (int i = 0; i < nt; i++)
         for (int j = 0; j < k; j++) {
             int e = ids[(size_t)tok[i] * k + j];
-            CHECK(e >= 0 && e < E);
-            if (map[e] < 0)
+            CHECK(e >= (c->holes ? -1 : 0) && e < E);
+            if (e >= 0 && map[e] < 0)
                 map[e] = ne++;
-            cid[i * k + j] = map[e];
+            cid[i * k + j] = e < 0 ? -1 : map[e];
             cw[i * k + j] = wts[(size_t)tok[i] * k + j];
         }
     /* The reference wants k <= E: pad with unused zero experts. */
@@ -376,19 +377,39 @@ TEST(moe_sweep)
             }
 }
 
+/* Decode batches (the one-warp plan for T k <= 32, and past it): given
+ * routing with empty slots (-1) and with one expert picked twice by a
+ * token. */
+TEST(moe_decode_slots)
+{
+    need_gpu();
+    uint64_t rng = test_seed();
+    static const int tokens[] = {1, 2, 3, 4, 5, 16, 17};
+    for (int i = 0; i < 7; i++) {
+        moe_case c = {{8, 8, 256, 192}, i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
+                      tokens[i], ROUTE_GIVEN, false, 0, 0, {0, false}, false,
+                      true};
+        c.s.topk = tokens[i] > 4 ? 2 : 8;
+        run_moe(&c, &rng);
+        c.holes = false;
+        c.used_experts = 3; /* k = 8 of 3 experts: repeats in every token */
+        run_moe(&c, &rng);
+    }
+}
+
 /* T = 4096 (the multi-block routing path) and the NaN routing rule. */
 TEST(moe_many_tokens_and_nan)
 {
     need_gpu();
     uint64_t rng = test_seed();
     moe_case c = {{256, 8, 512, 64}, MOEK_DTYPE_BF16, 4096, ROUTE_SOFTMAX,
-                  true, 0, 256, {0, false}, false};
+                  true, 0, 256, {0, false}, false, false};
     run_moe(&c, &rng);
     c.route = ROUTE_SIGMOID;
     c.dt = MOEK_DTYPE_FP16;
     run_moe(&c, &rng);
     moe_case n = {{64, 4, 128, 64}, MOEK_DTYPE_BF16, 8, ROUTE_SOFTMAX, true,
-                  0, 0, {0, false}, true};
+                  0, 0, {0, false}, true, false};
     run_moe(&n, &rng);
     n.route = ROUTE_SIGMOID;
     run_moe(&n, &rng);
@@ -402,7 +423,7 @@ TEST(moe_every_tile)
     static const int tiles[] = {16, 32, 64, 128, 192, 256};
     for (int i = 0; i < 8; i++) {
         moe_case c = {{16, 4, 384, 320}, i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
-                      300, ROUTE_SOFTMAX, true, 0, 64, {0, false}, false};
+                      300, ROUTE_SOFTMAX, true, 0, 64, {0, false}, false, false};
         if (i < 6)
             c.tune.token_tile = tiles[i];
         else
@@ -419,11 +440,11 @@ TEST(moe_qwen3)
     static const int tokens[] = {1, 8, 64, 512, 4096};
     for (int i = 0; i < 5; i++) {
         moe_case c = {{128, 8, 2048, 768}, MOEK_DTYPE_BF16, tokens[i],
-                      ROUTE_SOFTMAX, true, 0, 8, {0, false}, false};
+                      ROUTE_SOFTMAX, true, 0, 8, {0, false}, false, false};
         run_moe(&c, &rng);
     }
     moe_case f = {{128, 8, 2048, 768}, MOEK_DTYPE_FP16, 100, ROUTE_GIVEN,
-                  false, 0, 8, {0, false}, false};
+                  false, 0, 8, {0, false}, false, false};
     run_moe(&f, &rng);
 }
 
@@ -432,7 +453,7 @@ TEST(moe_mixtral)
     need_gpu();
     uint64_t rng = test_seed();
     moe_case c = {{8, 2, 4096, 14336}, MOEK_DTYPE_BF16, 1, ROUTE_SOFTMAX,
-                  true, 0, 0, {0, false}, false};
+                  true, 0, 0, {0, false}, false, false};
     run_moe(&c, &rng);
     c.tokens = 3;
     run_moe(&c, &rng);
@@ -443,7 +464,7 @@ TEST(moe_deepseek)
     need_gpu();
     uint64_t rng = test_seed();
     moe_case c = {{256, 8, 7168, 2048}, MOEK_DTYPE_BF16, 1, ROUTE_SIGMOID,
-                  true, 0, 0, {0, false}, false};
+                  true, 0, 0, {0, false}, false, false};
     run_moe(&c, &rng);
     c.tokens = 3;
     c.route = ROUTE_SOFTMAX;
@@ -877,6 +898,7 @@ int main(int argc, char **argv)
                          TEST_CASE(cuda_device),
                          TEST_CASE(refuses_unsupported),
                          TEST_CASE_TIMEOUT(moe_sweep, 300),
+                         TEST_CASE_TIMEOUT(moe_decode_slots, 120),
                          TEST_CASE_TIMEOUT(moe_many_tokens_and_nan, 300),
                          TEST_CASE_TIMEOUT(moe_every_tile, 300),
                          TEST_CASE_TIMEOUT(moe_graph_replay, 120),
