@@ -113,7 +113,30 @@ struct moek_gemm_args {
     /* The weights may be loaded before the previous kernel finishes: only
      * the token rows depend on it (GEMM 2 of a MoE forward). */
     int early_a;
+    /* w is in tiles (moek_wt_index), not row-major behind a TMA map; 2:
+     * the tiles of groups with one token tile (weights read once) are
+     * loaded with an L2 evict-first hint */
+    int w_tiled;
 };
+
+/* Tiled weights: every 128-row x 64-column block of a group's weights is
+ * one contiguous 16 KB block in the exact shared-memory image a 128-byte
+ * swizzled TMA load would make (row r at r * 128 bytes, 16-byte chunk c at
+ * chunk c ^ (r & 7)), blocks ordered group -> row tile -> K block, rows and
+ * columns past the matrix zero. A pipeline stage is then one bulk copy of
+ * contiguous memory, and a CTA streams its item's weights sequentially.
+ * Element (g, R, k) of a group with `tiles` row tiles and `kblocks` K
+ * blocks: */
+__host__ __device__ __forceinline__ size_t moek_wt_index(int g, int R, int k,
+                                                         int tiles,
+                                                         int kblocks)
+{
+    const size_t tile =
+        ((size_t)g * tiles + (R >> 7)) * (size_t)kblocks + (k >> 6);
+    const int r = R & 127, kk = k & 63;
+    return tile * (MOEK_WTILE * MOEK_KTILE) + r * MOEK_KTILE +
+           ((((kk >> 3) ^ (r & 7)) << 3) | (kk & 7));
+}
 
 struct moek_item {
     int g;    /* group (expert) */
@@ -121,6 +144,7 @@ struct moek_item {
     int mlen; /* valid rows in the token tile, 1..bn */
     int nt;   /* weight tile */
     int kb0, kb1;
+    bool once; /* the group has one token tile: its weights are read once */
 };
 
 /* Map work item `idx` (< items of its kind) to its tile; see the comment at
@@ -158,6 +182,7 @@ __device__ __forceinline__ moek_item moek_decode_item(const moek_gemm_args &a,
     it.mlen = min(bn, cnt - base - p * bn);
     it.kb0 = (int)((long long)s * a.kblocks / split);
     it.kb1 = (int)((long long)(s + 1) * a.kblocks / split);
+    it.once = nmain + moek_tail_tiles(cnt, a.bn) <= 1;
     return it;
 }
 
@@ -317,6 +342,8 @@ struct moek_cuda_moe_layer {
     bool pdl;
     bool early; /* GEMM 2 loads weights before GEMM 1 ends (early_a) */
     bool tiny;  /* decode batches take route_align_tiny */
+    bool tiled; /* w13 and w2p in tiles (moek_wt_index) */
+    bool l2_hint; /* their loads evict first from L2 */
     int split_min_kb;
 };
 struct moek_cuda_gemm_weights {
@@ -327,6 +354,7 @@ struct moek_cuda_gemm_weights {
     void *b; /* rows paired: [G][N16][K] */
     moek_cuda_tuning tune;
     bool pdl;
+    bool tiled;
     int split_min_kb;
 };
 struct moek_cuda_workspace {

@@ -48,7 +48,10 @@ __global__ void __launch_bounds__(THREADS)
                 const int R = it.nt * MOEK_WTILE + r;
                 float v = 0.f;
                 if (R < a.rows_pad && kb + kk < a.k)
-                    v = moek_dt<T>::to_f(w[(wrow0 + r) * a.k + kb + kk]);
+                    v = moek_dt<T>::to_f(
+                        a.w_tiled ? w[moek_wt_index(it.g, R, kb + kk,
+                                                    a.n_tiles, a.kblocks)]
+                                  : w[(wrow0 + r) * a.k + kb + kk]);
                 sW[r][kk] = v;
             }
             for (int i = tid; i < BN * KS; i += THREADS) {

@@ -326,6 +326,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     g2.pos_token = w.pos_token;
     g2.pos_weight = w.pos_weight;
     g2.which = 1;
+    g1.w_tiled = g2.w_tiled = L->tiled ? 1 + L->l2_hint : 0;
     for (moek_gemm_args *g : {&g1, &g2}) {
         g->plan = w.plan;
         g->cg_group = w.cg_group;
@@ -383,6 +384,11 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
                                 (long long)T * k / (bn < 64 ? bn : 64);
     const long long items1 = pairs_max * g1.n_tiles;
     const int grid1 = (int)(items1 < L->sms ? items1 : L->sms);
+    /* GEMM 2's early weight loads pay when GEMM 1 fills every SM; when it
+     * leaves SMs idle (qwen3 T=1: 96 items) they cost about 3 us
+     * (RESULTS.md, run 6). */
+    if (items1 < L->sms)
+        g2.early_a = 0;
     MOEK_CU(run_gemm(L->dt, wgmma, &L->tm13, g1, grid1, st, pdl));
     MOEK_CU(run_gemm(L->dt, wgmma, &L->tm2, g2, L->sms, st, pdl));
 
@@ -475,6 +481,7 @@ int moek_cuda_grouped_gemm(moek_cuda_gemm_weights *W, moek_cuda_workspace *ws,
     g.epi = MOEK_EPI_STORE;
     g.out = c;
     g.ldo = W->n;
+    g.w_tiled = W->tiled;
 
     moek_align_args aa = {};
     aa.m_sizes = m_sizes;

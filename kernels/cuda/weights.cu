@@ -1,6 +1,6 @@
 /*
  * weights.cu: weights resident on the device, laid out once at load time for
- * the GEMM epilogues, and the TMA descriptors that read them.
+ * the GEMM epilogues and the pipeline's loads.
  *
  * Layouts (row = one output feature of a K-major weight matrix; a GEMM tile
  * thread holds rows R and R + 8 of a 16-row block, see moek_epi_pair):
@@ -12,6 +12,12 @@
  *                     output features and adds them with one 8-byte atomic;
  *                     H16 = H rounded up to 16, the pad rows are zero;
  *   b    [G][N16][K]  the grouped GEMM's B, paired like w2p.
+ * Rows and columns are then stored in tiles (moek_wt_index, cuda_common.cuh):
+ * each 128-row x 64-column block contiguous and already swizzled, so the GEMM
+ * loads a pipeline stage's weights with one bulk copy of 16 KB of contiguous
+ * memory. Measured against the row-major layout read through a TMA map
+ * (RESULTS.md): mixtral T=64 700 -> 669 us, deepseek T=64 4574 -> 4390 us;
+ * MOEK_CUDA_ROW_MAJOR=1 keeps the row-major layout, for measuring.
  * The relayout kernel copies 16-byte vectors, one block per destination row.
  */
 #include <errno.h>
@@ -25,9 +31,11 @@ namespace {
 
 enum { RELAYOUT_GATE_UP = 0, RELAYOUT_PAIRS = 1 };
 
+/* tiles > 0: the destination is tiled (moek_wt_index) with `tiles` row
+ * tiles per group, else row-major [groups][rows_dst][K]. */
 __global__ void relayout_kernel(uint16_t *dst, const uint16_t *a,
                                 const uint16_t *b, int mode, int rows_dst,
-                                int rows_src, int K)
+                                int rows_src, int K, int tiles)
 {
     const int R = blockIdx.x, g = blockIdx.y;
     const int blk = R >> 4, r = R & 15;
@@ -40,19 +48,37 @@ __global__ void relayout_kernel(uint16_t *dst, const uint16_t *a,
         if (f < rows_src)
             src = a + ((size_t)g * rows_src + f) * (size_t)K;
     }
-    uint4 *d = reinterpret_cast<uint4 *>(dst + ((size_t)g * rows_dst + R) *
-                                                   (size_t)K);
     const uint4 *s = reinterpret_cast<const uint4 *>(src);
-    for (int i = threadIdx.x; i < K / 8; i += blockDim.x)
-        d[i] = s ? s[i] : make_uint4(0, 0, 0, 0);
+    const int kblocks = (K + MOEK_KTILE - 1) / MOEK_KTILE;
+    for (int i = threadIdx.x; i < K / 8; i += blockDim.x) {
+        const size_t at = tiles > 0
+                              ? moek_wt_index(g, R, 8 * i, tiles, kblocks)
+                              : ((size_t)g * rows_dst + R) * (size_t)K + 8 * i;
+        *reinterpret_cast<uint4 *>(dst + at) =
+            s ? s[i] : make_uint4(0, 0, 0, 0);
+    }
 }
 
-int relayout(void *dst, const void *a, const void *b, int mode, int groups,
-             int rows_dst, int rows_src, int K)
+/* Elements of a weight set of `groups` x `rows` x K in the chosen layout. */
+size_t weight_elems(bool tiled, int groups, int rows, int K)
 {
+    if (!tiled)
+        return (size_t)groups * rows * K;
+    const size_t tiles = (rows + MOEK_WTILE - 1) / MOEK_WTILE,
+                 kblocks = (K + MOEK_KTILE - 1) / MOEK_KTILE;
+    return (size_t)groups * tiles * kblocks * MOEK_WTILE * MOEK_KTILE;
+}
+
+/* Group g of the source becomes group g0 + g of dst (groups of rows_dst
+ * rows). Tiled: the pad rows and columns must be zero already. */
+int relayout(void *dst, bool tiled, int g0, const void *a, const void *b,
+             int mode, int groups, int rows_dst, int rows_src, int K)
+{
+    const int tiles = tiled ? (rows_dst + MOEK_WTILE - 1) / MOEK_WTILE : 0;
+    uint16_t *d = (uint16_t *)dst + (size_t)g0 * weight_elems(tiled, 1, rows_dst, K);
     relayout_kernel<<<dim3(rows_dst, groups), 128>>>(
-        (uint16_t *)dst, (const uint16_t *)a, (const uint16_t *)b, mode,
-        rows_dst, rows_src, K);
+        d, (const uint16_t *)a, (const uint16_t *)b, mode, rows_dst, rows_src,
+        K, tiles);
     MOEK_CU(cudaGetLastError());
     return 0;
 }
@@ -101,7 +127,9 @@ int device_setup(int device, int *sms, int *cc)
 /* Switches for measuring (RESULTS.md): MOEK_CUDA_NO_PDL=1 launches every
  * kernel plainly, MOEK_CUDA_NO_EARLY=1 keeps GEMM 2's weight loads behind
  * GEMM 1, MOEK_CUDA_NO_TINY=1 routes decode batches through the general
- * small-batch kernel. Read once, when a layer or weight set is made. */
+ * small-batch kernel, MOEK_CUDA_ROW_MAJOR=1 keeps the weights row-major
+ * (read through TMA maps), MOEK_CUDA_NO_L2_HINT=1 drops the weight loads'
+ * L2 evict-first hint. Read once, when a layer or weight set is made. */
 bool env_off(const char *name)
 {
     const char *e = getenv(name);
@@ -176,6 +204,8 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
     L->pdl = pdl_default();
     L->early = !env_off("MOEK_CUDA_NO_EARLY");
     L->tiny = !env_off("MOEK_CUDA_NO_TINY");
+    L->tiled = !env_off("MOEK_CUDA_ROW_MAJOR");
+    L->l2_hint = !env_off("MOEK_CUDA_NO_L2_HINT");
     L->split_min_kb = split_min_kb_default();
     if ((r = device_setup(device, &L->sms, &L->cc))) {
         delete L;
@@ -183,20 +213,28 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
     }
     const int E = shape->experts, H = shape->hidden, I = shape->intermediate;
     L->h16 = (H + 15) / 16 * 16;
-    const size_t n13 = (size_t)E * 2 * I * H, n2 = (size_t)E * L->h16 * I;
+    const bool tl = L->tiled;
+    const size_t n13 = weight_elems(tl, E, 2 * I, H),
+                 n2 = weight_elems(tl, E, L->h16, I);
     void *tmp = nullptr;
     cudaError_t e = cudaMalloc(&L->w13, n13 * 2);
     if (e == cudaSuccess)
         e = cudaMalloc(&L->w2p, n2 * 2);
     if (e == cudaSuccess && !on_device)
         e = cudaMalloc(&tmp, (size_t)2 * I * H * 2);
+    if (e == cudaSuccess && tl)
+        e = cudaMemset(L->w13, 0, n13 * 2);
+    if (e == cudaSuccess && tl)
+        e = cudaMemset(L->w2p, 0, n2 * 2);
     if (e != cudaSuccess) {
         r = moek_cuda_fail(e, "cudaMalloc(layer weights)");
         goto fail;
     }
     if (on_device) {
-        if ((r = relayout(L->w13, w1, w3, RELAYOUT_GATE_UP, E, 2 * I, I, H)) ||
-            (r = relayout(L->w2p, w2, nullptr, RELAYOUT_PAIRS, E, L->h16, H, I)))
+        if ((r = relayout(L->w13, tl, 0, w1, w3, RELAYOUT_GATE_UP, E, 2 * I, I,
+                          H)) ||
+            (r = relayout(L->w2p, tl, 0, w2, nullptr, RELAYOUT_PAIRS, E, L->h16,
+                          H, I)))
             goto fail;
     } else {
         /* One expert at a time through a staging buffer. */
@@ -212,8 +250,8 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
                 r = moek_cuda_fail(e, "cudaMemcpy(w1/w3)");
                 goto fail;
             }
-            if ((r = relayout((uint16_t *)L->w13 + x * 2 * ih, t1, t3,
-                              RELAYOUT_GATE_UP, 1, 2 * I, I, H)))
+            if ((r = relayout(L->w13, tl, x, t1, t3, RELAYOUT_GATE_UP, 1,
+                              2 * I, I, H)))
                 goto fail;
             e = cudaMemcpy(t1, (const uint16_t *)w2 + x * ih, ih * 2,
                            cudaMemcpyHostToDevice);
@@ -221,8 +259,8 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
                 r = moek_cuda_fail(e, "cudaMemcpy(w2)");
                 goto fail;
             }
-            if ((r = relayout((uint16_t *)L->w2p + (size_t)x * L->h16 * I, t1,
-                              nullptr, RELAYOUT_PAIRS, 1, L->h16, H, I)))
+            if ((r = relayout(L->w2p, tl, x, t1, nullptr, RELAYOUT_PAIRS, 1,
+                              L->h16, H, I)))
                 goto fail;
             /* t1 is overwritten by the next expert's copy only after this
              * relayout ran: cudaMemcpy from pageable memory waits for it. */
@@ -233,8 +271,8 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
         r = moek_cuda_fail(e, "relayout");
         goto fail;
     }
-    if ((r = make_tmap(&L->tm13, L->w13, dt, (uint64_t)E * 2 * I, H)) ||
-        (r = make_tmap(&L->tm2, L->w2p, dt, (uint64_t)E * L->h16, I)))
+    if (!tl && ((r = make_tmap(&L->tm13, L->w13, dt, (uint64_t)E * 2 * I, H)) ||
+                (r = make_tmap(&L->tm2, L->w2p, dt, (uint64_t)E * L->h16, I))))
         goto fail;
     if (L->cc == 90) {
         e = moek_gemm_wgmma_prepare(dt);
@@ -284,15 +322,19 @@ int gemm_weights_new(moek_dtype dt, int groups, int n, int k, const void *b,
     W->device = device;
     W->pdl = pdl_default();
     W->split_min_kb = split_min_kb_default();
+    W->tiled = !env_off("MOEK_CUDA_ROW_MAJOR");
     if ((r = device_setup(device, &W->sms, &W->cc))) {
         delete W;
         return r;
     }
     void *tmp = nullptr;
     const size_t nk = (size_t)n * k;
-    cudaError_t e = cudaMalloc(&W->b, (size_t)groups * W->n16 * k * 2);
+    const size_t nb = weight_elems(W->tiled, groups, W->n16, k);
+    cudaError_t e = cudaMalloc(&W->b, nb * 2);
     if (e == cudaSuccess && !on_device)
         e = cudaMalloc(&tmp, (size_t)groups * nk * 2);
+    if (e == cudaSuccess && W->tiled)
+        e = cudaMemset(W->b, 0, nb * 2);
     if (e != cudaSuccess) {
         r = moek_cuda_fail(e, "cudaMalloc(gemm weights)");
         goto fail;
@@ -304,15 +346,16 @@ int gemm_weights_new(moek_dtype dt, int groups, int n, int k, const void *b,
             goto fail;
         }
     }
-    if ((r = relayout(W->b, on_device ? b : tmp, nullptr, RELAYOUT_PAIRS,
-                      groups, W->n16, n, k)))
+    if ((r = relayout(W->b, W->tiled, 0, on_device ? b : tmp, nullptr,
+                      RELAYOUT_PAIRS, groups, W->n16, n, k)))
         goto fail;
     e = cudaDeviceSynchronize();
     if (e != cudaSuccess) {
         r = moek_cuda_fail(e, "relayout");
         goto fail;
     }
-    if ((r = make_tmap(&W->tm, W->b, dt, (uint64_t)groups * W->n16, k)))
+    if (!W->tiled &&
+        (r = make_tmap(&W->tm, W->b, dt, (uint64_t)groups * W->n16, k)))
         goto fail;
     if (W->cc == 90) {
         e = moek_gemm_wgmma_prepare(dt);
