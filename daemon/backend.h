@@ -20,6 +20,14 @@
 struct backend;
 
 /* One batched MoE forward. Exactly one of logits / (ids, weights) is set. */
+/* Rows of a batch that stay in a client's region: the backend reads x rows
+ * from src and writes the output rows to dst itself (by DMA). */
+struct backend_rows {
+    const void *src;
+    void *dst;
+    int rows;
+};
+
 struct backend_moe_io {
     const void *x;          /* [T, H], layer dtype */
     const float *logits;    /* [T, E] or NULL */
@@ -33,6 +41,10 @@ struct backend_moe_io {
      * nothing here). NULL: the routing is over the weights' experts. */
     const int32_t *remap;
     int route_experts;
+    /* Backends with moe_rows: instead of x and out (both NULL), the batch's
+     * rows in order as n_segs runs in the clients' regions. */
+    const struct backend_rows *segs;
+    int n_segs;
 };
 
 /* One device's part of a layer spread over devices (shard.h). */
@@ -60,6 +72,9 @@ struct backend_ops {
     void (*weights_free)(struct backend *b, void *handle);
 
     int (*moe_run)(struct backend *b, void *handle, const struct backend_moe_io *io);
+    /* moe_run takes io->segs: the rows move between the clients' (pinned)
+     * regions and the device by DMA, with no copy through staging. */
+    bool moe_rows;
     /* Optional: a forward of a layer spread over n devices of this backend
      * (shards[0] is the home device), done by the devices themselves: the
      * batch goes to every device, each computes the slots of its experts,

@@ -4,7 +4,9 @@
  * request has waited longest and hands rows of its queued requests, in
  * order, to one batch of at most max_batch_tokens rows: one gather into
  * staging memory, one backend launch, one scatter back into each client's
- * region.
+ * region. A backend that moves rows by DMA (moe_rows: CUDA) takes the
+ * activations and the outputs straight from and to the clients' pinned
+ * regions instead; only the routing goes through staging.
  *
  * A request that arrives while the device is idle therefore runs at once;
  * requests that arrive while a batch runs are merged into the next one. A
@@ -21,9 +23,10 @@
  * batch that reads the weights once. A lone client never waits: its own
  * next request is the one awaited.
  *
- * Copying every input out of shared memory before the launch is also what
+ * Copying the routing out of shared memory before the launch is also what
  * makes a client's concurrent writes harmless: ids are range-checked in the
- * daemon's own copy.
+ * daemon's own copy. (A row of x that its client rewrites during a DMA
+ * changes only that client's own output row.)
  */
 #include <errno.h>
 #include <stdio.h>
@@ -345,6 +348,12 @@ static void run_moe(struct batch_job *bj)
     float *logits = (float *)(base + r_off);
     int32_t *ids = (int32_t *)(base + r_off);
     float *w = (float *)(base + r_off + T * k * 4);
+    /* Rows by DMA straight from and to the regions, where the backend can. */
+    struct backend_rows *segs = NULL;
+    int n_segs = 0;
+    if (!l->shards.n && bj->s->backend->ops->moe_rows)
+        segs = malloc(bj->n_items * sizeof(*segs)); /* NULL: through staging */
+    const bool direct = segs != NULL;
     size_t row = 0;
     for (uint32_t i = 0; i < bj->n_items; i++) {
         struct batch_item *it = &bj->items[i];
@@ -353,25 +362,36 @@ static void run_moe(struct batch_job *bj)
         it->skip = it->req->status != 0;
         if (it->skip)
             continue; /* its rows are skipped: the next item reuses them */
-        memcpy(x + row * row_bytes, (const uint8_t *)it->req->x.ptr + (size_t)it->row0 * row_bytes,
-               (size_t)it->rows * row_bytes);
+        size_t at = (size_t)it->row0 * row_bytes;
+        if (segs)
+            segs[n_segs++] = (struct backend_rows){
+                (const uint8_t *)it->req->x.ptr + at, (uint8_t *)it->req->out.ptr + at, it->rows};
+        else
+            memcpy(x + row * row_bytes, (const uint8_t *)it->req->x.ptr + at,
+                   (size_t)it->rows * row_bytes);
         row += (size_t)it->rows;
     }
-    if (row == 0)
+    if (row == 0) {
+        free(segs);
         return;
+    }
     struct backend_moe_io io = {
-        .x = x, .logits = given ? NULL : logits, .ids = given ? ids : NULL,
-        .weights = given ? w : NULL, .tokens = (int)row, .out = out,
+        .x = direct ? NULL : x, .logits = given ? NULL : logits, .ids = given ? ids : NULL,
+        .weights = given ? w : NULL, .tokens = (int)row, .out = direct ? NULL : out,
+        .segs = segs, .n_segs = n_segs,
     };
     if (l->shards.n)
         bj->rc = shard_run(&l->shards, bj->s->backends, &l->shape, l->dt, &io);
     else
         bj->rc = bj->s->backend->ops->moe_run(bj->s->backend, l->weights, &io);
+    free(segs);
     if (bj->rc) {
         snprintf(bj->err, sizeof(bj->err), "%s backend failed: %s", bj->s->backend->name,
                  strerror(-bj->rc));
         return;
     }
+    if (direct)
+        return; /* the outputs are in the regions already */
     row = 0;
     for (uint32_t i = 0; i < bj->n_items; i++) {
         struct batch_item *it = &bj->items[i];

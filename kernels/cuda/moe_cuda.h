@@ -80,6 +80,10 @@ int moek_cuda_memset(void *dst_dev, int byte, size_t bytes);
  * to device, 1 device to host, 2 device to device. */
 int moek_cuda_copy_async(void *dst, const void *src, size_t bytes, int kind,
                          void *stream);
+/* n copies in one call (cudaMemcpyBatchAsync; directions from the pointers),
+ * in stream order on a created stream (not the legacy default stream). */
+int moek_cuda_copy_batch_async(void *const *dsts, const void *const *srcs,
+                               const size_t *sizes, size_t n, void *stream);
 
 /*
  * Test and benchmark data without host traffic: element i of dst_dev (n

@@ -164,6 +164,30 @@ int moek_cuda_copy_async(void *dst, const void *src, size_t bytes, int kind,
     return 0;
 }
 
+int moek_cuda_copy_batch_async(void *const *dsts, const void *const *srcs,
+                               const size_t *sizes, size_t n, void *stream)
+{
+    if (n == 0)
+        return 0;
+    if (!dsts || !srcs || !sizes || !stream)
+        return -EINVAL;
+    cudaMemcpyAttributes attr = {};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    size_t idx = 0;
+    cudaError_t e = cudaMemcpyBatchAsync(dsts, srcs, sizes, n, &attr, &idx, 1,
+                                         (cudaStream_t)stream);
+    if (e == cudaErrorNotSupported) {
+        /* An older driver: one copy at a time. */
+        (void)cudaGetLastError();
+        for (size_t i = 0; i < n; i++)
+            MOEK_CU(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault,
+                                    (cudaStream_t)stream));
+        return 0;
+    }
+    MOEK_CU(e);
+    return 0;
+}
+
 int moek_cuda_host_register(void *p, size_t bytes)
 {
     if (!p || !bytes)
