@@ -149,20 +149,33 @@ struct moek_item {
 
 /* Map work item `idx` (< items of its kind) to its tile; see the comment at
  * the top. */
+/* sbefore: a shared-memory copy of cg_before (main items), or NULL. */
 __device__ __forceinline__ moek_item moek_decode_item(const moek_gemm_args &a,
                                                       int ncg, int split,
-                                                      int idx, bool tail)
+                                                      int idx, bool tail,
+                                                      const int *sbefore = nullptr)
 {
-    const int *before = tail ? a.cg_before_tail : a.cg_before;
-    int lo = 0, hi = ncg;
-    while (hi - lo > 1) {
-        int mid = (lo + hi) >> 1;
-        if (__ldg(before + mid) <= idx)
-            lo = mid;
-        else
-            hi = mid;
+    int lo = 0, hi = ncg, l;
+    if (sbefore && !tail) {
+        while (hi - lo > 1) {
+            int mid = (lo + hi) >> 1;
+            if (sbefore[mid] <= idx)
+                lo = mid;
+            else
+                hi = mid;
+        }
+        l = idx - sbefore[lo];
+    } else {
+        const int *before = tail ? a.cg_before_tail : a.cg_before;
+        while (hi - lo > 1) {
+            int mid = (lo + hi) >> 1;
+            if (__ldg(before + mid) <= idx)
+                lo = mid;
+            else
+                hi = mid;
+        }
+        l = idx - __ldg(before + lo);
     }
-    int l = idx - __ldg(before + lo);
     int cnt = __ldg(a.cg_count + lo);
     const int bn = tail ? MOEK_TAIL_TILE : a.bn;
     const int nmain = moek_main_tiles(cnt, a.bn);
