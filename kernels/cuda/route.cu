@@ -514,6 +514,14 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
         scatter_part(aa, aa.counts, blockIdx.x - 1, gridDim.x - 1);
 }
 
+/* The instance of a routing kernel for vpl router logits per lane. */
+#define BY_VPL(kernel, vpl)                                                   \
+    ((vpl) == 1   ? kernel<1>                                                 \
+     : (vpl) == 2 ? kernel<2>                                                 \
+     : (vpl) == 4 ? kernel<4>                                                 \
+     : (vpl) == 8 ? kernel<8>                                                 \
+                  : kernel<16>)
+
 cudaError_t moek_launch_route(const moek_route_args &ra,
                               const moek_align_args &aa, int *counts_dev,
                               cudaStream_t stream, bool pdl)
@@ -528,11 +536,7 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
     static_assert(MOEK_MAX_EXPERTS == 16 * 32, "VPL covers MOEK_MAX_EXPERTS");
     if (aa.tiny && ra.tokens * ra.topk <= 32) {
         void (*k)(moek_route_args, moek_align_args) =
-            vpl == 1   ? route_align_tiny<1>
-            : vpl == 2 ? route_align_tiny<2>
-            : vpl == 4 ? route_align_tiny<4>
-            : vpl == 8 ? route_align_tiny<8>
-                       : route_align_tiny<16>;
+            BY_VPL(route_align_tiny, vpl);
         return moek_launch(k, dim3(1), dim3(32 * ra.tokens), 0, stream, pdl,
                            ra, aa);
     }
@@ -545,11 +549,7 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
         threads = (threads + 31) / 32 * 32;
         threads = threads > MOEK_ALIGN_THREADS ? MOEK_ALIGN_THREADS : threads;
         void (*k)(moek_route_args, moek_align_args) =
-            vpl == 1   ? route_align_small<1>
-            : vpl == 2 ? route_align_small<2>
-            : vpl == 4 ? route_align_small<4>
-            : vpl == 8 ? route_align_small<8>
-                       : route_align_small<16>;
+            BY_VPL(route_align_small, vpl);
         return moek_launch(k, dim3(1), dim3(threads), 0, stream, pdl, ra, aa);
     }
     cudaError_t e = cudaMemsetAsync(counts_dev, 0,
@@ -558,11 +558,7 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
         return e;
     moek_route_args r2 = ra;
     r2.counts = counts_dev;
-    void (*rk)(moek_route_args) = vpl == 1   ? route_kernel<1>
-                                  : vpl == 2 ? route_kernel<2>
-                                  : vpl == 4 ? route_kernel<4>
-                                  : vpl == 8 ? route_kernel<8>
-                                             : route_kernel<16>;
+    void (*rk)(moek_route_args) = BY_VPL(route_kernel, vpl);
     e = moek_launch(rk, dim3((ra.tokens + 7) / 8), dim3(256), 0,
                     stream, pdl, r2);
     if (e != cudaSuccess)
