@@ -113,6 +113,10 @@ const char *moe_errmsg(void);
  * $MOED_RUNTIME_DIR, else /run/moed for root, else $XDG_RUNTIME_DIR/moed.
  * client_name appears in the daemon's logs (may be NULL). Caller owns *out;
  * release with moe_disconnect().
+ *
+ * The replies of compute requests come on the session socket (one wake-up
+ * of the waiting thread); MOE_REPLIES=zmq in the environment at connect
+ * time keeps them on the ZeroMQ request socket instead.
  */
 int moe_connect(const char *runtime_dir, const char *client_name, moe_client **out);
 /* Close the session (the daemon releases its regions); sets *c = NULL.

@@ -93,7 +93,9 @@ static void request_finish(struct server *s, struct request *req)
     tm.batch_requests = req->batch_requests;
     tm.batch_tokens = req->batch_tokens;
     rep.timings = &tm;
-    server_reply(s, req->route_id, req->route_len, &rep);
+    struct session *se = session_by_id(s, req->session_id);
+    if (!se || !se->replies_on_session || session_push_reply(se, &rep) != 0)
+        server_reply(s, req->route_id, req->route_len, &rep);
     if (req->status) {
         s->stats.errors++;
         if (req->status == -ETIME)

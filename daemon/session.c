@@ -78,6 +78,20 @@ static void session_send(struct server *s, struct session *se, Moe__SessionReply
                   (unsigned long long)se->id, (int)se->pid, strerror(errno));
 }
 
+int session_push_reply(struct session *se, void *reply)
+{
+    uint8_t buf[SESSION_MSG_MAX];
+    Moe__SessionReply rep = MOE__SESSION_REPLY__INIT;
+    rep.reply = reply;
+    size_t n = moe__session_reply__get_packed_size(&rep);
+    if (n > sizeof(buf))
+        return -EMSGSIZE;
+    moe__session_reply__pack(&rep, buf);
+    /* Never blocks: a client that does not read its session socket gets
+     * its replies on the request socket once this one's buffer is full. */
+    return send(se->fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT) < 0 ? -errno : 0;
+}
+
 static void session_fail(struct server *s, struct session *se, int err, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 static void session_fail(struct server *s, struct session *se, int err, const char *fmt, ...)
@@ -196,6 +210,7 @@ static void session_open(struct server *s, struct session *se, const Moe__OpenSe
         return;
     }
     se->opened = true;
+    se->replies_on_session = m->replies_on_session;
     snprintf(se->name, sizeof(se->name), "%s", m->client_name ? m->client_name : "");
     Moe__SessionReply rep = MOE__SESSION_REPLY__INIT;
     rep.token.data = se->token;
