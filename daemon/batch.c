@@ -94,8 +94,14 @@ static void request_finish(struct server *s, struct request *req)
     tm.batch_tokens = req->batch_tokens;
     rep.timings = &tm;
     struct session *se = session_by_id(s, req->session_id);
-    if (!se || !se->replies_on_session || session_push_reply(se, &rep) != 0)
+    int pushed = se && se->replies_on_session ? session_push_reply(se, &rep) : -ENOTCONN;
+    if (pushed != 0) {
+        if (pushed != -ENOTCONN)
+            log_debug("session %llu: reply %llu on the request socket (%s)",
+                      (unsigned long long)req->session_id, (unsigned long long)req->id,
+                      strerror(-pushed));
         server_reply(s, req->route_id, req->route_len, &rep);
+    }
     if (req->status) {
         s->stats.errors++;
         if (req->status == -ETIME)

@@ -244,6 +244,53 @@ TEST(async_submit_poll_and_wait_out_of_order)
     itest_daemon_stop(&d);
 }
 
+/* Many requests submitted before any reply is read: the replies pile up on
+ * the session socket until it is full, then go on the request socket; every
+ * request still gets its one answer (done, or BUSY from the queue cap). */
+TEST(unread_replies_are_all_delivered)
+{
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    moe_client *c = itest_connect(&d, "itest");
+    struct itest_layer L = layer_def("pile", MOE_DTYPE_FP32, 8, 2, 32, 32,
+                                     MOE_ROUTING_SOFTMAX, true);
+    itest_layer_upload(c, &L, &seed);
+    struct itest_fwd f;
+    itest_fwd_make(c, &L, 1, &seed, &f);
+    enum { N = 1500 };
+    static moe_request *req[N];
+    for (int i = 0; i < N; i++)
+        CHECK_MSG(moe_forward_submit(c, &f.args, &req[i]) == 0, "%s", moe_errmsg());
+    int ok = 0, busy = 0;
+    for (int i = 0; i < N; i++) {
+        int rc = moe_wait(c, &req[i], 20000, NULL);
+        CHECK_MSG(rc == 0 || rc == -EBUSY, "request %d: %s", i, moe_errmsg());
+        ok += rc == 0;
+        busy += rc == -EBUSY;
+    }
+    fprintf(stderr, "  %d done, %d busy\n", ok, busy);
+    CHECK_EQ_INT(ok + busy, N);
+    CHECK(ok > 0);
+    /* The session socket did fill: some replies took the other way. */
+    FILE *lf = fopen(d.log, "r");
+    CHECK(lf != NULL);
+    char line[512];
+    int rerouted = 0;
+    while (lf && fgets(line, sizeof(line), lf))
+        rerouted += strstr(line, "on the request socket") != NULL;
+    if (lf)
+        fclose(lf);
+    fprintf(stderr, "  %d replies on the request socket\n", rerouted);
+    CHECK(rerouted > 0);
+    double err = itest_fwd_error(&L, &f);
+    CHECK_MSG(err <= itest_tolerance(L.dt), "error %.3e", err);
+    moe_region_free(c, &f.r);
+    moe_disconnect(&c);
+    itest_layer_free(&L);
+    itest_daemon_stop(&d);
+}
+
 TEST(unload_reload_and_duplicate_names)
 {
     uint64_t seed = test_seed();
@@ -367,6 +414,7 @@ int main(int argc, char **argv)
         TEST_CASE(grouped_gemm_matches_reference),
         TEST_CASE(file_layers_in_both_naming_schemes),
         TEST_CASE(async_submit_poll_and_wait_out_of_order),
+        TEST_CASE(unread_replies_are_all_delivered),
         TEST_CASE(unload_reload_and_duplicate_names),
         TEST_CASE(killed_clients_are_cleaned_up),
         TEST_CASE(sigterm_drains_requests_in_flight),
