@@ -62,7 +62,8 @@ struct moe_client {
     uint64_t next_id;
     int timeout_ms;
     unsigned spin_us;     /* busy-poll this long for a reply before sleeping */
-    bool replies_on_session; /* compute replies come on sfd (OpenSession) */
+    bool want_rfd;        /* ask for a reply socket at connect (MOE_REPLIES) */
+    int rfd;              /* the reply socket (OpenSession.reply_socket), or -1 */
     struct moe_region *regions;
     struct pending *pending;
     unsigned generation;  /* connections made so far */
@@ -129,15 +130,6 @@ static int pending_add(moe_client *c, Moe__Reply *rep)
     return 0;
 }
 
-/* A compute Reply the daemon pushed on the session socket, taken out of its
- * SessionReply (NULL if it carries none). */
-static Moe__Reply *session_reply_take(Moe__SessionReply *sr)
-{
-    Moe__Reply *rep = sr->reply;
-    sr->reply = NULL; /* protobuf-c allocates each message on its own */
-    return rep;
-}
-
 static int session_call(moe_client *c, Moe__SessionRequest *req, int fd,
                         Moe__SessionReply **out)
 {
@@ -179,30 +171,18 @@ static int session_call(moe_client *c, Moe__SessionRequest *req, int fd,
             moe__session_reply__free_unpacked(why, NULL);
         return seterr(c->broken ? -ECONNRESET : -e, "cannot reach the daemon: %s", strerror(e));
     }
-    /* Compute replies pushed on this socket (replies_on_session) may come
-     * first: they go to the pending list. */
-    Moe__SessionReply *rep = NULL;
-    for (;;) {
-        struct pollfd p = {c->sfd, POLLIN, 0};
-        int pr = poll(&p, 1, c->timeout_ms);
-        if (pr == 0)
-            return seterr(-ETIMEDOUT, "the daemon did not answer within %d ms", c->timeout_ms);
-        ssize_t r = recv(c->sfd, buf, sizeof(buf), 0);
-        if (r <= 0) {
-            c->broken = true;
-            return seterr(-ECONNRESET, "the daemon closed the session");
-        }
-        rep = moe__session_reply__unpack(NULL, (size_t)r, buf);
-        if (!rep)
-            return seterr(-EPROTO, "malformed session reply");
-        Moe__Reply *pushed = session_reply_take(rep);
-        if (!pushed)
-            break;
-        moe__session_reply__free_unpacked(rep, NULL);
-        int rc = pending_add(c, pushed);
-        if (rc)
-            return rc;
+    struct pollfd p = {c->sfd, POLLIN, 0};
+    int pr = poll(&p, 1, c->timeout_ms);
+    if (pr == 0)
+        return seterr(-ETIMEDOUT, "the daemon did not answer within %d ms", c->timeout_ms);
+    ssize_t r = recv(c->sfd, buf, sizeof(buf), 0);
+    if (r <= 0) {
+        c->broken = true;
+        return seterr(-ECONNRESET, "the daemon closed the session");
     }
+    Moe__SessionReply *rep = moe__session_reply__unpack(NULL, (size_t)r, buf);
+    if (!rep)
+        return seterr(-EPROTO, "malformed session reply");
     if (rep->status != MOE__STATUS__STATUS_OK) {
         int e = status_to_errno(rep->status);
         seterr(e, "%s", rep->message && rep->message[0] ? rep->message : status_strerror(e));
@@ -247,6 +227,9 @@ static void connection_close(moe_client *c)
     if (c->sfd >= 0)
         close(c->sfd);
     c->sfd = -1;
+    if (c->rfd >= 0)
+        close(c->rfd);
+    c->rfd = -1;
     while (c->pending) {
         struct pending *p = c->pending;
         c->pending = p->next;
@@ -278,11 +261,18 @@ static int connection_open(moe_client *c)
     Moe__OpenSession open = MOE__OPEN_SESSION__INIT;
     open.protocol_version = MOE_PROTOCOL_VERSION;
     open.client_name = c->name;
-    open.replies_on_session = c->replies_on_session;
     req.body_case = MOE__SESSION_REQUEST__BODY_OPEN;
     req.open = &open;
+    /* The reply socket: this end for us, the other for the daemon. */
+    int sv[2] = {-1, -1};
+    if (c->want_rfd && socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) == 0) {
+        c->rfd = sv[0];
+        open.reply_socket = true;
+    }
     Moe__SessionReply *rep = NULL;
-    int rc = session_call(c, &req, -1, &rep);
+    int rc = session_call(c, &req, sv[1], &rep);
+    if (sv[1] >= 0)
+        close(sv[1]);
     if (rc < 0)
         return rc;
     if (rep->token.len != sizeof(c->token) || !rep->request_endpoint) {
@@ -359,10 +349,11 @@ int moe_connect(const char *runtime_dir, const char *client_name, moe_client **o
     pthread_mutex_init(&c->mu, NULL);
     c->timeout_ms = 60000;
     c->sfd = -1;
-    /* Compute replies on the session socket unless MOE_REPLIES=zmq (for
+    c->rfd = -1;
+    /* Compute replies on a reply socket unless MOE_REPLIES=zmq (for
      * measuring the difference). */
     const char *rp = getenv("MOE_REPLIES");
-    c->replies_on_session = !(rp && !strcmp(rp, "zmq"));
+    c->want_rfd = !(rp && !strcmp(rp, "zmq"));
     snprintf(c->name, sizeof(c->name), "%s", client_name ? client_name : "");
     int rc = 0;
     if (runtime_dir)
@@ -452,26 +443,23 @@ static Moe__Reply *pending_take(moe_client *c, uint64_t id)
  * fd. Receiving until EAGAIN is also what ZMQ_EVENTS would cost (libzmq
  * looks at its command pipe either way), without the second look.
  */
-/* Move the compute replies pushed on the session socket into the pending
- * list. Caller holds mu. 1 if stop_id's reply came, 0 when none is left,
- * -ECONNRESET at end of file (the daemon went away), else -errno. */
-static int receive_session(moe_client *c, uint64_t stop_id)
+/* Move the replies the daemon pushed on the reply socket into the pending
+ * list. Caller holds mu. 1 if stop_id's reply came, else 0 (end of file
+ * too: the session socket is what tells that the daemon went away), or
+ * -errno. */
+static int receive_pushed(moe_client *c, uint64_t stop_id)
 {
     int found = 0;
     for (;;) {
         uint8_t buf[4096];
-        ssize_t r = recv(c->sfd, buf, sizeof(buf), MSG_DONTWAIT);
-        if (r == 0)
-            return -ECONNRESET;
-        if (r < 0)
-            return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? found : -errno;
-        Moe__SessionReply *sr = moe__session_reply__unpack(NULL, (size_t)r, buf);
-        if (!sr)
-            continue; /* not ours to understand; nobody waits on it */
-        Moe__Reply *rep = session_reply_take(sr);
-        moe__session_reply__free_unpacked(sr, NULL);
+        ssize_t r = recv(c->rfd, buf, sizeof(buf), MSG_DONTWAIT);
+        if (r <= 0)
+            return r == 0 || errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR
+                       ? found
+                       : seterr(-errno, "reply socket: %s", strerror(errno));
+        Moe__Reply *rep = moe__reply__unpack(NULL, (size_t)r, buf);
         if (!rep)
-            continue;
+            continue; /* not ours to understand; nobody waits on it */
         uint64_t id = rep->id;
         int rc = pending_add(c, rep);
         if (rc)
@@ -482,10 +470,9 @@ static int receive_session(moe_client *c, uint64_t stop_id)
 
 static int receive_ready(moe_client *c, uint64_t stop_id)
 {
-    if (c->replies_on_session) {
-        /* End of file shows in receive_some's poll, which handles it. */
-        int rc = receive_session(c, stop_id);
-        if (rc == 1 || (rc < 0 && rc != -ECONNRESET))
+    if (c->rfd >= 0) {
+        int rc = receive_pushed(c, stop_id);
+        if (rc)
             return rc;
     }
     for (;;) {
@@ -517,26 +504,17 @@ static int receive_some(moe_client *c, uint64_t stop_id, int wait_ms)
     int rc = receive_ready(c, stop_id);
     if (rc || wait_ms == 0)
         return rc < 0 ? rc : 0;
-    /* Nothing yet. The session socket wakes us too: with the replies it
-     * carries (replies_on_session), and at end of file when the daemon goes
-     * away. Replies it sent before it went may still be on their way
-     * through ZeroMQ, so collect those first. */
-    struct pollfd p[2] = {{c->zfd, POLLIN, 0}, {c->sfd, POLLIN, 0}};
-    if (poll(p, 2, wait_ms) < 0)
+    /* Nothing yet. The reply socket wakes us with pushed replies; the
+     * session socket only becomes readable (EOF) when the daemon goes away.
+     * Replies it sent before it went may still be on their way through
+     * ZeroMQ, so collect those first. */
+    struct pollfd p[3] = {{c->zfd, POLLIN, 0}, {c->sfd, POLLIN, 0}, {c->rfd, POLLIN, 0}};
+    if (poll(p, c->rfd >= 0 ? 3 : 2, wait_ms) < 0)
         return errno == EINTR ? 0 : seterr(-errno, "poll: %s", strerror(errno));
     if (p[1].revents) {
-        bool gone;
-        if (c->replies_on_session) {
-            rc = receive_session(c, stop_id);
-            if (rc == 1)
-                return 0; /* stop_id's reply is pending */
-            gone = rc < 0;
-        } else {
-            char b;
-            ssize_t n = recv(c->sfd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
-            gone = n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR);
-        }
-        if (gone) {
+        char b;
+        ssize_t n = recv(c->sfd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
             zmq_pollitem_t z = {c->zsock, 0, ZMQ_POLLIN, 0};
             rc = 0;
             while (rc >= 0 && zmq_poll(&z, 1, 100) > 0) /* the last replies, if any */

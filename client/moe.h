@@ -114,9 +114,9 @@ const char *moe_errmsg(void);
  * client_name appears in the daemon's logs (may be NULL). Caller owns *out;
  * release with moe_disconnect().
  *
- * The replies of compute requests come on the session socket (one wake-up
- * of the waiting thread); MOE_REPLIES=zmq in the environment at connect
- * time keeps them on the ZeroMQ request socket instead.
+ * The replies of compute requests come on a reply socket of the client's
+ * own (one wake-up of the waiting thread); MOE_REPLIES=zmq in the
+ * environment at connect time keeps them on the ZeroMQ request socket.
  */
 int moe_connect(const char *runtime_dir, const char *client_name, moe_client **out);
 /* Close the session (the daemon releases its regions); sets *c = NULL.

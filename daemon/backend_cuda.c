@@ -327,12 +327,13 @@ static int cuda_moe_run(struct backend *b, void *handle, const struct backend_mo
             if (rc) {
                 moek_cuda_graph_free(*g);
                 *g = NULL;
-                return cuda_check(cb, rc);
+            } else {
+                w->graph_gen[T] = cb->gen;
+                w->graph_io[T] = *io;
             }
-            w->graph_gen[T] = cb->gen;
-            w->graph_io[T] = *io;
         }
-        rc = moek_cuda_graph_launch(*g, cb->stream);
+        if (!rc)
+            rc = moek_cuda_graph_launch(*g, cb->stream);
     } else {
         rc = cuda_moe_enqueue(cb, w, io);
     }
@@ -340,6 +341,10 @@ static int cuda_moe_run(struct backend *b, void *handle, const struct backend_mo
         rc = cuda_copy_rows(cb, rows, H * es, false);
     if (!rc)
         rc = moek_cuda_stream_sync(cb->stream);
+    else if (rows)
+        /* The copy-in may still read the clients' regions: they must not
+         * be released (unpinned, unmapped) under it. */
+        moek_cuda_stream_sync(cb->stream);
     return cuda_check(cb, rc);
 }
 

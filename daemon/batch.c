@@ -94,7 +94,7 @@ static void request_finish(struct server *s, struct request *req)
     tm.batch_tokens = req->batch_tokens;
     rep.timings = &tm;
     struct session *se = session_by_id(s, req->session_id);
-    int pushed = se && se->replies_on_session ? session_push_reply(se, &rep) : -ENOTCONN;
+    int pushed = se ? session_push_reply(se, &rep) : -ENOTCONN;
     if (pushed != 0) {
         if (pushed != -ENOTCONN)
             log_debug("session %llu: reply %llu on the request socket (%s)",

@@ -55,6 +55,7 @@ int config_init(struct config *c)
     c->max_regions = 64;
     c->max_region_bytes = 16ull << 30;
     c->max_session_bytes = 64ull << 30;
+    c->max_pinned_bytes = 16ull << 30;
     c->max_queued_requests = 256;
     c->max_queued_tokens = 65536;
     c->max_queued_total = 4096;
@@ -315,6 +316,7 @@ static const struct num_key num_keys[] = {
     NUM32("limits", "max_regions", max_regions, 1, 65536),
     NUM64("limits", "max_region_bytes", max_region_bytes, 1),
     NUM64("limits", "max_session_bytes", max_session_bytes, 1),
+    NUM64("limits", "max_pinned_bytes", max_pinned_bytes, 0),
     NUM32("limits", "max_queued_requests", max_queued_requests, 1, 1u << 20),
     NUM32("limits", "max_queued_tokens", max_queued_tokens, 1, 1u << 30),
     NUM32("limits", "max_queued_total", max_queued_total, 1, 1u << 24),

@@ -30,6 +30,8 @@
  *   max_regions = 64          ; per session
  *   max_region_bytes = 17179869184
  *   max_session_bytes = 68719476736
+ *   max_pinned_bytes = 17179869184 ; client regions pinned for DMA (CUDA), all sessions;
+ *                             ; regions past it work unpinned, at pageable copy speed
  *   max_queued_requests = 256 ; per session
  *   max_queued_tokens = 65536 ; per session
  *   max_queued_total = 4096   ; queued requests of all sessions together
@@ -100,6 +102,7 @@ struct config {
     uint32_t max_regions;
     uint64_t max_region_bytes;
     uint64_t max_session_bytes;
+    uint64_t max_pinned_bytes;
     uint32_t max_queued_requests;
     uint32_t max_queued_tokens;
     uint32_t max_queued_total;

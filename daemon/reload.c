@@ -452,6 +452,7 @@ static void reload_begin(struct reload *r)
     c->max_regions = n->max_regions;
     c->max_region_bytes = n->max_region_bytes;
     c->max_session_bytes = n->max_session_bytes;
+    c->max_pinned_bytes = n->max_pinned_bytes;
     c->max_queued_requests = n->max_queued_requests;
     c->max_queued_tokens = n->max_queued_tokens;
     if (dirs_same(c, n)) {

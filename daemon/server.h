@@ -44,7 +44,7 @@ struct session {
     uid_t uid;
     gid_t gid;
     bool opened;
-    bool replies_on_session; /* OpenSession.replies_on_session */
+    int reply_fd;            /* OpenSession.reply_socket, or -1 */
     char name[64];
     struct region *regions;
     uint32_t n_regions;
@@ -162,6 +162,7 @@ struct server {
     struct session *sessions;
     uint32_t n_sessions;
     uint64_t next_session_id;
+    uint64_t pinned_bytes;  /* client regions pinned (max_pinned_bytes) */
 
     struct layer *layers;
     bool batch_running;     /* a batch is on the compute worker */
@@ -218,8 +219,9 @@ int session_attach(struct server *s, int fd);
 void session_close_all(struct server *s);
 struct session *session_by_token(struct server *s, const uint8_t *token, size_t len);
 struct session *session_by_id(struct server *s, uint64_t id);
-/* A compute request's Reply on the session socket (replies_on_session);
- * 0, or -errno when it could not go at once (the caller uses ZeroMQ). */
+/* A compute request's Reply on the session's reply socket; 0, or -errno
+ * when it has none or the reply could not go at once (the caller then uses
+ * ZeroMQ). */
 int session_push_reply(struct session *se, void *reply);
 struct region *session_region(struct session *se, uint64_t region_id);
 

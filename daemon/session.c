@@ -80,16 +80,17 @@ static void session_send(struct server *s, struct session *se, Moe__SessionReply
 
 int session_push_reply(struct session *se, void *reply)
 {
+    if (se->reply_fd < 0)
+        return -ENOTCONN;
     uint8_t buf[SESSION_MSG_MAX];
-    Moe__SessionReply rep = MOE__SESSION_REPLY__INIT;
-    rep.reply = reply;
-    size_t n = moe__session_reply__get_packed_size(&rep);
+    size_t n = moe__reply__get_packed_size(reply);
     if (n > sizeof(buf))
         return -EMSGSIZE;
-    moe__session_reply__pack(&rep, buf);
-    /* Never blocks: a client that does not read its session socket gets
-     * its replies on the request socket once this one's buffer is full. */
-    return send(se->fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT) < 0 ? -errno : 0;
+    moe__reply__pack(reply, buf);
+    /* Never blocks: a client that does not read its reply socket gets its
+     * replies on the request socket once that one is full. The session
+     * socket itself carries only the answers to session requests. */
+    return send(se->reply_fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT) < 0 ? -errno : 0;
 }
 
 static void session_fail(struct server *s, struct session *se, int err, const char *fmt, ...)
@@ -126,9 +127,11 @@ static uint64_t region_new_id(struct server *s)
 
 static void region_release_pin(void *ctx, void *base, size_t size, void *cookie)
 {
-    struct backend *b = ctx;
-    if (cookie && b->ops->unpin)
-        b->ops->unpin(b, base, size, cookie);
+    struct server *s = ctx;
+    if (cookie && s->backend->ops->unpin) {
+        s->backend->ops->unpin(s->backend, base, size, cookie);
+        s->pinned_bytes -= size;
+    }
 }
 
 static void session_register(struct server *s, struct session *se,
@@ -163,13 +166,20 @@ static void session_register(struct server *s, struct session *se,
     r->id = region_new_id(s);
     r->session_id = se->id;
     snprintf(r->name, sizeof(r->name), "%s", m->name ? m->name : "");
+    /* Pinned (CUDA: cudaHostRegister, on this thread, ~15 ms per 256 MiB)
+     * while the daemon's total stays within max_pinned_bytes, so clients
+     * cannot make it lock more RAM than that. */
     if (s->backend->ops->pin) {
-        rc = s->backend->ops->pin(s->backend, r->base, (size_t)r->size, &r->pin_cookie);
+        rc = s->pinned_bytes + r->size > s->cfg->max_pinned_bytes
+                 ? -EDQUOT
+                 : s->backend->ops->pin(s->backend, r->base, (size_t)r->size, &r->pin_cookie);
         if (rc)
             log_debug("region %llu of pid %d not pinned: %s", (unsigned long long)r->id,
-                      (int)se->pid, strerror(-rc));
+                      (int)se->pid, rc == -EDQUOT ? "over max_pinned_bytes" : strerror(-rc));
+        else if (r->pin_cookie)
+            s->pinned_bytes += r->size;
         r->release = region_release_pin;
-        r->release_ctx = s->backend;
+        r->release_ctx = s;
     }
     r->next = se->regions;
     se->regions = r;
@@ -198,7 +208,8 @@ static void session_unregister(struct server *s, struct session *se, uint64_t id
     session_fail(s, se, -ENOENT, "no region %llu in this session", (unsigned long long)id);
 }
 
-static void session_open(struct server *s, struct session *se, const Moe__OpenSession *m)
+static void session_open(struct server *s, struct session *se, const Moe__OpenSession *m,
+                         int *fds, int nfds)
 {
     if (se->opened) {
         session_fail(s, se, -EINVAL, "session is already open");
@@ -209,8 +220,21 @@ static void session_open(struct server *s, struct session *se, const Moe__OpenSe
                      m->protocol_version);
         return;
     }
+    if (m->reply_socket) {
+        int type = 0, domain = 0;
+        socklen_t tl = sizeof(type), dl = sizeof(domain);
+        if (nfds != 1 || getsockopt(fds[0], SOL_SOCKET, SO_TYPE, &type, &tl) < 0 ||
+            getsockopt(fds[0], SOL_SOCKET, SO_DOMAIN, &domain, &dl) < 0 ||
+            type != SOCK_SEQPACKET || domain != AF_UNIX) {
+            session_fail(s, se, -EINVAL,
+                         "reply_socket needs one AF_UNIX SOCK_SEQPACKET socket beside "
+                         "OpenSession");
+            return;
+        }
+        se->reply_fd = fds[0];
+        fds[0] = -1; /* the session owns it now */
+    }
     se->opened = true;
-    se->replies_on_session = m->replies_on_session;
     snprintf(se->name, sizeof(se->name), "%s", m->client_name ? m->client_name : "");
     Moe__SessionReply rep = MOE__SESSION_REPLY__INIT;
     rep.token.data = se->token;
@@ -237,7 +261,7 @@ static void session_handle(struct server *s, struct session *se, const uint8_t *
     } else {
         switch (m->body_case) {
         case MOE__SESSION_REQUEST__BODY_OPEN:
-            session_open(s, se, m->open);
+            session_open(s, se, m->open, fds, nfds);
             break;
         case MOE__SESSION_REQUEST__BODY_REGISTER_REGION:
             session_register(s, se, m->register_region, fds, nfds);
@@ -315,6 +339,7 @@ static void session_close(struct server *s, struct session *se, const char *why)
     }
     loop_unwatch(s->loop, &se->watch);
     close_fd(&se->fd);
+    close_fd(&se->reply_fd);
     free(se);
 }
 
@@ -353,6 +378,7 @@ int session_attach(struct server *s, int fd)
     se->id = ++s->next_session_id;
     se->server = s;
     se->fd = fd;
+    se->reply_fd = -1;
     se->pid = cred.pid;
     se->uid = cred.uid;
     se->gid = cred.gid;

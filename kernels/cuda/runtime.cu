@@ -171,11 +171,15 @@ int moek_cuda_copy_batch_async(void *const *dsts, const void *const *srcs,
         return 0;
     if (!dsts || !srcs || !sizes || !stream)
         return -EINVAL;
+#if CUDART_VERSION >= 13000
     cudaMemcpyAttributes attr = {};
     attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
     size_t idx = 0;
     cudaError_t e = cudaMemcpyBatchAsync(dsts, srcs, sizes, n, &attr, &idx, 1,
                                          (cudaStream_t)stream);
+#else /* the batch call's signature changed in CUDA 13: copy one by one */
+    cudaError_t e = cudaErrorNotSupported;
+#endif
     if (e == cudaErrorNotSupported) {
         /* An older driver: one copy at a time. */
         (void)cudaGetLastError();

@@ -927,6 +927,57 @@ TEST(unregistering_a_region_is_answered)
     itest_daemon_stop(&d);
 }
 
+/* OpenSession's reply socket must be one AF_UNIX SOCK_SEQPACKET socket: none,
+ * a pipe, a stream socket or two descriptors are refused with a message,
+ * the session stays closed, and the daemon serves on. */
+static int open_with_reply_fds(const char *dir, const int *fds, int nfds)
+{
+    struct raw r;
+    memset(&r, 0, sizeof(r));
+    CHECK(raw_connect_session(&r, dir) == 0);
+    Moe__SessionRequest req = MOE__SESSION_REQUEST__INIT;
+    Moe__OpenSession os = MOE__OPEN_SESSION__INIT;
+    os.protocol_version = 1;
+    os.client_name = "raw";
+    os.reply_socket = true;
+    req.body_case = MOE__SESSION_REQUEST__BODY_OPEN;
+    req.open = &os;
+    Moe__SessionReply *rep = raw_session_call(&r, &req, fds, nfds);
+    int st = (int)rep->status;
+    if (st)
+        CHECK_MSG(rep->message && strstr(rep->message, "reply_socket"), "message: %s",
+                  rep->message ? rep->message : "(none)");
+    moe__session_reply__free_unpacked(rep, NULL);
+    close(r.sfd);
+    return st;
+}
+
+TEST(a_bad_reply_socket_is_refused)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    int pfd[2], st[2], sp[2];
+    CHECK(pipe(pfd) == 0);
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, st) == 0);
+    CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sp) == 0);
+    CHECK(open_with_reply_fds(d.dir, NULL, 0) != 0);
+    CHECK(open_with_reply_fds(d.dir, &pfd[1], 1) != 0);
+    CHECK(open_with_reply_fds(d.dir, &st[1], 1) != 0);
+    int two[2] = {sp[1], sp[1]};
+    CHECK(open_with_reply_fds(d.dir, two, 2) != 0);
+    CHECK_EQ_INT(open_with_reply_fds(d.dir, &sp[1], 1), 0);
+    for (int i = 0; i < 2; i++) {
+        close(pfd[i]);
+        close(st[i]);
+        close(sp[i]);
+    }
+    moe_client *c = itest_connect(&d, "itest");
+    moe_server_info info;
+    CHECK_MSG(moe_hello(c, &info) == 0, "%s", moe_errmsg());
+    moe_disconnect(&c);
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -938,5 +989,6 @@ int main(int argc, char **argv)
         TEST_CASE(an_empty_grouped_gemm_does_not_stall_the_batcher),
         TEST_CASE(a_huge_timeout_is_no_deadline),
         TEST_CASE(unregistering_a_region_is_answered),
+        TEST_CASE(a_bad_reply_socket_is_refused),
         {0}});
 }

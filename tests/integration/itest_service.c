@@ -53,8 +53,8 @@ TEST(routing_modes_match_reference)
 }
 
 /* Several processes at once, each checking every output of its own; half
- * take their replies on the request socket (MOE_REPLIES=zmq), half on the
- * session socket (the default). */
+ * take their replies on the request socket (MOE_REPLIES=zmq), half on their
+ * reply socket (the default). */
 TEST(concurrent_clients_get_their_own_results)
 {
     uint64_t seed = test_seed();
@@ -221,8 +221,8 @@ TEST(async_submit_poll_and_wait_out_of_order)
         itest_fwd_make(c, &L, 1 + (size_t)i, &seed, &f[i]);
         CHECK(moe_forward_submit(c, &f[i].args, &req[i]) == 0);
     }
-    /* Wait newest first; replies for the others get parked (and, pushed
-     * on the session socket, read past by each region_free's call). */
+    /* Wait newest first; replies for the others get parked (pushed on the
+     * reply socket while each region_free talks on the session socket). */
     for (int i = N - 1; i >= 0; i--) {
         if (i == 0) {
             int p = 0;
@@ -245,8 +245,10 @@ TEST(async_submit_poll_and_wait_out_of_order)
 }
 
 /* Many requests submitted before any reply is read: the replies pile up on
- * the session socket until it is full, then go on the request socket; every
- * request still gets its one answer (done, or BUSY from the queue cap). */
+ * the reply socket until it is full, then go on the request socket; every
+ * request still gets its one answer (done, or BUSY from the queue cap), and
+ * a session request made meanwhile is answered (its socket carries nothing
+ * else). */
 TEST(unread_replies_are_all_delivered)
 {
     uint64_t seed = test_seed();
@@ -262,6 +264,11 @@ TEST(unread_replies_are_all_delivered)
     static moe_request *req[N];
     for (int i = 0; i < N; i++)
         CHECK_MSG(moe_forward_submit(c, &f.args, &req[i]) == 0, "%s", moe_errmsg());
+    itest_sleep_ms(300); /* the replies pile up */
+    moe_set_timeout(c, 5000);
+    moe_region *extra = NULL;
+    CHECK_MSG(moe_region_create(c, 4096, "extra", &extra) == 0, "%s", moe_errmsg());
+    CHECK(moe_region_free(c, &extra) == 0);
     int ok = 0, busy = 0;
     for (int i = 0; i < N; i++) {
         int rc = moe_wait(c, &req[i], 20000, NULL);
