@@ -502,8 +502,10 @@ static int receive_some(moe_client *c, uint64_t stop_id, int wait_ms)
     if (c->broken || !c->zsock)
         return seterr(-ECONNRESET, "the daemon stopped or restarted; the request is lost");
     int rc = receive_ready(c, stop_id);
-    if (rc || wait_ms == 0)
+    if (rc)
         return rc < 0 ? rc : 0;
+    /* Even without waiting (moe_poll, spinning) the poll below runs: it is
+     * what notices that the daemon went away. */
     /* Nothing yet. The reply socket wakes us with pushed replies; the
      * session socket only becomes readable (EOF) when the daemon goes away.
      * Replies it sent before it went may still be on their way through

@@ -1,6 +1,7 @@
 /*
  * itest_restart.c: a client survives a daemon restart. The call in flight
- * when the daemon dies fails promptly with -ECONNRESET; the next call opens
+ * when the daemon dies fails promptly with -ECONNRESET (and moe_poll on it
+ * reports an error); the next call opens
  * a new session and re-registers the client's regions behind the same
  * handles, with no code of the client's own.
  */
@@ -44,6 +45,22 @@ TEST(client_reconnects_after_a_daemon_restart)
     memset((uint8_t *)moe_region_data(f.r) + f.o_off, 0xff, f.T * 256 * 2);
     CHECK_MSG(moe_forward(c, &f.args, NULL) == 0, "%s", moe_errmsg());
     CHECK(itest_fwd_error(&L, &f) <= itest_tolerance(L.dt));
+
+    /* Killed with a request in flight, moe_poll reports the loss (an
+     * error) instead of "not yet" forever. */
+    CHECK(moe_forward_submit(c, &f.args, &rq) == 0);
+    itest_sleep_ms(10);
+    itest_daemon_kill(&d);
+    t0 = now_ms();
+    int p = 0;
+    while (p == 0 && now_ms() - t0 < 5000) {
+        p = moe_poll(c, rq);
+        if (p == 0)
+            itest_sleep_ms(5);
+    }
+    CHECK_MSG(p < 0, "moe_poll after the kill: %d (%s)", p, moe_errmsg());
+    CHECK_EQ_INT(moe_wait(c, &rq, 1000, NULL), -ECONNRESET);
+    itest_daemon_restart(&d, NULL);
 
     /* A clean restart (SIGTERM) works the same way. */
     itest_daemon_stop_keep(&d);
