@@ -115,21 +115,6 @@ static uint64_t mono_us(void)
 
 /* ---- session socket ---------------------------------------------------- */
 
-/* Keep a reply for whoever waits on its id. Caller holds mu (or owns c). */
-static int pending_add(moe_client *c, Moe__Reply *rep)
-{
-    struct pending *p = malloc(sizeof(*p));
-    if (!p) {
-        moe__reply__free_unpacked(rep, NULL);
-        return seterr(-ENOMEM, "out of memory");
-    }
-    p->id = rep->id;
-    p->reply = rep;
-    p->next = c->pending;
-    c->pending = p;
-    return 0;
-}
-
 static int session_call(moe_client *c, Moe__SessionRequest *req, int fd,
                         Moe__SessionReply **out)
 {
@@ -433,16 +418,26 @@ static Moe__Reply *pending_take(moe_client *c, uint64_t id)
     return NULL;
 }
 
-/*
- * Move the replies that have arrived into the pending list, until the socket
- * says EAGAIN or (stop_id != 0) the reply to stop_id is taken. Caller holds
- * mu. 1 if stop_id's reply came, else 0, or -errno.
- *
- * ZMQ_FD only signals edges: a receive that returns EAGAIN has consumed the
- * socket's pending commands, so only after one may the caller sleep on the
- * fd. Receiving until EAGAIN is also what ZMQ_EVENTS would cost (libzmq
- * looks at its command pipe either way), without the second look.
- */
+/* Keep the packed Reply of n bytes for whoever waits on its id. Caller
+ * holds mu. 1 if it answers stop_id, else 0 (also for bytes that are not a
+ * Reply: nobody waits on them), or -errno. */
+static int pending_add(moe_client *c, const void *buf, size_t n, uint64_t stop_id)
+{
+    Moe__Reply *rep = moe__reply__unpack(NULL, n, buf);
+    if (!rep)
+        return 0;
+    struct pending *p = malloc(sizeof(*p));
+    if (!p) {
+        moe__reply__free_unpacked(rep, NULL);
+        return seterr(-ENOMEM, "out of memory");
+    }
+    p->id = rep->id;
+    p->reply = rep;
+    p->next = c->pending;
+    c->pending = p;
+    return stop_id && p->id == stop_id;
+}
+
 /* Move the replies the daemon pushed on the reply socket into the pending
  * list. Caller holds mu. 1 if stop_id's reply came, else 0 (end of file
  * too: the session socket is what tells that the daemon went away), or
@@ -457,17 +452,24 @@ static int receive_pushed(moe_client *c, uint64_t stop_id)
             return r == 0 || errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR
                        ? found
                        : seterr(-errno, "reply socket: %s", strerror(errno));
-        Moe__Reply *rep = moe__reply__unpack(NULL, (size_t)r, buf);
-        if (!rep)
-            continue; /* not ours to understand; nobody waits on it */
-        uint64_t id = rep->id;
-        int rc = pending_add(c, rep);
-        if (rc)
+        int rc = pending_add(c, buf, (size_t)r, stop_id);
+        if (rc < 0)
             return rc;
-        found |= stop_id && id == stop_id;
+        found |= rc;
     }
 }
 
+/*
+ * Move the replies that have arrived (reply socket, then ZeroMQ) into the
+ * pending list, until the sockets say EAGAIN or (stop_id != 0) the reply to
+ * stop_id is taken. Caller holds mu. 1 if stop_id's reply came, else 0, or
+ * -errno.
+ *
+ * ZMQ_FD only signals edges: a receive that returns EAGAIN has consumed the
+ * socket's pending commands, so only after one may the caller sleep on the
+ * fd. Receiving until EAGAIN is also what ZMQ_EVENTS would cost (libzmq
+ * looks at its command pipe either way), without the second look.
+ */
 static int receive_ready(moe_client *c, uint64_t stop_id)
 {
     if (c->rfd >= 0) {
@@ -482,16 +484,10 @@ static int receive_ready(moe_client *c, uint64_t stop_id)
             zmq_msg_close(&msg);
             return 0;
         }
-        Moe__Reply *rep = moe__reply__unpack(NULL, zmq_msg_size(&msg), zmq_msg_data(&msg));
+        int rc = pending_add(c, zmq_msg_data(&msg), zmq_msg_size(&msg), stop_id);
         zmq_msg_close(&msg);
-        if (!rep)
-            continue; /* not ours to understand; nobody waits on it */
-        uint64_t id = rep->id;
-        int rc = pending_add(c, rep);
         if (rc)
             return rc;
-        if (stop_id && id == stop_id)
-            return 1;
     }
 }
 
@@ -504,10 +500,9 @@ static int receive_some(moe_client *c, uint64_t stop_id, int wait_ms)
     int rc = receive_ready(c, stop_id);
     if (rc)
         return rc < 0 ? rc : 0;
-    /* Even without waiting (moe_poll, spinning) the poll below runs: it is
-     * what notices that the daemon went away. */
     /* Nothing yet. The reply socket wakes us with pushed replies; the
-     * session socket only becomes readable (EOF) when the daemon goes away.
+     * session socket only becomes readable (EOF) when the daemon goes away,
+     * which is why the poll runs even without waiting (moe_poll, spinning).
      * Replies it sent before it went may still be on their way through
      * ZeroMQ, so collect those first. */
     struct pollfd p[3] = {{c->zfd, POLLIN, 0}, {c->sfd, POLLIN, 0}, {c->rfd, POLLIN, 0}};

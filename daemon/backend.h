@@ -19,7 +19,6 @@
 
 struct backend;
 
-/* One batched MoE forward. Exactly one of logits / (ids, weights) is set. */
 /* Rows of a batch that stay in a client's region: the backend reads x rows
  * from src and writes the output rows to dst itself (by DMA). */
 struct backend_rows {
@@ -28,6 +27,7 @@ struct backend_rows {
     int rows;
 };
 
+/* One batched MoE forward. Exactly one of logits / (ids, weights) is set. */
 struct backend_moe_io {
     const void *x;          /* [T, H], layer dtype */
     const float *logits;    /* [T, E] or NULL */

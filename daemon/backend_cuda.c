@@ -95,10 +95,9 @@ struct cuda_backend {
     void *stream;
     moek_cuda_workspace *ws;
     struct dbuf x, route, weights, out;
-    /* The batch copy lists of io->segs (moe_rows), grown as needed. */
-    void **cp_dst;
-    const void **cp_src;
-    size_t *cp_size;
+    /* The batched copy's lists for io->segs (moe_rows): cp_cap destinations,
+     * then as many sources and sizes, in one block grown as needed. */
+    void *cp;
     size_t cp_cap;
     unsigned gen;       /* bumped whenever a buffer above moves */
     bool broken;        /* a sticky error: the context is unusable */
@@ -215,31 +214,27 @@ static int cuda_copy_rows(struct cuda_backend *cb, const struct backend_moe_io *
     size_t n = (size_t)io->n_segs;
     if (n > cb->cp_cap) {
         size_t cap = n + n / 2 + 16;
-        void **d = realloc(cb->cp_dst, cap * sizeof(*d));
-        if (d)
-            cb->cp_dst = d;
-        const void **s = realloc(cb->cp_src, cap * sizeof(*s));
-        if (s)
-            cb->cp_src = s;
-        size_t *z = realloc(cb->cp_size, cap * sizeof(*z));
-        if (z)
-            cb->cp_size = z;
-        if (!d || !s || !z)
+        void *p = realloc(cb->cp, cap * (2 * sizeof(void *) + sizeof(size_t)));
+        if (!p)
             return -ENOMEM;
+        cb->cp = p;
         cb->cp_cap = cap;
     }
+    void **dst = cb->cp;
+    const void **src = (const void **)(dst + cb->cp_cap);
+    size_t *size = (size_t *)(src + cb->cp_cap);
     size_t row = 0;
     for (size_t i = 0; i < n; i++) {
         const struct backend_rows *g = &io->segs[i];
         uint8_t *dev = (uint8_t *)(in ? cb->x.p : cb->out.p) + row * row_bytes;
-        cb->cp_dst[i] = in ? (void *)dev : g->dst;
-        cb->cp_src[i] = in ? g->src : dev;
-        cb->cp_size[i] = (size_t)g->rows * row_bytes;
+        dst[i] = in ? (void *)dev : g->dst;
+        src[i] = in ? g->src : dev;
+        size[i] = (size_t)g->rows * row_bytes;
         row += (size_t)g->rows;
     }
     if (row != (size_t)io->tokens)
         return -EINVAL;
-    return moek_cuda_copy_batch_async(cb->cp_dst, cb->cp_src, cb->cp_size, n, cb->stream);
+    return moek_cuda_copy_batch_async(dst, src, size, n, cb->stream);
 }
 
 /* Enqueue one forward on the stream: copies in, kernels, copy out (x and out
@@ -457,29 +452,6 @@ static int cuda_gemm_run(struct backend *b, void *handle, const void *a, const i
     return cuda_check(cb, rc);
 }
 
-/* Staging memory is pinned, so the copies above are DMA. */
-static void *cuda_host_alloc(struct backend *b, size_t size)
-{
-    struct cuda_backend *cb = (struct cuda_backend *)b;
-    void *p = NULL;
-    if (posix_memalign(&p, 4096, size ? size : 4096) != 0)
-        return NULL;
-    moek_cuda_set_device(cb->device);
-    if (moek_cuda_host_register(p, size ? size : 4096) != 0) {
-        free(p);
-        return NULL;
-    }
-    return p;
-}
-
-static void cuda_host_free(struct backend *b, void *p, size_t size)
-{
-    if (!p)
-        return;
-    moek_cuda_host_unregister(p);
-    free(p);
-}
-
 /* A client region, pinned once when it is registered, so its rows move by
  * DMA (moe_rows). A region that cannot be pinned still works, at pageable
  * copy speed. */
@@ -501,6 +473,28 @@ static void cuda_unpin(struct backend *b, void *base, size_t size, void *cookie)
     (void)size;
     if (cookie)
         moek_cuda_host_unregister(base);
+}
+
+/* Staging memory is pinned the same way, so its copies are DMA. */
+static void *cuda_host_alloc(struct backend *b, size_t size)
+{
+    void *p = NULL, *cookie;
+    size = size ? size : 4096;
+    if (posix_memalign(&p, 4096, size) != 0)
+        return NULL;
+    if (cuda_pin(b, p, size, &cookie) != 0) {
+        free(p);
+        return NULL;
+    }
+    return p;
+}
+
+static void cuda_host_free(struct backend *b, void *p, size_t size)
+{
+    if (!p)
+        return;
+    cuda_unpin(b, p, size, p);
+    free(p);
 }
 
 static int cuda_devices(struct backend *b, struct backend_device *out, int max)
@@ -536,9 +530,7 @@ static void cuda_destroy(struct backend *b)
     moek_cuda_free(cb->out.p);
     moek_cuda_workspace_free(cb->ws);
     moek_cuda_stream_free(cb->stream);
-    free(cb->cp_dst);
-    free(cb->cp_src);
-    free(cb->cp_size);
+    free(cb->cp);
     free(cb);
 }
 

@@ -93,15 +93,7 @@ static void request_finish(struct server *s, struct request *req)
     tm.batch_requests = req->batch_requests;
     tm.batch_tokens = req->batch_tokens;
     rep.timings = &tm;
-    struct session *se = session_by_id(s, req->session_id);
-    int pushed = se ? session_push_reply(se, &rep) : -ENOTCONN;
-    if (pushed != 0) {
-        if (pushed != -ENOTCONN)
-            log_debug("session %llu: reply %llu on the request socket (%s)",
-                      (unsigned long long)req->session_id, (unsigned long long)req->id,
-                      strerror(-pushed));
-        server_reply(s, req->route_id, req->route_len, &rep);
-    }
+    server_reply_session(s, req->session_id, req->route_id, req->route_len, &rep);
     if (req->status) {
         s->stats.errors++;
         if (req->status == -ETIME)

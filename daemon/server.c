@@ -42,6 +42,20 @@ void server_reply(struct server *s, const uint8_t *route_id, size_t route_len, v
     }
 }
 
+void server_reply_session(struct server *s, uint64_t session_id, const uint8_t *route_id,
+                          size_t route_len, void *reply)
+{
+    struct session *se = session_by_id(s, session_id);
+    int rc = se ? session_push_reply(se, reply) : -ENOTCONN;
+    if (rc == 0)
+        return;
+    if (rc != -ENOTCONN)
+        log_debug("session %llu: reply %llu on the request socket (%s)",
+                  (unsigned long long)session_id,
+                  (unsigned long long)((Moe__Reply *)reply)->id, strerror(-rc));
+    server_reply(s, route_id, route_len, reply);
+}
+
 void server_reply_error(struct server *s, const uint8_t *route_id, size_t route_len,
                         uint64_t id, int err, const char *fmt, ...)
 {

@@ -205,6 +205,11 @@ void server_handle_message(struct server *s, const uint8_t *rid, size_t rlen,
 /* Send a reply to a routing id; frees nothing. */
 void server_reply(struct server *s, const uint8_t *route_id, size_t route_len,
                   void *reply /* Moe__Reply */);
+/* The same for a compute request of session session_id: on the session's
+ * reply socket where it has one that takes the reply at once, else by
+ * ZeroMQ to the routing id. */
+void server_reply_session(struct server *s, uint64_t session_id, const uint8_t *route_id,
+                          size_t route_len, void *reply);
 void server_reply_error(struct server *s, const uint8_t *route_id, size_t route_len,
                         uint64_t id, int err, const char *fmt, ...)
     __attribute__((format(printf, 6, 7)));

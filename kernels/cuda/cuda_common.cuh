@@ -113,10 +113,11 @@ struct moek_gemm_args {
     /* The weights may be loaded before the previous kernel finishes: only
      * the token rows depend on it (GEMM 2 of a MoE forward). */
     int early_a;
-    /* w is in tiles (moek_wt_index), not row-major behind a TMA map; 2:
-     * the tiles of groups with one token tile (weights read once) are
-     * loaded with an L2 evict-first hint */
+    /* w is in tiles (moek_wt_index), not row-major behind a TMA map */
     int w_tiled;
+    /* the tiles of groups with one token tile (weights read once) are
+     * loaded with an L2 evict-first hint */
+    int l2_hint;
 };
 
 /* Tiled weights: every 128-row x 64-column block of a group's weights is
@@ -148,34 +149,24 @@ struct moek_item {
 };
 
 /* Map work item `idx` (< items of its kind) to its tile; see the comment at
- * the top. */
-/* sbefore: a shared-memory copy of cg_before (main items), or NULL. */
+ * the top. sbefore: a shared-memory copy of cg_before (main items), or
+ * NULL. */
 __device__ __forceinline__ moek_item moek_decode_item(const moek_gemm_args &a,
                                                       int ncg, int split,
                                                       int idx, bool tail,
                                                       const int *sbefore = nullptr)
 {
-    int lo = 0, hi = ncg, l;
-    if (sbefore && !tail) {
-        while (hi - lo > 1) {
-            int mid = (lo + hi) >> 1;
-            if (sbefore[mid] <= idx)
-                lo = mid;
-            else
-                hi = mid;
-        }
-        l = idx - sbefore[lo];
-    } else {
-        const int *before = tail ? a.cg_before_tail : a.cg_before;
-        while (hi - lo > 1) {
-            int mid = (lo + hi) >> 1;
-            if (__ldg(before + mid) <= idx)
-                lo = mid;
-            else
-                hi = mid;
-        }
-        l = idx - __ldg(before + lo);
+    /* A generic pointer: shared memory or the global list. */
+    const int *before = tail ? a.cg_before_tail : sbefore ? sbefore : a.cg_before;
+    int lo = 0, hi = ncg;
+    while (hi - lo > 1) {
+        int mid = (lo + hi) >> 1;
+        if (before[mid] <= idx)
+            lo = mid;
+        else
+            hi = mid;
     }
+    int l = idx - before[lo];
     int cnt = __ldg(a.cg_count + lo);
     const int bn = tail ? MOEK_TAIL_TILE : a.bn;
     const int nmain = moek_main_tiles(cnt, a.bn);

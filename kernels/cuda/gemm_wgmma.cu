@@ -175,11 +175,10 @@ __device__ __forceinline__ void load_w(const moek_gemm_args &a,
                                        uint64_t *bar)
 {
     if (a.w_tiled) {
-        const size_t tile =
-            ((size_t)it.g * a.n_tiles + it.nt) * a.kblocks + kb;
-        bulk_load(sA,
-                  reinterpret_cast<const uint8_t *>(a.w) + tile * A_BYTES,
-                  A_BYTES, bar, a.w_tiled > 1 && it.once);
+        const size_t at = moek_wt_index(it.g, it.nt * MOEK_WTILE,
+                                        kb * MOEK_KTILE, a.n_tiles, a.kblocks);
+        bulk_load(sA, reinterpret_cast<const uint16_t *>(a.w) + at, A_BYTES,
+                  bar, a.l2_hint && it.once);
     } else {
         tma_load_2d(sA, tmap, kb * MOEK_KTILE,
                     it.g * a.rows_pad + it.nt * MOEK_WTILE, bar);

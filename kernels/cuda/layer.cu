@@ -326,7 +326,8 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     g2.pos_token = w.pos_token;
     g2.pos_weight = w.pos_weight;
     g2.which = 1;
-    g1.w_tiled = g2.w_tiled = L->tiled ? 1 + L->l2_hint : 0;
+    g1.w_tiled = g2.w_tiled = L->tiled;
+    g1.l2_hint = g2.l2_hint = L->tiled && L->l2_hint;
     for (moek_gemm_args *g : {&g1, &g2}) {
         g->plan = w.plan;
         g->cg_group = w.cg_group;

@@ -238,6 +238,22 @@ __device__ int pick_split(const moek_gemm_dims &dm, long long pairs, int sms,
     return split < 1 ? 1 : split;
 }
 
+/* MoE: slots [s0, s1) to their sorted positions (token index and routing
+ * weight per position), start[g] the first position of group g. Whole
+ * block. */
+__device__ void scatter_slots(const moek_align_args &a, const int *start,
+                              int s0, int s1)
+{
+    for (int s = s0 + threadIdx.x; s < s1; s += blockDim.x) {
+        const int r = a.rank[s];
+        if (r < 0)
+            continue;
+        const int pos = start[a.ids[s]] + r;
+        a.pos_token[pos] = s / a.topk;
+        a.pos_weight[pos] = a.wts[s];
+    }
+}
+
 /* The tile list from per-group counts (counts, or m_sizes clamped to
  * total_m). Whole block, MOEK_ALIGN_THREADS threads, groups <= 2048. */
 __device__ void align_block(const moek_align_args &a, const int *counts,
@@ -348,17 +364,8 @@ __device__ void align_block(const moek_align_args &a, const int *counts,
             __syncthreads();
         }
     }
-    /* MoE: scatter the slots to their sorted positions. */
-    if (a.ids && scatter) {
-        for (int s = tid; s < a.slots; s += blockDim.x) {
-            int r = a.rank[s];
-            if (r < 0)
-                continue;
-            int pos = s_start[a.ids[s]] + r;
-            a.pos_token[pos] = s / a.topk;
-            a.pos_weight[pos] = a.wts[s];
-        }
-    }
+    if (a.ids && scatter)
+        scatter_slots(a, s_start, 0, a.slots);
 }
 
 /* MoE, many slots: part `part` of `parts` of the slot -> sorted position
@@ -374,15 +381,8 @@ __device__ void scatter_part(const moek_align_args &a, const int *counts,
     __syncthreads();
     block_exclusive_scan<int>(s_st, a.groups, s_w);
     const int per = (a.slots + parts - 1) / parts;
-    const int s0 = part * per, s1 = min(a.slots, s0 + per);
-    for (int s = s0 + threadIdx.x; s < s1; s += blockDim.x) {
-        const int r = a.rank[s];
-        if (r < 0)
-            continue;
-        const int pos = s_st[a.ids[s]] + r;
-        a.pos_token[pos] = s / a.topk;
-        a.pos_weight[pos] = a.wts[s];
-    }
+    const int s0 = part * per;
+    scatter_slots(a, s_st, s0, min(a.slots, s0 + per));
 }
 
 template <int VPL>

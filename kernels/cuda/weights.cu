@@ -69,6 +69,18 @@ size_t weight_elems(bool tiled, int groups, int rows, int K)
     return (size_t)groups * tiles * kblocks * MOEK_WTILE * MOEK_KTILE;
 }
 
+/* Device memory for a weight set in the chosen layout. Tiles that overhang
+ * the matrix (rows not a multiple of 128, K not of 64) are read whole, so
+ * such a set starts zeroed; one without overhang needs no memset. */
+cudaError_t weight_alloc(void **p, bool tiled, int groups, int rows, int K)
+{
+    const size_t n = weight_elems(tiled, groups, rows, K);
+    cudaError_t e = cudaMalloc(p, n * 2);
+    if (e == cudaSuccess && n != (size_t)groups * rows * K)
+        e = cudaMemset(*p, 0, n * 2);
+    return e;
+}
+
 /* Group g of the source becomes group g0 + g of dst (groups of rows_dst
  * rows). Tiled: the pad rows and columns must be zero already. */
 int relayout(void *dst, bool tiled, int g0, const void *a, const void *b,
@@ -214,18 +226,12 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
     const int E = shape->experts, H = shape->hidden, I = shape->intermediate;
     L->h16 = (H + 15) / 16 * 16;
     const bool tl = L->tiled;
-    const size_t n13 = weight_elems(tl, E, 2 * I, H),
-                 n2 = weight_elems(tl, E, L->h16, I);
     void *tmp = nullptr;
-    cudaError_t e = cudaMalloc(&L->w13, n13 * 2);
+    cudaError_t e = weight_alloc(&L->w13, tl, E, 2 * I, H);
     if (e == cudaSuccess)
-        e = cudaMalloc(&L->w2p, n2 * 2);
+        e = weight_alloc(&L->w2p, tl, E, L->h16, I);
     if (e == cudaSuccess && !on_device)
         e = cudaMalloc(&tmp, (size_t)2 * I * H * 2);
-    if (e == cudaSuccess && tl)
-        e = cudaMemset(L->w13, 0, n13 * 2);
-    if (e == cudaSuccess && tl)
-        e = cudaMemset(L->w2p, 0, n2 * 2);
     if (e != cudaSuccess) {
         r = moek_cuda_fail(e, "cudaMalloc(layer weights)");
         goto fail;
@@ -329,12 +335,9 @@ int gemm_weights_new(moek_dtype dt, int groups, int n, int k, const void *b,
     }
     void *tmp = nullptr;
     const size_t nk = (size_t)n * k;
-    const size_t nb = weight_elems(W->tiled, groups, W->n16, k);
-    cudaError_t e = cudaMalloc(&W->b, nb * 2);
+    cudaError_t e = weight_alloc(&W->b, W->tiled, groups, W->n16, k);
     if (e == cudaSuccess && !on_device)
         e = cudaMalloc(&tmp, (size_t)groups * nk * 2);
-    if (e == cudaSuccess && W->tiled)
-        e = cudaMemset(W->b, 0, nb * 2);
     if (e != cudaSuccess) {
         r = moek_cuda_fail(e, "cudaMalloc(gemm weights)");
         goto fail;

@@ -279,7 +279,7 @@ TEST(unread_replies_are_all_delivered)
     fprintf(stderr, "  %d done, %d busy\n", ok, busy);
     CHECK_EQ_INT(ok + busy, N);
     CHECK(ok > 0);
-    /* The session socket did fill: some replies took the other way. */
+    /* The reply socket did fill: some replies took the other way. */
     FILE *lf = fopen(d.log, "r");
     CHECK(lf != NULL);
     char line[512];
