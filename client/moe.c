@@ -64,6 +64,8 @@ struct moe_client {
     unsigned spin_us;     /* busy-poll this long for a reply before sleeping */
     bool want_rfd;        /* ask for a reply socket at connect (MOE_REPLIES) */
     int rfd;              /* the reply socket (OpenSession.reply_socket), or -1 */
+    bool want_socket_requests; /* send compute requests on it (MOE_REQUESTS) */
+    bool socket_requests; /* ... and this daemon reads them there */
     struct moe_region *regions;
     struct pending *pending;
     unsigned generation;  /* connections made so far */
@@ -267,6 +269,7 @@ static int connection_open(moe_client *c)
     memcpy(c->token, rep->token.data, rep->token.len);
     c->token_len = rep->token.len;
     c->session_id = rep->session_id;
+    c->socket_requests = c->rfd >= 0 && rep->socket_requests && c->want_socket_requests;
     char endpoint[PATH_MAX + 16];
     snprintf(endpoint, sizeof(endpoint), "%s", rep->request_endpoint);
     moe__session_reply__free_unpacked(rep, NULL);
@@ -339,6 +342,9 @@ int moe_connect(const char *runtime_dir, const char *client_name, moe_client **o
      * measuring the difference). */
     const char *rp = getenv("MOE_REPLIES");
     c->want_rfd = !(rp && !strcmp(rp, "zmq"));
+    /* Compute requests on it too unless MOE_REQUESTS=zmq. */
+    const char *rq = getenv("MOE_REQUESTS");
+    c->want_socket_requests = !(rq && !strcmp(rq, "zmq"));
     snprintf(c->name, sizeof(c->name), "%s", client_name ? client_name : "");
     int rc = 0;
     if (runtime_dir)
@@ -385,13 +391,24 @@ void moe_disconnect(moe_client **cp)
 
 /* ---- request channel --------------------------------------------------- */
 
-/* Pack and send; caller holds c->mu. Fills req->id, req->token. */
-static int send_request(moe_client *c, Moe__Request *req)
+/* Pack and send; caller holds c->mu. Fills req->id, req->token. A compute
+ * request goes on the reply socket where the daemon reads it there (its
+ * loop wakes on it directly), unless the socket is full: then, like every
+ * other request, by ZeroMQ. Its reply may come on either. */
+static int send_request(moe_client *c, Moe__Request *req, bool compute)
 {
     req->id = ++c->next_id;
     req->token.data = c->token;
     req->token.len = c->token_len;
     size_t n = moe__request__get_packed_size(req);
+    if (compute && c->socket_requests && n <= 4096) {
+        uint8_t buf[4096];
+        moe__request__pack(req, buf);
+        if (send(c->rfd, buf, n, MSG_DONTWAIT | MSG_NOSIGNAL) == (ssize_t)n)
+            return 0;
+        /* EAGAIN: full; anything else: the daemon is going away, which
+         * the session socket tells. Either way ZeroMQ takes it. */
+    }
     zmq_msg_t msg;
     if (zmq_msg_init_size(&msg, n) != 0)
         return seterr(-ENOMEM, "out of memory");
@@ -576,7 +593,7 @@ static int call(moe_client *c, Moe__Request *req, Moe__Reply **out)
     pthread_mutex_lock(&c->mu);
     int rc = connection_ensure(c);
     if (!rc)
-        rc = send_request(c, req);
+        rc = send_request(c, req, false);
     pthread_mutex_unlock(&c->mu);
     if (rc)
         return rc;
@@ -951,7 +968,7 @@ static int submit(moe_client *c, void (*build)(struct compute_msg *, const void 
     int rc = connection_ensure(c);
     if (!rc) {
         build(&cm, args);
-        rc = send_request(c, &cm.req);
+        rc = send_request(c, &cm.req, true);
     }
     r->generation = c->generation;
     r->id = rc ? 0 : cm.req.id;

@@ -114,9 +114,11 @@ const char *moe_errmsg(void);
  * client_name appears in the daemon's logs (may be NULL). Caller owns *out;
  * release with moe_disconnect().
  *
- * The replies of compute requests come on a reply socket of the client's
- * own (one wake-up of the waiting thread); MOE_REPLIES=zmq in the
- * environment at connect time keeps them on the ZeroMQ request socket.
+ * Compute requests and their replies go on a socket of the client's own
+ * (the daemon's loop reads the request, the reply wakes the waiting thread:
+ * no ZeroMQ I/O thread on the way); whatever it cannot take at once goes by
+ * ZeroMQ. In the environment at connect time, MOE_REQUESTS=zmq sends the
+ * requests by ZeroMQ, MOE_REPLIES=zmq keeps both on ZeroMQ.
  */
 int moe_connect(const char *runtime_dir, const char *client_name, moe_client **out);
 /* Close the session (the daemon releases its regions); sets *c = NULL.

@@ -131,6 +131,12 @@ int loop_timer_set(struct loop_watch *w, uint64_t delay_us, uint64_t interval_us
     return timerfd_settime(w->fd, 0, &its, NULL) < 0 ? -errno : 0;
 }
 
+int loop_watch_events(struct loop *l, struct loop_watch *w, uint32_t events)
+{
+    struct epoll_event ev = {.events = events, .data.ptr = w};
+    return epoll_ctl(l->epfd, EPOLL_CTL_MOD, w->fd, &ev) < 0 ? -errno : 0;
+}
+
 void loop_unwatch(struct loop *l, struct loop_watch **wp)
 {
     struct loop_watch *w = *wp;

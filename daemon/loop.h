@@ -27,6 +27,8 @@ void loop_free(struct loop **l);
 struct loop_watch *loop_watch(struct loop *l, int fd, uint32_t events,
                               loop_fd_fn fn, void *data);
 /* Stop watching; safe inside a callback, even the watch's own. *w = NULL. */
+/* Change the epoll events a watch waits for; 0 or -errno. */
+int loop_watch_events(struct loop *l, struct loop_watch *w, uint32_t events);
 void loop_unwatch(struct loop *l, struct loop_watch **w);
 
 /* A periodic timer (first fire after interval_us). Same handle rules. */

@@ -4,7 +4,9 @@
  * to a session, and either answered at once (Hello, ListLayers, Stats,
  * UnloadLayer), handed to the loader (LoadLayer) or validated into a request
  * for the batcher (FusedMoe, GroupedGemm). Every failure is answered with a
- * status and a message; nothing a client sends can stop the loop.
+ * status and a message; nothing a client sends can stop the loop. Requests
+ * that come on a session's reply socket (session.c reads them) take the
+ * same path with a route that names that socket (route_for_session).
  */
 #include <errno.h>
 #include <stdarg.h>
@@ -24,9 +26,30 @@
 
 #define PROTOCOL_VERSION 1
 
+void route_for_session(uint64_t session_id, uint8_t rid[SOCKET_ROUTE_LEN])
+{
+    rid[0] = 0;
+    rid[1] = 'S';
+    memcpy(rid + 2, &session_id, sizeof(session_id));
+}
+
+bool route_session(const uint8_t *rid, size_t rlen, uint64_t *session_id)
+{
+    if (rlen != SOCKET_ROUTE_LEN || rid[0] != 0 || rid[1] != 'S')
+        return false;
+    if (session_id)
+        memcpy(session_id, rid + 2, sizeof(*session_id));
+    return true;
+}
+
 void server_reply(struct server *s, const uint8_t *route_id, size_t route_len, void *reply)
 {
     Moe__Reply *rep = reply;
+    uint64_t sid;
+    if (route_session(route_id, route_len, &sid)) {
+        session_send_reply(s, sid, reply);
+        return;
+    }
     size_t n = moe__reply__get_packed_size(rep);
     zmq_msg_t msg;
     if (zmq_msg_init_size(&msg, n) != 0)
@@ -45,6 +68,10 @@ void server_reply(struct server *s, const uint8_t *route_id, size_t route_len, v
 void server_reply_session(struct server *s, uint64_t session_id, const uint8_t *route_id,
                           size_t route_len, void *reply)
 {
+    if (route_session(route_id, route_len, NULL)) {
+        server_reply(s, route_id, route_len, reply); /* it came on the reply socket */
+        return;
+    }
     struct session *se = session_by_id(s, session_id);
     int rc = se ? session_push_reply(se, reply) : -ENOTCONN;
     if (rc == 0)
@@ -399,6 +426,12 @@ void server_handle_message(struct server *s, const uint8_t *rid, size_t rlen,
                            "unknown or missing session token: open a session first");
         goto out;
     }
+    uint64_t sid;
+    if (route_session(rid, rlen, &sid) && sid != se->id) {
+        server_reply_error(s, rid, rlen, m->id, -EACCES,
+                           "the token is not this reply socket's session's");
+        goto out;
+    }
     switch (m->body_case) {
     case MOE__REQUEST__BODY_HELLO:
         handle_hello(s, rid, rlen, m);
@@ -481,6 +514,10 @@ static int server_recv_one(struct server *s)
     }
     if (rlen == 0) {
         /* Without a routing id there is nobody to answer. */
+    } else if (route_session(rid, rlen, NULL)) {
+        /* Answering would write to a session's reply socket. */
+        log_warn("request socket: a peer uses a routing id reserved for reply sockets; "
+                 "message dropped");
     } else if (bad || nparts != 2) {
         server_reply_error(s, rid, rlen, 0, -EPROTO,
                            "a request is one message part, got %d", nparts - 1);
@@ -644,5 +681,6 @@ void server_free(struct server **sp)
         zmq_ctx_term(s->zctx);
     if (s->staging)
         s->backend->ops->host_free(s->backend, s->staging, s->staging_size);
+    free(s->sock_rx);
     free(s);
 }

@@ -27,6 +27,7 @@
 
 struct loop;
 struct loop_watch;
+struct out_msg;
 struct region;
 
 #define SESSION_TOKEN_BYTES 16
@@ -45,6 +46,11 @@ struct session {
     gid_t gid;
     bool opened;
     int reply_fd;            /* OpenSession.reply_socket, or -1 */
+    struct loop_watch *reply_watch;
+    /* Replies to requests that came on the reply socket, waiting for room
+     * there (the socket is then watched for output, not read). */
+    struct out_msg *outq, **outq_tail;
+    uint32_t n_out;
     char name[64];
     struct region *regions;
     uint32_t n_regions;
@@ -153,6 +159,8 @@ struct server {
     bool zmq_dirty;         /* the socket may hold messages ZMQ_FD did not signal */
     bool in_drain;          /* in server_drain, which kicks the batcher at its end */
     char endpoint[300];
+    uint8_t *sock_rx;       /* a request read from a reply socket */
+    size_t sock_rx_size;
 
     int listen_fd;
     struct loop_watch *listen_watch;
@@ -202,7 +210,19 @@ unsigned server_pending(const struct server *s);
  * server_reply(), now or when its work completes. */
 void server_handle_message(struct server *s, const uint8_t *rid, size_t rlen,
                            const uint8_t *data, size_t len);
-/* Send a reply to a routing id; frees nothing. */
+/*
+ * Requests may also come on a session's reply socket. They carry a route of
+ * SOCKET_ROUTE_LEN bytes made here instead of a ZeroMQ routing id, so every
+ * reply path handles both: a zero byte, 'S', the session id. ZeroMQ's own
+ * ids are 5 bytes; a ZeroMQ peer that claims one of these is refused
+ * (server_recv_one), so only the socket's own session is ever answered
+ * there.
+ */
+#define SOCKET_ROUTE_LEN 10
+void route_for_session(uint64_t session_id, uint8_t rid[SOCKET_ROUTE_LEN]);
+bool route_session(const uint8_t *rid, size_t rlen, uint64_t *session_id);
+/* Send a reply to a routing id (or a session's reply socket); frees
+ * nothing. */
 void server_reply(struct server *s, const uint8_t *route_id, size_t route_len,
                   void *reply /* Moe__Reply */);
 /* The same for a compute request of session session_id: on the session's
@@ -228,6 +248,11 @@ struct session *session_by_id(struct server *s, uint64_t id);
  * when it has none or the reply could not go at once (the caller then uses
  * ZeroMQ). */
 int session_push_reply(struct session *se, void *reply);
+/* The Reply to a request that came on the session's reply socket: sent
+ * now, or queued until the socket has room (the session's requests are not
+ * read meanwhile, so the queue is bounded by its requests in flight).
+ * Dropped when the session or its socket is gone. */
+void session_send_reply(struct server *s, uint64_t session_id, void *reply);
 struct region *session_region(struct session *se, uint64_t region_id);
 
 /* wire.c */

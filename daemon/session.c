@@ -82,6 +82,8 @@ int session_push_reply(struct session *se, void *reply)
 {
     if (se->reply_fd < 0)
         return -ENOTCONN;
+    if (se->outq)
+        return -EAGAIN; /* the socket's room is promised to its own requests */
     uint8_t buf[SESSION_MSG_MAX];
     size_t n = moe__reply__get_packed_size(reply);
     if (n > sizeof(buf))
@@ -91,6 +93,156 @@ int session_push_reply(struct session *se, void *reply)
      * replies on the request socket once that one is full. The session
      * socket itself carries only the answers to session requests. */
     return send(se->reply_fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT) < 0 ? -errno : 0;
+}
+
+/* ---- requests on the reply socket ---------------------------------------
+ *
+ * A client may send its Requests on its reply socket too (libmoe sends
+ * compute requests there): the daemon's loop reads them itself, without the
+ * two ZeroMQ I/O threads of the request socket. Their replies go back on
+ * the same socket and nowhere else, so when it is full they wait in the
+ * session's queue, and the socket is not read until the queue is empty:
+ * a client that does not read its replies stops being read, and the queue
+ * never holds more than its requests in flight. */
+
+struct out_msg {
+    struct out_msg *next;
+    size_t n;
+    uint8_t data[];
+};
+
+/* At most this many requests read from one socket per wake-up, so one busy
+ * client cannot hold the loop. */
+#define SOCKET_READ_BUDGET 64
+
+static void reply_socket_close(struct server *s, struct session *se, const char *why)
+{
+    if (se->reply_fd < 0)
+        return;
+    if (why)
+        log_debug("session %llu (pid %d): reply socket closed (%s), %u replies dropped",
+                  (unsigned long long)se->id, (int)se->pid, why, se->n_out);
+    if (se->reply_watch)
+        loop_unwatch(s->loop, &se->reply_watch);
+    close_fd(&se->reply_fd);
+    while (se->outq) {
+        struct out_msg *m = se->outq;
+        se->outq = m->next;
+        free(m);
+    }
+    se->outq_tail = &se->outq;
+    se->n_out = 0;
+}
+
+/* Send one datagram: 1 sent, 0 no room now, -1 the socket is closed. */
+static int reply_socket_send(struct server *s, struct session *se, const void *buf, size_t n)
+{
+    if (send(se->reply_fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT) >= 0)
+        return 1;
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS)
+        return 0;
+    reply_socket_close(s, se, strerror(errno));
+    return -1;
+}
+
+/* The socket has room: send what waits, and read requests again once
+ * nothing does. */
+static void reply_socket_flush(struct server *s, struct session *se)
+{
+    while (se->outq) {
+        struct out_msg *m = se->outq;
+        if (reply_socket_send(s, se, m->data, m->n) <= 0)
+            return;
+        se->outq = m->next;
+        se->n_out--;
+        free(m);
+    }
+    se->outq_tail = &se->outq;
+    loop_watch_events(s->loop, se->reply_watch, EPOLLIN);
+}
+
+void session_send_reply(struct server *s, uint64_t session_id, void *reply)
+{
+    struct session *se = session_by_id(s, session_id);
+    if (!se || se->reply_fd < 0) {
+        log_debug("session %llu: reply %llu dropped: the reply socket is gone",
+                  (unsigned long long)session_id,
+                  (unsigned long long)((Moe__Reply *)reply)->id);
+        return;
+    }
+    uint8_t buf[SESSION_MSG_MAX];
+    size_t n = moe__reply__get_packed_size(reply);
+    if (!se->outq && n <= sizeof(buf)) {
+        moe__reply__pack(reply, buf);
+        if (reply_socket_send(s, se, buf, n) != 0)
+            return; /* sent, or the socket is gone */
+    }
+    struct out_msg *m = malloc(sizeof(*m) + n);
+    if (!m) {
+        log_warn("session %llu: reply dropped: out of memory", (unsigned long long)se->id);
+        return;
+    }
+    m->next = NULL;
+    m->n = moe__reply__pack(reply, m->data);
+    if (!se->outq)
+        loop_watch_events(s->loop, se->reply_watch, EPOLLOUT);
+    *se->outq_tail = m;
+    se->outq_tail = &m->next;
+    se->n_out++;
+}
+
+static void reply_socket_read(struct server *s, struct session *se)
+{
+    /* A datagram is at most the socket's send buffer (a few hundred KiB);
+     * bigger requests go by ZeroMQ. */
+    size_t limit = s->cfg->max_message_bytes < (4u << 20) ? (size_t)s->cfg->max_message_bytes
+                                                          : (size_t)4u << 20;
+    size_t cap = limit + 1;
+    if (s->sock_rx_size < cap) {
+        uint8_t *b = realloc(s->sock_rx, cap);
+        if (!b)
+            return; /* level-triggered: tried again on the next wake-up */
+        s->sock_rx = b;
+        s->sock_rx_size = cap;
+    }
+    uint8_t rid[SOCKET_ROUTE_LEN];
+    route_for_session(se->id, rid);
+    int got = 0;
+    s->in_drain = true; /* one batch_kick for all of them, below */
+    while (got < SOCKET_READ_BUDGET && se->reply_fd >= 0 && !se->outq) {
+        ssize_t n = recv(se->reply_fd, s->sock_rx, cap, MSG_DONTWAIT | MSG_TRUNC);
+        if (n < 0) {
+            if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+                reply_socket_close(s, se, strerror(errno));
+            break;
+        }
+        if (n == 0) { /* the client closed its end (or sent an empty datagram) */
+            reply_socket_close(s, se, "end of file");
+            break;
+        }
+        got++;
+        if ((size_t)n >= cap)
+            server_reply_error(s, rid, sizeof(rid), 0, -EMSGSIZE,
+                               "request of %zd bytes is over the reply socket's %zu", n,
+                               limit);
+        else
+            server_handle_message(s, rid, sizeof(rid), s->sock_rx, (size_t)n);
+    }
+    s->in_drain = false;
+    if (got)
+        batch_kick(s);
+}
+
+static void reply_socket_ready(void *data, int fd, uint32_t events)
+{
+    struct session *se = data;
+    struct server *s = se->server;
+    if (se->outq) {
+        reply_socket_flush(s, se);
+        if (se->outq)
+            return;
+    }
+    reply_socket_read(s, se);
 }
 
 static void session_fail(struct server *s, struct session *se, int err, const char *fmt, ...)
@@ -231,6 +383,11 @@ static void session_open(struct server *s, struct session *se, const Moe__OpenSe
                          "OpenSession");
             return;
         }
+        se->reply_watch = loop_watch(s->loop, fds[0], EPOLLIN, reply_socket_ready, se);
+        if (!se->reply_watch) {
+            session_fail(s, se, -errno, "reply socket: %s", strerror(errno));
+            return;
+        }
         se->reply_fd = fds[0];
         fds[0] = -1; /* the session owns it now */
     }
@@ -241,6 +398,7 @@ static void session_open(struct server *s, struct session *se, const Moe__OpenSe
     rep.token.len = SESSION_TOKEN_BYTES;
     rep.session_id = se->id;
     rep.request_endpoint = s->endpoint;
+    rep.socket_requests = se->reply_fd >= 0;
     session_send(s, se, &rep);
     log_debug("session %llu opened by pid %d uid %u (%s)", (unsigned long long)se->id,
               (int)se->pid, (unsigned)se->uid, se->name);
@@ -339,7 +497,7 @@ static void session_close(struct server *s, struct session *se, const char *why)
     }
     loop_unwatch(s->loop, &se->watch);
     close_fd(&se->fd);
-    close_fd(&se->reply_fd);
+    reply_socket_close(s, se, NULL);
     free(se);
 }
 
@@ -379,6 +537,7 @@ int session_attach(struct server *s, int fd)
     se->server = s;
     se->fd = fd;
     se->reply_fd = -1;
+    se->outq_tail = &se->outq;
     se->pid = cred.pid;
     se->uid = cred.uid;
     se->gid = cred.gid;

@@ -978,6 +978,168 @@ TEST(a_bad_reply_socket_is_refused)
     itest_daemon_stop(&d);
 }
 
+/* A raw session with a reply socket: its token in r, our end in *rfd. */
+static void open_with_socket(struct raw *r, const char *dir, int *rfd)
+{
+    int sp[2];
+    CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) == 0);
+    memset(r, 0, sizeof(*r));
+    CHECK(raw_connect_session(r, dir) == 0);
+    raw_connect_zmq(r, dir, 300);
+    Moe__SessionRequest req = MOE__SESSION_REQUEST__INIT;
+    Moe__OpenSession os = MOE__OPEN_SESSION__INIT;
+    os.protocol_version = 1;
+    os.client_name = "raw";
+    os.reply_socket = true;
+    req.body_case = MOE__SESSION_REQUEST__BODY_OPEN;
+    req.open = &os;
+    Moe__SessionReply *rep = raw_session_call(r, &req, &sp[1], 1);
+    CHECK_EQ_INT((int)rep->status, 0);
+    CHECK_MSG(rep->socket_requests, "the daemon does not read requests on reply sockets");
+    CHECK(rep->token.len == 16);
+    memcpy(r->token, rep->token.data, 16);
+    r->session_id = rep->session_id;
+    moe__session_reply__free_unpacked(rep, NULL);
+    close(sp[1]);
+    *rfd = sp[0];
+}
+
+/* Send bytes on a reply socket without blocking: 0, or -errno. */
+static int socket_send(int fd, const void *buf, size_t n)
+{
+    return send(fd, buf, n, MSG_DONTWAIT | MSG_NOSIGNAL) == (ssize_t)n ? 0 : -errno;
+}
+
+static int socket_send_req(struct raw *r, int fd, Moe__Request *req, const uint8_t *token)
+{
+    uint8_t buf[1024];
+    req->id = ++r->next_id;
+    req->token.data = (uint8_t *)(token ? token : r->token);
+    req->token.len = 16;
+    return socket_send(fd, buf, moe__request__pack(req, buf));
+}
+
+/* The next reply on a reply socket, or NULL after wait_ms. */
+static Moe__Reply *socket_recv(int fd, int wait_ms)
+{
+    struct pollfd p = {fd, POLLIN, 0};
+    if (poll(&p, 1, wait_ms) <= 0)
+        return NULL;
+    uint8_t buf[8192];
+    ssize_t n = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+    return n > 0 ? moe__reply__unpack(NULL, (size_t)n, buf) : NULL;
+}
+
+static Moe__Request hello_req(Moe__Hello *h)
+{
+    Moe__Request req = MOE__REQUEST__INIT;
+    moe__hello__init(h);
+    h->protocol_version = 1;
+    req.body_case = MOE__REQUEST__BODY_HELLO;
+    return req;
+}
+
+/* Requests on a reply socket are answered there, and only there; a foreign
+ * token, garbage, a ZeroMQ peer posing as a reply socket and a client that
+ * floods its socket without reading are refused or held back, and nothing
+ * is lost. */
+TEST(requests_on_a_reply_socket_are_checked)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    struct raw a, b;
+    int afd;
+    open_with_socket(&a, d.dir, &afd);
+    raw_open(&b, d.dir, true);
+    Moe__Hello h;
+    Moe__Request req = hello_req(&h);
+    req.hello = &h;
+
+    /* Its own token: answered on the socket. */
+    CHECK_EQ_INT(socket_send_req(&a, afd, &req, NULL), 0);
+    Moe__Reply *rep = socket_recv(afd, 5000);
+    CHECK_MSG(rep != NULL, "no reply on the reply socket");
+    CHECK_EQ_INT((int)rep->status, 0);
+    CHECK(rep->id == a.next_id && rep->body_case == MOE__REPLY__BODY_HELLO);
+    moe__reply__free_unpacked(rep, NULL);
+
+    /* Another session's token: refused, on this socket; b hears nothing. */
+    CHECK_EQ_INT(socket_send_req(&a, afd, &req, b.token), 0);
+    rep = socket_recv(afd, 5000);
+    CHECK(rep != NULL);
+    CHECK((int)rep->status != 0);
+    CHECK_STR_CONTAINS(rep->message, "not this reply socket's session");
+    moe__reply__free_unpacked(rep, NULL);
+    CHECK(raw_recv_try(&b) == NULL);
+
+    /* Bytes that are no Request. */
+    static const uint8_t junk[] = {0xff, 0xff, 0xff, 0x01, 0x02};
+    CHECK_EQ_INT(socket_send(afd, junk, sizeof(junk)), 0);
+    rep = socket_recv(afd, 5000);
+    CHECK(rep != NULL);
+    CHECK((int)rep->status != 0);
+    CHECK_STR_CONTAINS(rep->message, "could not be decoded");
+    moe__reply__free_unpacked(rep, NULL);
+
+    /* A ZeroMQ peer whose routing id is the one the daemon gives a's socket
+     * (a zero byte, 'S', the session id): its request must not be answered
+     * on a's socket. libzmq may refuse such an id outright. */
+    uint8_t forged[10] = {0, 'S'};
+    memcpy(forged + 2, &a.session_id, 8);
+    struct raw c;
+    memset(&c, 0, sizeof(c));
+    CHECK(raw_connect_session(&c, d.dir) == 0);
+    CHECK_EQ_INT(raw_open_session_try(&c), 0);
+    c.zctx = zmq_ctx_new();
+    c.zsock = zmq_socket(c.zctx, ZMQ_DEALER);
+    int linger = 0, tmo = 300;
+    zmq_setsockopt(c.zsock, ZMQ_LINGER, &linger, sizeof(linger));
+    zmq_setsockopt(c.zsock, ZMQ_RCVTIMEO, &tmo, sizeof(tmo));
+    if (zmq_setsockopt(c.zsock, ZMQ_ROUTING_ID, forged, sizeof(forged)) == 0) {
+        char ep[300];
+        snprintf(ep, sizeof(ep), "ipc://%s/moed.zmq", d.dir);
+        CHECK(zmq_connect(c.zsock, ep) == 0);
+        CHECK_EQ_INT(raw_send(&c, &req), 0);
+        rep = socket_recv(afd, 500);
+        CHECK_MSG(rep == NULL, "a ZeroMQ peer's request was answered on another's reply socket");
+        CHECK(raw_recv_try(&c) == NULL);
+    }
+    raw_close(&c);
+
+    /* Flood: send until the socket is full, without reading. The daemon
+     * stops reading a socket whose replies wait, so others are still served
+     * and, once a reads, every request is answered exactly once. */
+    uint64_t first = a.next_id + 1;
+    int sent = 0;
+    while (sent < 200000 && socket_send_req(&a, afd, &req, NULL) == 0)
+        sent++;
+    a.next_id = first - 1 + (uint64_t)sent; /* the failed send took an id */
+    CHECK_MSG(sent > 100, "only %d requests fit", sent);
+    raw_hello(&b);
+    moe_client *other = itest_connect(&d, "itest");
+    moe_server_info info;
+    CHECK_MSG(moe_hello(other, &info) == 0, "%s", moe_errmsg());
+    moe_disconnect(&other);
+    uint8_t *seen = calloc((size_t)sent, 1);
+    CHECK(seen != NULL);
+    int got = 0;
+    while (got < sent && (rep = socket_recv(afd, 5000)) != NULL) {
+        CHECK_MSG(rep->id >= first && rep->id < first + (uint64_t)sent && !seen[rep->id - first],
+                  "unexpected or repeated reply %llu", (unsigned long long)rep->id);
+        CHECK_EQ_INT((int)rep->status, 0);
+        seen[rep->id - first] = 1;
+        got++;
+        moe__reply__free_unpacked(rep, NULL);
+    }
+    CHECK_MSG(got == sent, "%d of %d flooded requests answered", got, sent);
+    CHECK(raw_recv_try(&a) == NULL); /* none of them on the request socket */
+    free(seen);
+    close(afd);
+    raw_close(&a);
+    raw_close(&b);
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -990,5 +1152,6 @@ int main(int argc, char **argv)
         TEST_CASE(a_huge_timeout_is_no_deadline),
         TEST_CASE(unregistering_a_region_is_answered),
         TEST_CASE(a_bad_reply_socket_is_refused),
+        TEST_CASE(requests_on_a_reply_socket_are_checked),
         {0}});
 }

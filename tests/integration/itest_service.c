@@ -52,9 +52,10 @@ TEST(routing_modes_match_reference)
     itest_daemon_stop(&d);
 }
 
-/* Several processes at once, each checking every output of its own; half
- * take their replies on the request socket (MOE_REPLIES=zmq), half on their
- * reply socket (the default). */
+/* Several processes at once, each checking every output of its own, over
+ * each of libmoe's paths: requests and replies on the client's reply socket
+ * (the default), requests by ZeroMQ and replies on the socket
+ * (MOE_REQUESTS=zmq), both by ZeroMQ (MOE_REPLIES=zmq). */
 TEST(concurrent_clients_get_their_own_results)
 {
     uint64_t seed = test_seed();
@@ -71,7 +72,9 @@ TEST(concurrent_clients_get_their_own_results)
         CHECK(pids[i] >= 0);
         if (pids[i] == 0) {
             uint64_t s = seed ^ (0x9e3779b97f4a7c15ull * (uint64_t)(i + 1));
-            if (i % 2)
+            if (i % 3 == 1)
+                setenv("MOE_REQUESTS", "zmq", 1);
+            else if (i % 3 == 2)
                 setenv("MOE_REPLIES", "zmq", 1);
             moe_client *cc = itest_connect(&d, "itest-child");
             for (int r = 0; r < ROUNDS; r++)
