@@ -3,7 +3,7 @@
  *
  *   build: make -C kernels/bench BUILD=<abs build dir>   (or device.sh)
  *   run:   bench_moe [--peers FILE] [--csv FILE] [--sweep] [--only MODEL]
- *                    [--tokens T]
+ *                    [--tokens T]   (T: 1..4096, in the grid or not)
  *
  * For each model shape (mixtral-8x7b, qwen3-30b-a3b, deepseek-v3) and token
  * count (1, 8, 64, 512, 4096): a bf16 layer made on the device
@@ -346,9 +346,13 @@ int main(int argc, char **argv)
             sweep = true;
         else if (!strcmp(argv[i], "--only") && i + 1 < argc)
             only = argv[++i];
-        else if (!strcmp(argv[i], "--tokens") && i + 1 < argc)
+        else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) {
             only_t = atoi(argv[++i]);
-        else {
+            if (only_t < 1 || only_t > 4096) {
+                fprintf(stderr, "--tokens: 1 to 4096\n");
+                return 2;
+            }
+        } else {
             fprintf(stderr,
                     "usage: %s [--peers FILE] [--csv FILE] [--sweep] [--only MODEL] "
                     "[--tokens T]\n",
@@ -414,10 +418,11 @@ int main(int argc, char **argv)
         moek_cuda_workspace *ws = NULL;
         CK(moek_cuda_workspace_new(0, moek_cuda_moe_workspace_size(layer, 4096),
                                    &ws));
-        for (size_t ti = 0; ti < sizeof TOKENS / sizeof TOKENS[0]; ti++) {
-            const int T = TOKENS[ti];
-            if (only_t && T != only_t)
-                continue;
+        /* --tokens T: that count alone, in the grid or not (peers and the
+         * floor's table cover the grid only). */
+        const size_t n_t = only_t ? 1 : sizeof TOKENS / sizeof TOKENS[0];
+        for (size_t ti = 0; ti < n_t; ti++) {
+            const int T = only_t ? only_t : TOKENS[ti];
             inputs in;
             for (int r = 0; r < NSETS; r++) {
                 in.seed[r] = seed += 16;
