@@ -1,6 +1,7 @@
 /*
- * backend.c: choosing a backend. The vtable calls themselves go straight
- * through b->ops.
+ * backend.c: choosing a backend, and the one wrapper of an optional op that
+ * answers for backends without it (backend_moe_tune). The other vtable calls
+ * go straight through b->ops.
  */
 #include "daemon/backend.h"
 
@@ -30,6 +31,22 @@ void backend_free(struct backend **bp)
     *bp = NULL;
     if (b)
         b->ops->destroy(b);
+}
+
+int backend_moe_tune(struct backend *b, const moek_moe_shape *shape, moek_dtype dt,
+                     const int *tokens, int n, struct backend_tune *out, char *err,
+                     size_t errlen)
+{
+    if (!b->ops->moe_tune) {
+        snprintf(err, errlen, "the %s backend has no token tiles to tune", b->name);
+        return -ENOTSUP;
+    }
+    if (n < 1 || n > BACKEND_TUNE_MAX) {
+        snprintf(err, errlen, "%d token counts (1 to %d)", n, BACKEND_TUNE_MAX);
+        return -EINVAL;
+    }
+    memset(out, 0, sizeof(*out));
+    return b->ops->moe_tune(b, shape, dt, tokens, n, out, err, errlen);
 }
 
 /* ---- a device that failed at start ----------------------------------------- */

@@ -15,6 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "daemon/tiles.h"
 #include "kernels/moe_kernels.h"
 
 struct backend;
@@ -60,6 +61,19 @@ struct backend_device {
     uint32_t compute_units;
 };
 
+/* What moe_tune measured: for each token count, the time of every offered
+ * token tile (tiles_offered[], tiles.h), the fastest, and the tile the
+ * kernels' heuristic picks. */
+#define BACKEND_TUNE_MAX TILES_MAX_RULES
+struct backend_tune {
+    char device[TILES_DEVICE_MAX]; /* the card's name: the tile table's key */
+    int n;
+    int tokens[BACKEND_TUNE_MAX];
+    int best[BACKEND_TUNE_MAX];
+    int heuristic[BACKEND_TUNE_MAX];
+    float us[BACKEND_TUNE_MAX][TILES_N_OFFERED]; /* median microseconds */
+};
+
 struct backend_ops {
     /* Weights: w1/w3 [E, I, H] and w2 [E, H, I] (host memory, read only
      * during the call). The handle is the caller's; free with weights_free. */
@@ -95,6 +109,25 @@ struct backend_ops {
     int (*pin)(struct backend *b, void *base, size_t size, void **cookie);
     void (*unpin)(struct backend *b, void *base, size_t size, void *cookie);
 
+    /* Optional (NULL: tiles are not chosen, as on the CPU): the token-tile
+     * table for MoE layers made from now on. Each takes the rules of the
+     * entry of its card, dtype and shape, else keeps the kernels'
+     * heuristic; layers already made keep their tiles. t is copied (the
+     * entries of this backend's card); NULL clears. Called from the loop
+     * thread while the loader thread may make layers. */
+    int (*set_tiles)(struct backend *b, const struct tile_table *t);
+    /* Optional: where a MoE layer's token tiles come from, for the log
+     * ("the tile table (...)" or "the default heuristic (...)"). */
+    void (*moe_tiles)(struct backend *b, void *handle, char *buf, size_t len);
+    /* Optional: time every offered token tile of a MoE layer of this shape
+     * and dtype, made with random weights for the purpose and freed
+     * after, for n token counts (1 to BACKEND_TUNE_MAX); fills *out. Call
+     * it before serving (it holds the device for seconds). 0 or -errno with
+     * err; callers go through backend_moe_tune(). */
+    int (*moe_tune)(struct backend *b, const moek_moe_shape *shape, moek_dtype dt,
+                    const int *tokens, int n, struct backend_tune *out, char *err,
+                    size_t errlen);
+
     /* Fill up to max devices; returns the count or -errno. */
     int (*devices)(struct backend *b, struct backend_device *out, int max);
     /* Optional: false once the device is unusable (a CUDA error that
@@ -128,5 +161,11 @@ int backend_unavailable_new(const char *why, struct backend **out);
  * exists, else the CPU). */
 int backend_open(const char *which, int device, int cpu_threads, struct backend **out);
 void backend_free(struct backend **b);
+
+/* b->ops->moe_tune, or -ENOTSUP (with err saying so) for a backend that
+ * does not choose token tiles. */
+int backend_moe_tune(struct backend *b, const moek_moe_shape *shape, moek_dtype dt,
+                     const int *tokens, int n, struct backend_tune *out, char *err,
+                     size_t errlen);
 
 #endif

@@ -20,6 +20,11 @@
  * A sticky CUDA error (a kernel fault poisons the context) makes the backend
  * unhealthy; the daemon then exits non-zero and systemd restarts it.
  *
+ * Token tiles: a MoE layer takes, when it is made, the rules of the tile
+ * table's entry for this card, its dtype and shape (set_tiles, tiles.h),
+ * else keeps the kernels' heuristic; moe_tune measures the rules for
+ * `moed --tune` on a layer of random weights made for the purpose.
+ *
  * Built only with MOE_HAVE_CUDA (nvcc found at build time); otherwise
  * backend_cuda_new() reports -ENODEV and the CPU backend serves.
  */
@@ -47,10 +52,14 @@ void backend_cuda_transport(const char *name)
 
 #else
 
+#include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
+#include "daemon/util.h"
 #include "kernels/cuda/moe_cuda.h"
 
 #define GRAPH_MAX_TOKENS 64
@@ -77,6 +86,9 @@ struct cuda_weights {
     struct backend_moe_io graph_io[GRAPH_MAX_TOKENS + 1];
     /* A shard of a spread layer: its remap table on the device. */
     int32_t *remap_dev;
+    /* Where the MoE layer's token tiles come from. */
+    enum { TILE_SRC_NONE, TILE_SRC_NO_ENTRY, TILE_SRC_TABLE, TILE_SRC_REFUSED } tiles_from;
+    int n_rules;
 };
 
 /* Groups of devices that serve spread layers, by device list. */
@@ -102,7 +114,13 @@ struct cuda_backend {
     unsigned gen;       /* bumped whenever a buffer above moves */
     bool broken;        /* a sticky error: the context is unusable */
     char name[96];
+    char model[TILES_DEVICE_MAX]; /* the card's name, the tile table's key */
     struct ep_group eps[EP_GROUPS]; /* as the home device of spread layers */
+    /* The tile table's entries for this card (set_tiles from the loop
+     * thread, read by cuda_moe_new on the loader thread). */
+    pthread_mutex_t tiles_lock;
+    struct tile_table tiles;
+    bool have_table;
 };
 
 static int cuda_check(struct cuda_backend *cb, int rc)
@@ -144,6 +162,25 @@ static int cuda_ws_reserve(struct cuda_backend *cb, size_t need)
     return cuda_check(cb, rc);
 }
 
+/* Give a new MoE layer the table's rules for its card, dtype and shape. A
+ * table the kernels refuse (the parser checks what they check, so this
+ * should not happen) leaves the heuristic; the log says so. */
+static void cuda_apply_tiles(struct cuda_backend *cb, struct cuda_weights *w)
+{
+    pthread_mutex_lock(&cb->tiles_lock);
+    const struct tile_entry *e = tiles_find(&cb->tiles, cb->model, w->dt, &w->shape);
+    w->tiles_from = !cb->have_table ? TILE_SRC_NONE : e ? TILE_SRC_TABLE : TILE_SRC_NO_ENTRY;
+    if (e) {
+        moek_cuda_tile_rule rules[TILES_MAX_RULES];
+        for (int i = 0; i < e->n_rules; i++)
+            rules[i] = (moek_cuda_tile_rule){e->rules[i].min_tokens, e->rules[i].tile};
+        w->n_rules = e->n_rules;
+        if (moek_cuda_moe_layer_set_tiles(w->moe, rules, e->n_rules) != 0)
+            w->tiles_from = TILE_SRC_REFUSED;
+    }
+    pthread_mutex_unlock(&cb->tiles_lock);
+}
+
 static int cuda_moe_new(struct backend *b, const moek_moe_shape *shape, moek_dtype dt,
                         moek_scoring scoring, bool renormalize, const void *w1, const void *w3,
                         const void *w2, void **handle)
@@ -163,6 +200,7 @@ static int cuda_moe_new(struct backend *b, const moek_moe_shape *shape, moek_dty
         free(w);
         return cuda_check(cb, rc);
     }
+    cuda_apply_tiles(cb, w);
     *handle = w;
     return 0;
 }
@@ -497,6 +535,117 @@ static void cuda_host_free(struct backend *b, void *p, size_t size)
     free(p);
 }
 
+static int cuda_set_tiles(struct backend *b, const struct tile_table *t)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)b;
+    struct tile_table mine;
+    int rc = 0;
+    tiles_init(&mine);
+    for (size_t i = 0; t && i < t->n && !rc; i++) {
+        char why[200];
+        if (!strcmp(t->entries[i].device, cb->model))
+            rc = tiles_put(&mine, &t->entries[i], why, sizeof(why));
+    }
+    if (rc) {
+        tiles_done(&mine);
+        return rc;
+    }
+    pthread_mutex_lock(&cb->tiles_lock);
+    tiles_done(&cb->tiles);
+    cb->tiles = mine;
+    cb->have_table = t != NULL;
+    pthread_mutex_unlock(&cb->tiles_lock);
+    return 0;
+}
+
+static void cuda_moe_tiles(struct backend *b, void *handle, char *buf, size_t len)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)b;
+    const struct cuda_weights *w = handle;
+    const moek_moe_shape *s = &w->shape;
+    char key[200];
+    if (w->gemm) {
+        snprintf(buf, len, "%s", "");
+        return;
+    }
+    snprintf(key, sizeof(key), "%s, %s, E=%d k=%d H=%d I=%d", cb->model,
+             tiles_dtype_name(w->dt) ? tiles_dtype_name(w->dt) : "?", s->experts, s->topk,
+             s->hidden, s->intermediate);
+    switch (w->tiles_from) {
+    case TILE_SRC_TABLE:
+        snprintf(buf, len, "the tile table (%d rules for %s)", w->n_rules, key);
+        break;
+    case TILE_SRC_NO_ENTRY:
+        snprintf(buf, len, "the default heuristic (the tile table has no entry for %s)", key);
+        break;
+    case TILE_SRC_REFUSED:
+        snprintf(buf, len, "the default heuristic (the kernels refused the tile table's entry "
+                 "for %s)", key);
+        break;
+    default:
+        snprintf(buf, len, "the default heuristic (no tile table; %s)", key);
+        break;
+    }
+}
+
+/* Time every token tile on a layer of random weights (w1, w3 and w2 share
+ * one tensor: values do not change the time). */
+static int cuda_moe_tune(struct backend *b, const moek_moe_shape *shape, moek_dtype dt,
+                         const int *tokens, int n, struct backend_tune *out, char *err,
+                         size_t errlen)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)b;
+    static const int kernel_tiles[MOEK_CUDA_TILE_CANDIDATES] = MOEK_CUDA_TOKEN_TILES;
+    uint64_t elems, bytes;
+    if (cb->broken) {
+        snprintf(err, errlen, "the device is unusable after an earlier error");
+        return -EIO;
+    }
+    if (shape->experts < 1 || shape->hidden < 1 || shape->intermediate < 1 ||
+        !mul_u64((uint64_t)shape->experts * (uint64_t)shape->hidden,
+                 (uint64_t)shape->intermediate, &elems) ||
+        !mul_u64(elems, moek_dtype_size(dt), &bytes)) {
+        snprintf(err, errlen, "bad shape");
+        return -EINVAL;
+    }
+    moek_cuda_moe_layer *layer = NULL;
+    void *w = NULL;
+    int rc = moek_cuda_set_device(cb->device);
+    if (!rc)
+        rc = moek_cuda_malloc(bytes, &w);
+    if (!rc)
+        rc = moek_cuda_fill_uniform(w, dt, elems, (uint64_t)time(NULL),
+                                    1.0f / sqrtf((float)shape->hidden), NULL);
+    if (!rc)
+        rc = moek_cuda_moe_layer_new_from_device(shape, dt, w, w, w, cb->device, &layer);
+    moek_cuda_free(w);
+    int best[BACKEND_TUNE_MAX];
+    float us[BACKEND_TUNE_MAX * MOEK_CUDA_TILE_CANDIDATES];
+    if (!rc) {
+        for (int i = 0; i < n; i++)
+            out->heuristic[i] = moek_cuda_moe_layer_token_tile(layer, tokens[i]);
+        rc = moek_cuda_moe_layer_autotune(layer, tokens, n, best, us);
+    }
+    if (rc) {
+        snprintf(err, errlen, "%s", rc == -ENOMEM ? "out of device memory"
+                                                  : moek_cuda_last_error());
+        moek_cuda_moe_layer_free(layer);
+        return cuda_check(cb, rc);
+    }
+    moek_cuda_moe_layer_free(layer);
+    snprintf(out->device, sizeof(out->device), "%s", cb->model);
+    out->n = n;
+    for (int i = 0; i < n; i++) {
+        out->tokens[i] = tokens[i];
+        out->best[i] = best[i];
+        for (int j = 0; j < TILES_N_OFFERED; j++)
+            for (int q = 0; q < MOEK_CUDA_TILE_CANDIDATES; q++)
+                if (kernel_tiles[q] == tiles_offered[j])
+                    out->us[i][j] = us[i * MOEK_CUDA_TILE_CANDIDATES + q];
+    }
+    return 0;
+}
+
 static int cuda_devices(struct backend *b, struct backend_device *out, int max)
 {
     struct cuda_backend *cb = (struct cuda_backend *)b;
@@ -531,6 +680,8 @@ static void cuda_destroy(struct backend *b)
     moek_cuda_workspace_free(cb->ws);
     moek_cuda_stream_free(cb->stream);
     free(cb->cp);
+    tiles_done(&cb->tiles);
+    pthread_mutex_destroy(&cb->tiles_lock);
     free(cb);
 }
 
@@ -546,6 +697,9 @@ static const struct backend_ops cuda_ops = {
     .gemm_run = cuda_gemm_run,
     .host_alloc = cuda_host_alloc,
     .host_free = cuda_host_free,
+    .set_tiles = cuda_set_tiles,
+    .moe_tiles = cuda_moe_tiles,
+    .moe_tune = cuda_moe_tune,
     .devices = cuda_devices,
     .healthy = cuda_healthy,
     .destroy = cuda_destroy,
@@ -579,9 +733,10 @@ int backend_cuda_new(int device, struct backend **out)
         free(cb);
         return rc == -EIO ? -ENODEV : rc;
     }
-    char nm[80] = "";
-    moek_cuda_device_name(device, nm, sizeof(nm));
-    snprintf(cb->name, sizeof(cb->name), "%s (device %d)", nm, device);
+    moek_cuda_device_name(device, cb->model, sizeof(cb->model));
+    snprintf(cb->name, sizeof(cb->name), "%.72s (device %d)", cb->model, device);
+    pthread_mutex_init(&cb->tiles_lock, NULL);
+    tiles_init(&cb->tiles);
     cb->base.ops = &cuda_ops;
     cb->base.name = "cuda";
     *out = &cb->base;

@@ -34,13 +34,44 @@ char *config_default_runtime_dir(void)
     return strdup(buf);
 }
 
+/* An absolute directory from the environment (the first of a
+ * colon-separated list when `list`), or NULL. */
+static const char *env_dir(const char *name, bool list, size_t *len)
+{
+    const char *v = getenv(name);
+    if (!v || v[0] != '/')
+        return NULL;
+    *len = list ? strcspn(v, ":") : strlen(v);
+    return v;
+}
+
+char *config_default_tile_table(void)
+{
+    char buf[PATH_MAX];
+    const char *d;
+    size_t n = 0;
+    int w;
+    if ((d = env_dir("CACHE_DIRECTORY", true, &n)))
+        w = snprintf(buf, sizeof(buf), "%.*s/tiles.tsv", (int)n, d);
+    else if (geteuid() == 0)
+        w = snprintf(buf, sizeof(buf), "/var/cache/moed/tiles.tsv");
+    else if ((d = env_dir("XDG_CACHE_HOME", false, &n)))
+        w = snprintf(buf, sizeof(buf), "%.*s/moed/tiles.tsv", (int)n, d);
+    else if ((d = env_dir("HOME", false, &n)))
+        w = snprintf(buf, sizeof(buf), "%.*s/.cache/moed/tiles.tsv", (int)n, d);
+    else
+        w = snprintf(buf, sizeof(buf), "%s", "");
+    return strdup(w >= 0 && (size_t)w < sizeof(buf) ? buf : "");
+}
+
 int config_init(struct config *c)
 {
     memset(c, 0, sizeof(*c));
     c->runtime_dir = config_default_runtime_dir();
     c->backend = strdup("auto");
     c->transport = strdup("auto");
-    if (!c->runtime_dir || !c->backend || !c->transport)
+    c->tile_table = config_default_tile_table();
+    if (!c->runtime_dir || !c->backend || !c->transport || !c->tile_table)
         return -ENOMEM;
     c->log_level = 6;
     c->io_threads = 1;
@@ -84,6 +115,7 @@ void config_done(struct config *c)
     free(c->runtime_dir);
     free(c->backend);
     free(c->transport);
+    free(c->tile_table);
     for (size_t i = 0; i < c->n_allowed_dirs; i++)
         free(c->allowed_dirs[i]);
     free(c->allowed_dirs);
@@ -277,6 +309,8 @@ int config_set_daemon(struct config *c, const char *k, const char *v)
             return -EINVAL;
         return set_str(&c->transport, v);
     }
+    if (!strcmp(k, "tile_table"))
+        return !v[0] || v[0] == '/' ? set_str(&c->tile_table, v) : -EINVAL;
     if (!strcmp(k, "device")) {
         int rc = parse_u64(v, 255, &x);
         c->device = (int)x;

@@ -13,6 +13,9 @@
  *   transport = auto          ; between GPUs: auto (NCCL if installed, else peer) | nccl | peer
  *   io_threads = 1            ; ZeroMQ I/O threads (client connections spread over them)
  *   log_level = info
+ *   tile_table = /var/cache/moed/tiles.tsv
+ *                             ; token tiles measured by moed --tune (tiles.h); empty: none,
+ *                             ; the kernels' heuristic. Default: config_default_tile_table()
  *
  *   [batch]
  *   max_batch_tokens = 4096   ; tokens (or GEMM rows) in one launch
@@ -87,6 +90,7 @@ struct config {
     size_t n_gpus;
     bool gpus_all;           /* gpus = all */
     char *transport;         /* auto | nccl | peer */
+    char *tile_table;        /* absolute path, or "" for none */
     int io_threads;          /* ZeroMQ I/O threads */
     int log_level;
 
@@ -134,6 +138,12 @@ int config_set_daemon(struct config *c, const char *key, const char *value);
  * /run/moed for root, else $XDG_RUNTIME_DIR/moed, else /tmp/moed-<uid>.
  * Caller frees. */
 char *config_default_runtime_dir(void);
+
+/* The token-tile table's file when the configuration names none:
+ * $CACHE_DIRECTORY/tiles.tsv (the service's CacheDirectory=), else
+ * /var/cache/moed/tiles.tsv for root, else $XDG_CACHE_HOME/moed/tiles.tsv,
+ * else $HOME/.cache/moed/tiles.tsv, else "" (none). Caller frees. */
+char *config_default_tile_table(void);
 
 /* Parse "moe"/"gemm", "bf16"/..., "softmax"/... Return the enum or -1. */
 int config_parse_kind(const char *s);

@@ -165,6 +165,28 @@ static void load_run(struct job *job)
         layer_set_placement(l);
 }
 
+/* Where a ready MoE layer's token tiles come from (the tile table or the
+ * kernels' heuristic), once per layer, for backends that choose tiles; a
+ * spread layer reports its first shard. */
+static void layer_log_tiles(struct server *s, const struct layer *l)
+{
+    struct backend *b = s->backend;
+    void *h = l->weights;
+    bool shard = false;
+    if (!h && l->shards.n > 0) {
+        b = s->backends[l->shards.shards[0].device];
+        h = l->shards.shards[0].weights;
+        shard = true;
+    }
+    if (l->kind != MOE__LAYER_KIND__LAYER_MOE || !h || !b->ops->moe_tiles)
+        return;
+    char how[400] = "";
+    b->ops->moe_tiles(b, h, how, sizeof(how));
+    if (how[0])
+        log_info("layer '%s': token tiles from %s%s", l->name, how,
+                 shard ? " (its first shard)" : "");
+}
+
 static void load_job_free(struct load_job *lj)
 {
     tensor_ref_done(&lj->w1);
@@ -194,6 +216,7 @@ static void load_done(struct job *job)
         l->state = LAYER_READY;
         log_info("layer '%s' loaded: %s, %.1f MiB in %.2f s", l->name, l->source,
                  (double)l->weight_bytes / (1 << 20), (double)(now_us() - lj->start_us) / 1e6);
+        layer_log_tiles(s, l);
         if (lj->route_len) {
             wire_layer_info(l, &info);
             rep.id = lj->req_id;
@@ -447,6 +470,7 @@ int layer_load_conf(struct server *s, const struct layer_conf *lc, char *err, si
         return lj.rc;
     }
     lj.layer->state = LAYER_READY;
+    layer_log_tiles(s, lj.layer);
     return 0;
 }
 

@@ -51,4 +51,13 @@ int layer_read_weights(const struct layer_spec *spec, char *const *allowed,
                        size_t errlen);
 void host_weights_done(struct host_weights *w);
 
+/*
+ * A MoE layer's experts, hidden and intermediate sizes and dtype as
+ * layer_read_weights would read them, from the file's header alone (for
+ * moed --tune, which times layers of that shape): out gets the sizes, dtype
+ * and source, no buffers. Same errors as layer_read_weights.
+ */
+int layer_read_shape(const struct layer_spec *spec, char *const *allowed, size_t n_allowed,
+                     struct host_weights *out, char *err, size_t errlen);
+
 #endif

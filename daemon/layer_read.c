@@ -184,21 +184,25 @@ static bool shape2(const struct st_tensor *t, uint64_t a, uint64_t b)
     return t->ndim == 2 && t->shape[0] == a && t->shape[1] == b;
 }
 
-static int read_moe(const struct layer_spec *spec, const struct st_file *f,
-                    struct host_weights *out, char *err, size_t errlen)
+static const char *const moe_schemes[2][3] = {{"w1", "w3", "w2"},
+                                             {"gate_proj", "up_proj", "down_proj"}};
+
+/* A MoE layer's naming scheme (*scheme, into moe_schemes), experts, sizes
+ * and dtype from the file's header, spec's values overriding the file's;
+ * no tensor data is read. */
+static int moe_shape(const struct layer_spec *spec, const struct st_file *f,
+                     struct host_weights *out, int *scheme, char *err, size_t errlen)
 {
-    static const char *schemes[2][3] = {{"w1", "w3", "w2"},
-                                        {"gate_proj", "up_proj", "down_proj"}};
     const char *prefix = spec->prefix ? spec->prefix : "";
     int sch = -1;
     for (int i = 0; i < 2 && sch < 0; i++)
-        if (find_expert(f, prefix, 0, schemes[i][0]))
+        if (find_expert(f, prefix, 0, moe_schemes[i][0]))
             sch = i;
     if (sch < 0)
         return fail(err, errlen, -EINVAL,
                     "no tensor %sexperts.0.w1.weight or %sexperts.0.gate_proj.weight in the file",
                     prefix, prefix);
-    const char *const *parts = schemes[sch];
+    const char *const *parts = moe_schemes[sch];
     uint32_t E = spec->experts;
     if (!E) {
         while (E < MAX_EXPERTS && find_expert(f, prefix, E, parts[0]))
@@ -218,13 +222,29 @@ static int read_moe(const struct layer_spec *spec, const struct st_file *f,
     if (!dtype)
         return fail(err, errlen, -ENOTSUP, "%s has dtype %s; bf16, fp16 and fp32 are supported",
                     g0->name, st_dtype_name(g0->dtype));
-    uint64_t per = I * H, esz = dtype == MOE__DTYPE__DTYPE_FP32 ? 4 : 2, total;
-    if (!mul_u64(per * esz, E, &total))
-        return -EOVERFLOW;
     out->dtype = dtype;
     out->experts = E;
     out->hidden = (uint32_t)H;
     out->intermediate = (uint32_t)I;
+    *scheme = sch;
+    return 0;
+}
+
+static int read_moe(const struct layer_spec *spec, const struct st_file *f,
+                    struct host_weights *out, char *err, size_t errlen)
+{
+    const char *prefix = spec->prefix ? spec->prefix : "";
+    int sch = 0;
+    int rc = moe_shape(spec, f, out, &sch, err, errlen);
+    if (rc)
+        return rc;
+    const char *const *parts = moe_schemes[sch];
+    const uint32_t E = out->experts;
+    const uint64_t I = out->intermediate, H = out->hidden;
+    const int dtype = out->dtype;
+    uint64_t per = I * H, esz = dtype == MOE__DTYPE__DTYPE_FP32 ? 4 : 2, total;
+    if (!mul_u64(per * esz, E, &total))
+        return -EOVERFLOW;
     out->w1 = malloc(total);
     out->w3 = malloc(total);
     out->w2 = malloc(total);
@@ -245,9 +265,8 @@ static int read_moe(const struct layer_spec *spec, const struct st_file *f,
                             "(want %s [%llu, %llu])", t->name, (unsigned long long)H,
                             (unsigned long long)I, p < 2 ? "gate/up" : "down",
                             (unsigned long long)(p < 2 ? I : H), (unsigned long long)(p < 2 ? H : I));
-            int rc = read_as(f, t, dtype, (uint8_t *)dst[p] + (uint64_t)e * per * esz, per,
-                             err, errlen);
-            if (rc)
+            if ((rc = read_as(f, t, dtype, (uint8_t *)dst[p] + (uint64_t)e * per * esz, per,
+                              err, errlen)))
                 return rc;
         }
     return 0;
@@ -309,6 +328,33 @@ int layer_read_weights(const struct layer_spec *spec, char *const *allowed,
         host_weights_done(out);
         return rc;
     }
+    int n = snprintf(out->source, sizeof(out->source), "%s", canon);
+    if (spec->prefix && n >= 0 && (size_t)n < sizeof(out->source))
+        snprintf(out->source + n, sizeof(out->source) - (size_t)n, ":%s", spec->prefix);
+    return 0;
+}
+
+int layer_read_shape(const struct layer_spec *spec, char *const *allowed, size_t n_allowed,
+                     struct host_weights *out, char *err, size_t errlen)
+{
+    char canon[PATH_MAX];
+    memset(out, 0, sizeof(*out));
+    if (spec->kind != MOE__LAYER_KIND__LAYER_MOE)
+        return fail(err, errlen, -EINVAL, "not a MoE layer");
+    int fd = layer_open_allowed(spec->path, allowed, n_allowed, canon, sizeof(canon), err, errlen);
+    if (fd < 0)
+        return fd;
+    struct st_file *f = NULL;
+    char why[256] = "";
+    int rc = st_open_fd(fd, &f, why, sizeof(why));
+    if (rc)
+        return fail(err, errlen, rc == -ENOMEM ? rc : -EIO, "%s: not a valid safetensors file: %s",
+                    canon, why);
+    int sch;
+    rc = moe_shape(spec, f, out, &sch, err, errlen);
+    st_close(&f);
+    if (rc)
+        return rc;
     int n = snprintf(out->source, sizeof(out->source), "%s", canon);
     if (spec->prefix && n >= 0 && (size_t)n < sizeof(out->source))
         snprintf(out->source + n, sizeof(out->source) - (size_t)n, ":%s", spec->prefix);

@@ -1,7 +1,9 @@
 /*
  * main.c: moed's entry point: arguments and configuration, the backend, the
  * endpoints, signals and systemd notifications, then the loop. The only place
- * where an error becomes a log line and an exit code.
+ * where an error becomes a log line and an exit code. `moed --tune` also
+ * starts here: it measures token tiles on the device and writes the tile
+ * table (tiles.h), without opening any socket.
  */
 #include <errno.h>
 #include <getopt.h>
@@ -24,6 +26,8 @@
 #include "daemon/notify.h"
 #include "daemon/reload.h"
 #include "daemon/server.h"
+#include "daemon/tiles.h"
+#include "daemon/tune.h"
 #include "daemon/util.h"
 #include "moe.pb-c.h"
 
@@ -34,7 +38,7 @@ struct cli {
     const char *allow[64];
     int n_allow, threads, log_level;
     uint32_t mbt, mdu, mst, rwu, spin, vdev;
-    const char *gpus, *transport, *io_threads;
+    const char *gpus, *transport, *io_threads, *tile_table;
     bool no_batch;
 };
 
@@ -83,6 +87,15 @@ static void usage(FILE *f)
             "      --io-threads N       ZeroMQ I/O threads (default 1)\n"
             "  -l, --log-level LEVEL    err, warning, notice, info (default), debug\n"
             "      --demo               generate and serve the demo layers 'demo' and 'demo-gemm'\n"
+            "      --tile-table FILE    token tiles measured by --tune (default: see moed(8);\n"
+            "                           empty: none, the kernels' heuristic)\n"
+            "      --tune               measure the fastest token tile of each MoE layer shape\n"
+            "                           (configured layers, --demo's, --tune-shape's) on the GPU,\n"
+            "                           merge them into the tile table and exit\n"
+            "      --tune-tokens LIST   token counts to measure (default 1,2,4,...,4096 up to\n"
+            "                           max_batch_tokens; at most 32)\n"
+            "      --tune-shape E,k,H,I[,DTYPE]  a shape to tune with random weights (repeatable;\n"
+            "                           DTYPE bf16, the default, or fp16)\n"
             "  -h, --help               this text\n"
             "  -V, --version            print the version\n");
 }
@@ -145,6 +158,11 @@ static int cli_apply(const struct cli *o, struct config *c, char *err, size_t er
     if (o->transport && (rc = config_set_daemon(c, "transport", o->transport)) < 0) {
         snprintf(err, errlen, "--transport %s: %s", o->transport,
                  rc == -ENOMEM ? "out of memory" : "not auto, nccl or peer");
+        return rc;
+    }
+    if (o->tile_table && (rc = config_set_daemon(c, "tile_table", o->tile_table)) < 0) {
+        snprintf(err, errlen, "--tile-table %s: %s", o->tile_table,
+                 rc == -ENOMEM ? "out of memory" : "not an absolute file name (nor empty)");
         return rc;
     }
     return 0;
@@ -235,6 +253,105 @@ static int open_gpus(const struct config *c, struct backend **out, int *n)
 static int open_backend(const struct config *c, struct backend **out)
 {
     return backend_open(c->backend, c->device, c->cpu_threads, out);
+}
+
+/* The daemon's devices as the configuration and command line ask:
+ * --virtual-devices, [daemon] gpus, or one backend. -errno when none
+ * opens (-EINVAL: --virtual-devices without the CPU backend). */
+static int open_backends(struct daemon *d)
+{
+    int rc;
+    if (d->cli.vdev > 1) {
+        if (strcmp(d->cfg.backend, "cpu") != 0)
+            return -EINVAL;
+        rc = open_virtual_devices(&d->cfg, d->cli.vdev, d->backends);
+        d->n_backends = rc < 0 ? 0 : (int)d->cli.vdev;
+    } else if (strcmp(d->cfg.backend, "cpu") != 0 && (d->cfg.gpus_all || d->cfg.n_gpus > 0)) {
+        rc = open_gpus(&d->cfg, d->backends, &d->n_backends);
+        if (rc == -ENODEV && !strcmp(d->cfg.backend, "auto")) {
+            rc = backend_open("cpu", 0, d->cfg.cpu_threads, &d->backends[0]);
+            d->n_backends = rc < 0 ? 0 : 1;
+        }
+    } else {
+        rc = open_backend(&d->cfg, &d->backends[0]);
+        d->n_backends = rc < 0 ? 0 : 1;
+    }
+    d->backend = d->backends[0];
+    return rc;
+}
+
+static const char *open_error(int rc)
+{
+    return rc == -ENODEV ? "no usable GPU (or moed was built without CUDA)" : strerror(-rc);
+}
+
+/* ---- moed --tune ------------------------------------------------------------ */
+
+/* moed --tune (tune.h) on the daemon's first device: opens no socket.
+ * Returns the exit status. */
+static int tune_main(struct daemon *d, struct tune_plan *p, bool demo)
+{
+    const struct config *c = &d->cfg;
+    char err[1024] = "";
+    int rc;
+    if (tune_set_tokens(p, c->max_batch_tokens) < 0) {
+        log_err("--tune-tokens %d: above max_batch_tokens (%u); no batch is that large",
+                p->tokens[p->n_tokens - 1], c->max_batch_tokens);
+        return 2;
+    }
+    if ((rc = open_backends(d)) < 0) {
+        log_err("tuning needs a CUDA device: cannot open the %s backend: %s", c->backend,
+                rc == -EINVAL ? "--virtual-devices is for the CPU backend" : open_error(rc));
+        return 1;
+    }
+    int status = 1;
+    if (tune_check(d->backend, c->tile_table, err, sizeof(err)) < 0) {
+        log_err("%s", err);
+        goto out;
+    }
+    if (demo) {
+        struct tune_shape t = {{8, 2, 256, 512}, MOEK_DTYPE_BF16, "demo layer 'demo'", 0};
+        tune_add(p, &t);
+    }
+    if (tune_add_configured(p, c, stdout, err, sizeof(err)) < 0) {
+        log_err("%s", err);
+        goto out;
+    }
+    log_info("tuning on %s; the tile table is %s", d->backend->name, c->tile_table);
+    if (tune_run(d->backend, p, c->tile_table, stdout, err, sizeof(err)) < 0) {
+        fflush(stdout);
+        log_err("%s", err);
+        goto out;
+    }
+    status = 0;
+out:
+    fflush(stdout);
+    for (int i = 0; i < d->n_backends; i++)
+        backend_free(&d->backends[i]);
+    d->backend = NULL;
+    return status;
+}
+
+/* --check-config: what the tile table file holds (a malformed one is
+ * reported but does not fail the check: the daemon starts with the
+ * heuristic). */
+static void check_tile_table(const char *path)
+{
+    struct tile_table t;
+    char err[512] = "";
+    if (!path[0]) {
+        printf("tile table: none (tile_table is empty)\n");
+        return;
+    }
+    tiles_init(&t);
+    int rc = tiles_read(&t, path, err, sizeof(err));
+    if (rc == -ENOENT)
+        printf("tile table %s: not written yet (moed --tune writes it)\n", path);
+    else if (rc)
+        log_warn("tile table %s; the daemon would use the kernels' heuristic", err);
+    else
+        printf("tile table %s: %zu entr%s\n", path, t.n, t.n == 1 ? "y" : "ies");
+    tiles_done(&t);
 }
 
 static void on_signal(void *data, int fd, uint32_t events);
@@ -343,7 +460,8 @@ static int setup_signals(struct daemon *d)
 int main(int argc, char **argv)
 {
     enum { OPT_CHECK = 256, OPT_MBT, OPT_MDU, OPT_MST, OPT_RWU, OPT_SPIN, OPT_VDEV, OPT_NOBATCH,
-           OPT_DEMO, OPT_GPUS, OPT_TRANSPORT, OPT_IOT };
+           OPT_DEMO, OPT_GPUS, OPT_TRANSPORT, OPT_IOT, OPT_TILES, OPT_TUNE, OPT_TUNE_TOKENS,
+           OPT_TUNE_SHAPE };
     static const struct option opts[] = {
         {"config", required_argument, NULL, 'c'},
         {"check-config", no_argument, NULL, OPT_CHECK},
@@ -363,12 +481,18 @@ int main(int argc, char **argv)
         {"io-threads", required_argument, NULL, OPT_IOT},
         {"log-level", required_argument, NULL, 'l'},
         {"demo", no_argument, NULL, OPT_DEMO},
+        {"tile-table", required_argument, NULL, OPT_TILES},
+        {"tune", no_argument, NULL, OPT_TUNE},
+        {"tune-tokens", required_argument, NULL, OPT_TUNE_TOKENS},
+        {"tune-shape", required_argument, NULL, OPT_TUNE_SHAPE},
         {"help", no_argument, NULL, 'h'},
         {"version", no_argument, NULL, 'V'},
         {0},
     };
     struct daemon d = {.sigfd = -1, .cli = {.threads = -1, .log_level = -1, .mdu = UINT32_MAX, .rwu = UINT32_MAX, .spin = UINT32_MAX}};
     struct cli *o = &d.cli;
+    static struct tune_plan tune; /* large: not on the stack */
+    bool tuning = false;
     char err[512] = "";
     bool check_only = false, demo = false;
     int c, rc;
@@ -439,6 +563,29 @@ int main(int argc, char **argv)
             }
             break;
         case OPT_DEMO: demo = true; break;
+        case OPT_TILES: o->tile_table = optarg; break;
+        case OPT_TUNE: tuning = true; break;
+        case OPT_TUNE_TOKENS:
+            if (tune_parse_tokens(optarg, &tune) < 0) {
+                log_err("--tune-tokens %s: want up to %d token counts from 1, separated by "
+                        "commas", optarg, BACKEND_TUNE_MAX);
+                return 2;
+            }
+            break;
+        case OPT_TUNE_SHAPE: {
+            struct tune_shape t;
+            if (tune_parse_shape(optarg, &t) < 0) {
+                log_err("--tune-shape %s: want E,k,H,I[,dtype]: experts (up to 4096), top-k "
+                        "(up to E), hidden, intermediate, and bf16 (the default) or fp16",
+                        optarg);
+                return 2;
+            }
+            if (tune_add(&tune, &t) < 0) {
+                log_err("too many --tune-shape options");
+                return 2;
+            }
+            break;
+        }
         case 'h': usage(stdout); return 0;
         case 'V': printf("moed %s\n", MOE_VERSION); return 0;
         default: usage(stderr); return 2;
@@ -446,6 +593,14 @@ int main(int argc, char **argv)
     }
     if (optind < argc) {
         log_err("unexpected argument '%s'", argv[optind]);
+        return 2;
+    }
+    if (!tuning && (tune.n_tokens || tune.n_shapes)) {
+        log_err("--tune-tokens and --tune-shape go with --tune");
+        return 2;
+    }
+    if (tuning && check_only) {
+        log_err("--tune and --check-config exclude each other");
         return 2;
     }
     if ((rc = read_config(&d, &d.cfg, err, sizeof(err))) < 0) {
@@ -459,43 +614,37 @@ int main(int argc, char **argv)
         for (struct layer_conf *lc = d.cfg.layers; lc; lc = lc->next)
             n++;
         rc = reload_check_layers(&d.cfg, err, sizeof(err));
-        if (rc < 0)
+        if (rc < 0) {
             log_err("%s: %s", d.config_path ? d.config_path : "(no file)", err);
-        else
+        } else {
             printf("%s: configuration OK: %zu allowed directories, %u layers\n",
                    d.config_path ? d.config_path : "(no file)", d.cfg.n_allowed_dirs, n);
+            check_tile_table(d.cfg.tile_table);
+        }
         config_done(&d.cfg);
         return rc < 0 ? 1 : 0;
     }
+    if (tuning) {
+        rc = tune_main(&d, &tune, demo);
+        config_done(&d.cfg);
+        return rc;
+    }
 
-    if (d.cli.vdev > 1) {
-        if (strcmp(d.cfg.backend, "cpu") != 0) {
-            log_err("--virtual-devices needs --backend cpu");
-            return 2;
-        }
-        rc = open_virtual_devices(&d.cfg, d.cli.vdev, d.backends);
-        d.n_backends = rc < 0 ? 0 : (int)d.cli.vdev;
-    } else if (strcmp(d.cfg.backend, "cpu") != 0 && (d.cfg.gpus_all || d.cfg.n_gpus > 0)) {
-        rc = open_gpus(&d.cfg, d.backends, &d.n_backends);
-        if (rc == -ENODEV && !strcmp(d.cfg.backend, "auto")) {
-            rc = backend_open("cpu", 0, d.cfg.cpu_threads, &d.backends[0]);
-            d.n_backends = rc < 0 ? 0 : 1;
-        }
-    } else {
-        rc = open_backend(&d.cfg, &d.backends[0]);
-        d.n_backends = rc < 0 ? 0 : 1;
+    if ((rc = open_backends(&d)) == -EINVAL && d.cli.vdev > 1) {
+        log_err("--virtual-devices needs --backend cpu");
+        return 2;
     }
     if (rc < 0) {
-        log_err("cannot open the %s backend: %s", d.cfg.backend,
-                rc == -ENODEV ? "no usable GPU (or moed was built without CUDA)" : strerror(-rc));
+        log_err("cannot open the %s backend: %s", d.cfg.backend, open_error(rc));
         return 1;
     }
-    d.backend = d.backends[0];
     for (int i = 0; i < d.n_backends; i++) {
         struct backend_device dev;
         if (d.backends[i]->ops->devices(d.backends[i], &dev, 1) == 1)
             log_info("backend %s, device %d: %s", d.backends[i]->name, i, dev.name);
     }
+    /* Before any layer is made: MoE layers take their token tiles from it. */
+    reload_tiles(d.cfg.tile_table, d.backends, d.n_backends);
 
     if ((rc = loop_new(&d.loop)) < 0 || (rc = setup_signals(&d)) < 0 ||
         (rc = server_new(&d.cfg, d.backends, d.n_backends, d.loop, &d.server)) < 0 ||

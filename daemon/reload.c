@@ -21,6 +21,7 @@
 #include "daemon/notify.h"
 #include "daemon/safetensors.h"
 #include "daemon/server.h"
+#include "daemon/tiles.h"
 #include "daemon/util.h"
 #include "daemon/worker.h"
 #include "moe.pb-c.h"
@@ -126,6 +127,38 @@ static bool file_replaced(struct reload *r, const char *name, const char *path)
     return st.st_dev != f->st.st_dev || st.st_ino != f->st.st_ino ||
            st.st_size != f->st.st_size || st.st_mtim.tv_sec != f->st.st_mtim.tv_sec ||
            st.st_mtim.tv_nsec != f->st.st_mtim.tv_nsec;
+}
+
+/* ---- the token-tile table ------------------------------------------------ */
+
+void reload_tiles(const char *path, struct backend *const *backends, int n)
+{
+    bool chooses = false;
+    for (int i = 0; i < n; i++)
+        chooses |= backends[i]->ops->set_tiles != NULL;
+    struct tile_table t;
+    char err[512] = "";
+    int rc = -ENOENT;
+    tiles_init(&t);
+    if (!path[0])
+        log_debug("no tile table (tile_table is empty): token tiles from the kernels' heuristic");
+    else if ((rc = tiles_read(&t, path, err, sizeof(err))) == -ENOENT)
+        log_msg(chooses ? LOG_LEVEL_INFO : LOG_LEVEL_DEBUG,
+                "no tile table at %s (moed --tune writes one): token tiles from the kernels' "
+                "heuristic", path);
+    else if (rc == -EINVAL)
+        log_warn("tile table %s; token tiles from the kernels' heuristic", err);
+    else if (rc)
+        log_warn("tile table: %s; token tiles from the kernels' heuristic", err);
+    else
+        log_info("tile table %s: %zu entr%s", path, t.n, t.n == 1 ? "y" : "ies");
+    for (int i = 0; i < n; i++) {
+        struct backend *b = backends[i];
+        if (b->ops->set_tiles && b->ops->set_tiles(b, rc ? NULL : &t) < 0)
+            log_warn("device %d: cannot take the tile table (out of memory); token tiles from "
+                     "the kernels' heuristic", i);
+    }
+    tiles_done(&t);
 }
 
 /* ---- configured layers ----------------------------------------------------- */
@@ -440,6 +473,12 @@ static void reload_begin(struct reload *r)
     warn_restart("io_threads", c->io_threads != n->io_threads);
     warn_restart("max_message_bytes", c->max_message_bytes != n->max_message_bytes);
     warn_restart("spin_us", c->spin_us != n->spin_us);
+    /* The table file may have been rewritten by moed --tune: read it again
+     * for the layers loaded from now on. */
+    char *tt = c->tile_table;
+    c->tile_table = n->tile_table;
+    n->tile_table = tt;
+    reload_tiles(c->tile_table, s->backends, s->n_backends);
     c->log_level = n->log_level;
     log_set_level((enum log_level)n->log_level);
     c->max_batch_tokens = n->max_batch_tokens;

@@ -349,6 +349,10 @@ struct moek_cuda_moe_layer {
     bool tiled; /* w13 and w2p in tiles (moek_wt_index) */
     bool l2_hint; /* their loads evict first from L2 */
     int split_min_kb;
+    /* The token-tile table (moek_cuda_moe_layer_set_tiles): n_rules rules,
+     * min_tokens ascending. */
+    int n_rules;
+    moek_cuda_tile_rule rules[MOEK_CUDA_MAX_TILE_RULES];
 };
 struct moek_cuda_gemm_weights {
     CUtensorMap tm; /* b [G * N16, K] */

@@ -1,7 +1,7 @@
 /*
  * layer.cu: the drivers behind moek_cuda_fused_moe and moek_cuda_grouped_gemm
  * (the kernel sequence of one call), the workspace, and the token-tile
- * choice.
+ * choice (the table itself and its autotuner are in tune.cu).
  *
  * A fused MoE forward of T tokens is, on one stream, with no host sync:
  *   1. routing + alignment (route.cu): one kernel for T <= 64 (a one-warp
@@ -52,12 +52,17 @@ int pick_tile(double avg)
     return best;
 }
 
+/* The tile of a forward of T tokens: one tile on the SIMT path; else the
+ * forced tile, the table's rule for T, or the heuristic. */
 int moe_tile(const moek_cuda_moe_layer *L, int T)
 {
     if (L->tune.generic || L->cc != 90)
         return 16;
     if (L->tune.token_tile)
         return L->tune.token_tile;
+    for (int i = L->n_rules - 1; i >= 0; i--)
+        if (L->rules[i].min_tokens <= T)
+            return L->rules[i].token_tile;
     const double E = L->shape.experts, k = L->shape.topk;
     double hit = E * (1.0 - pow(1.0 - k / E, (double)T));
     if (hit < 1)

@@ -283,7 +283,7 @@ int moek_cuda_ep_forward(moek_cuda_ep *ep, moek_cuda_moe_layer *const *layers,
 /*
  * Kernel choices for later calls on this layer / weight set. token_tile: the
  * tokens per GEMM tile (16, 32, 64, 128, 192 or 256; 0 = pick from the token
- * count). generic: true forces the portable SIMT kernels that run on any
+ * count: the layer's tile table, else the heuristic). generic: true forces the portable SIMT kernels that run on any
  * GPU (what a non-Hopper device gets); false uses wgmma+TMA on sm_90.
  */
 typedef struct moek_cuda_tuning {
@@ -295,9 +295,64 @@ int moek_cuda_moe_layer_tune(moek_cuda_moe_layer *layer,
 int moek_cuda_gemm_weights_tune(moek_cuda_gemm_weights *w,
                                 const moek_cuda_tuning *t);
 
-/* The token tile a call of `tokens` tokens would use (for reports). */
+/* The token tile a call of `tokens` tokens would use (for reports): the
+ * forced tile, else the layer's tile table, else the heuristic. */
 int moek_cuda_moe_layer_token_tile(const moek_cuda_moe_layer *layer,
                                    int tokens);
+
+/* ---- token-tile table and autotuning ------------------------------------ */
+
+/*
+ * The GEMM token tile of a MoE layer is picked per call from its token count
+ * T by a heuristic (layer.cu, pick_tile) that the sweeps in
+ * kernels/bench/RESULTS.md show right in most cases, not all. A layer can
+ * carry a table measured on the card at hand instead (moed --tune measures
+ * with moek_cuda_moe_layer_autotune and keeps it in a file): a call of T
+ * tokens uses the rule with the largest min_tokens <= T. Below the first
+ * rule the heuristic still picks; on the portable SIMT path (generic, or a
+ * device that is not sm_90) the table is ignored, since those kernels have
+ * one tile; a token_tile forced with moek_cuda_moe_layer_tune wins over the
+ * table.
+ */
+#define MOEK_CUDA_MAX_TILE_RULES 32
+/* The token tiles offered, ascending: the columns of autotune's us[]. */
+#define MOEK_CUDA_TILE_CANDIDATES 6
+#define MOEK_CUDA_TOKEN_TILES {16, 32, 64, 128, 192, 256}
+
+typedef struct moek_cuda_tile_rule {
+    int min_tokens; /* applies from this many tokens (>= 1) */
+    int token_tile; /* one of MOEK_CUDA_TOKEN_TILES */
+} moek_cuda_tile_rule;
+
+/*
+ * Copy n rules (0 to MOEK_CUDA_MAX_TILE_RULES, min_tokens >= 1 and strictly
+ * ascending, every tile offered) into the layer; n = 0 clears the table.
+ * A refused table (-EINVAL, moek_cuda_last_error() says which rule) leaves
+ * the layer's table as it was. Like moek_cuda_moe_layer_tune, not to be
+ * called while a forward of the layer runs; a CUDA graph keeps the tile it
+ * was captured with.
+ */
+int moek_cuda_moe_layer_set_tiles(moek_cuda_moe_layer *layer,
+                                  const moek_cuda_tile_rule *rules, int n);
+
+/*
+ * Measure which token tile is fastest for each of n token counts (1 to 64
+ * counts, each 1 to 65536): for every count, fresh random inputs (x of the
+ * layer's dtype, router logits; softmax top-k on the device, as a request
+ * with logits is routed) in four rotating sets, then for every offered tile
+ * forced in turn, one CUDA graph per set holding one moek_cuda_fused_moe
+ * call, two warm-up replays and the median of 9 to 51 timed replays (CUDA
+ * events; more for short calls). best_tile[i] gets the fastest tile for
+ * tokens[i]; us, when not NULL, n * MOEK_CUDA_TILE_CANDIDATES medians in
+ * microseconds, us[i * MOEK_CUDA_TILE_CANDIDATES + j] for tile j of
+ * MOEK_CUDA_TOKEN_TILES. Synchronous; allocates (and frees) its own stream,
+ * workspace and buffers on the layer's device, so nothing else may use the
+ * layer meanwhile; the layer's tuning and tile table are as before
+ * afterwards, also on error. -ENOTSUP where tiles are not chosen (the SIMT
+ * path), -ENOMEM when the buffers do not fit.
+ */
+int moek_cuda_moe_layer_autotune(moek_cuda_moe_layer *layer, const int *tokens,
+                                 int n, int *best_tile, float *us);
 
 #ifdef __cplusplus
 }

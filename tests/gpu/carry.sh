@@ -6,7 +6,7 @@
 #   tests/gpu/carry.sh && <on the GPU machine> tests/gpu/service.sh
 set -eu
 cd "$(dirname "$0")/../.."
-ITESTS="itest_service itest_batch itest_badinput itest_shard"
+ITESTS="itest_service itest_batch itest_badinput itest_shard itest_tune"
 make -j"$(nproc)" all $(for t in $ITESTS; do printf 'build/tests/%s ' "$t"; done)
 make -C kernels/bench BUILD="$PWD/build-bench" -j"$(nproc)" ep test
 rm -rf .carry

@@ -7,6 +7,9 @@
 #   - the bare ZeroMQ round trip (moectl zmq-rtt), the daemon's ping, and a
 #     T=1 FusedMoe round trip through the daemon (p50/p99);
 #   - moectl bench with 1, 4, 16 and 32 clients, batching on and off.
+# STEPS=tune: moed --tune on the demo layer's and the three BENCH.md shapes
+# (the time it takes, the table it writes), then a daemon that serves the
+# demo layer with that table, checked against the reference.
 # Logs and JSON go to $OUT (or /tmp/moed-gpu-out).
 set -u
 OUT=${OUT:-/tmp/moed-gpu-out}
@@ -15,7 +18,7 @@ cd "$(dirname "$0")/../.."
 export LD_LIBRARY_PATH="$PWD/.carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 B=.carry/bin
 SECONDS_PER=${SECONDS_PER:-4}
-STEPS=${STEPS:-"check itest service"}  # also: shapes compare shard variants spin
+STEPS=${STEPS:-"check itest service"}  # also: tune shapes compare shard variants spin
 has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 $B/moed --version || { echo "moed does not run here"; ldd $B/moed; exit 1; }
@@ -153,6 +156,21 @@ for c in ${SPIN_CLIENTS:-16 32}; do
         kill $!; wait
     done
 done
+fi
+
+if has tune; then
+echo "### moed --tune: the demo shape and the BENCH.md shapes, then the demo layer served with the table"
+rm -f "$OUT/tiles.tsv"
+t0=$(date +%s)
+$B/moed --tune --backend cuda --demo --tile-table "$OUT/tiles.tsv" --tune-shape 8,2,4096,14336 \
+    --tune-shape 128,8,2048,768 --tune-shape 256,8,7168,2048 >"$OUT/tune.txt"
+echo "moed --tune: exit $?, $(( $(date +%s) - t0 )) s"
+cat "$OUT/tune.txt" "$OUT/tiles.tsv"
+start_daemon /tmp/moed-tune --demo --tile-table "$OUT/tiles.tsv" || exit 1
+M="$B/moectl -r /tmp/moed-tune"
+for t in 1 3 16 100 700 4096; do $M forward --layer demo --tokens $t --check; done
+grep -E "tile table|token tiles" "$OUT/moed-moed-tune.log"
+kill $!; wait
 fi
 
 if has compare; then

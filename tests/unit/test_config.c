@@ -603,6 +603,69 @@ TEST(runtime_dir_rule)
     CHECK_NO_LEAKS();
 }
 
+/* ---- the token-tile table ---------------------------------------------------- */
+
+/* [daemon] tile_table: an absolute file name, or empty for none; unset,
+ * the rule of config_default_tile_table(). */
+TEST(tile_table)
+{
+    struct config c;
+    char err[512] = "";
+    setenv("CACHE_DIRECTORY", "/var/cache/moed-test", 1);
+    CHECK_EQ_INT(config_init(&c), 0);
+    CHECK_STR_EQ(c.tile_table, "/var/cache/moed-test/tiles.tsv");
+    CHECK_EQ_INT(config_parse_string(&c, "[daemon]\ntile_table = /srv/t/tiles.tsv\n", err,
+                                     sizeof(err)), 0);
+    CHECK_STR_EQ(c.tile_table, "/srv/t/tiles.tsv");
+    CHECK_EQ_INT(config_parse_string(&c, "[daemon]\ntile_table =\n", err, sizeof(err)), 0);
+    CHECK_STR_EQ(c.tile_table, "");
+    CHECK_EQ_INT(config_set_daemon(&c, "tile_table", "/a/b.tsv"), 0);
+    CHECK_STR_EQ(c.tile_table, "/a/b.tsv");
+    CHECK_EQ_INT(config_set_daemon(&c, "tile_table", "b.tsv"), -EINVAL);
+    CHECK_STR_EQ(c.tile_table, "/a/b.tsv");
+    config_done(&c);
+    CHECK(c.tile_table == NULL);
+    expect_error("[daemon]\ntile_table = cache/tiles.tsv\n", "line 2: ",
+                 "bad value 'cache/tiles.tsv' for 'tile_table' in [daemon]");
+    expect_error("[batch]\ntile_table = /x\n", "line 2: ", "unknown key 'tile_table' in [batch]");
+
+    /* The default: the service's CacheDirectory= (the first of a list),
+     * else /var/cache/moed for root, else the user's cache directory. */
+    setenv("CACHE_DIRECTORY", "/var/cache/a:/var/cache/b", 1);
+    char *d = config_default_tile_table();
+    CHECK_STR_EQ(d, "/var/cache/a/tiles.tsv");
+    free(d);
+    unsetenv("CACHE_DIRECTORY");
+    setenv("XDG_CACHE_HOME", "/home/u/.xdg-cache", 1);
+    setenv("HOME", "/home/u", 1);
+    uid_t euid = geteuid();
+    d = config_default_tile_table();
+    CHECK_STR_EQ(d, euid == 0 ? "/var/cache/moed/tiles.tsv" : "/home/u/.xdg-cache/moed/tiles.tsv");
+    free(d);
+    if (euid == 0)
+        CHECK(seteuid(65534) == 0);
+    d = config_default_tile_table();
+    CHECK_STR_EQ(d, "/home/u/.xdg-cache/moed/tiles.tsv");
+    free(d);
+    setenv("XDG_CACHE_HOME", "relative", 1); /* not absolute: ignored */
+    d = config_default_tile_table();
+    CHECK_STR_EQ(d, "/home/u/.cache/moed/tiles.tsv");
+    free(d);
+    unsetenv("XDG_CACHE_HOME");
+    d = config_default_tile_table();
+    CHECK_STR_EQ(d, "/home/u/.cache/moed/tiles.tsv");
+    free(d);
+    unsetenv("HOME");
+    d = config_default_tile_table();
+    CHECK_STR_EQ(d, ""); /* nowhere to keep one: none */
+    free(d);
+    CHECK_EQ_INT(config_init(&c), 0);
+    CHECK_STR_EQ(c.tile_table, "");
+    config_done(&c);
+    CHECK(seteuid(euid) == 0);
+    CHECK_NO_LEAKS();
+}
+
 /* [layer] devices and expert_devices: lists of device numbers. */
 TEST(layer_devices)
 {
@@ -646,5 +709,6 @@ int main(int argc, char **argv)
         TEST_CASE(long_names_and_lines),
         TEST_CASE(load_missing_file),
         TEST_CASE(runtime_dir_rule),
+        TEST_CASE(tile_table),
         {0}});
 }

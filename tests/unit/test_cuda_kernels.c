@@ -15,7 +15,9 @@
  * empty, routing given or computed (softmax / sigmoid, renormalised or not,
  * and the NaN rule), bf16 and fp16, every token tile and the portable SIMT
  * path, a CUDA graph replayed on new data, the grouped GEMM with empty
- * groups, and the refusals (-ENOTSUP, -EINVAL, -ENOSPC, -ENODEV).
+ * groups, the token-tile table (refusals, the tile it picks, forwards through
+ * it) and the autotuner, and the refusals (-ENOTSUP, -EINVAL, -ENOSPC,
+ * -ENODEV).
  */
 #include "tests/harness.h"
 #include "moe_kernels.h"
@@ -36,6 +38,14 @@ static void need_gpu(void)
     if (moek_cuda_device_count() <= 0)
         TEST_SKIP("no CUDA device on this machine (moek_cuda_device_count() "
                   "is 0): the CUDA kernels are not checked here");
+}
+
+/* Compute capability of device 0 (90 on Hopper, where tiles are chosen). */
+static int device_cc(void)
+{
+    int cc = 0;
+    CK(moek_cuda_device_info(0, &cc, NULL, NULL));
+    return cc;
 }
 
 static void *xmalloc(size_t n)
@@ -125,8 +135,16 @@ typedef struct moe_case {
     bool holes;       /* given routing: every third slot -1 (none) */
 } moe_case;
 
+/* A token-tile table for the layer of a case, and the tile a call of the
+ * case's token count must use on sm_90 (0: any). */
+typedef struct tile_opts {
+    const moek_cuda_tile_rule *rules;
+    int n_rules;
+    int expect_tile;
+} tile_opts;
+
 /* Run one fused MoE on the GPU and compare it with moek_ref_fused_moe. */
-static void run_moe(const moe_case *c, uint64_t *rng)
+static void run_moe_tiles(const moe_case *c, const tile_opts *to, uint64_t *rng)
 {
     const moek_moe_shape *s = &c->s;
     const int E = s->experts, k = s->topk, H = s->hidden, I = s->intermediate;
@@ -148,6 +166,11 @@ static void run_moe(const moe_case *c, uint64_t *rng)
     moek_cuda_free(w2);
     moek_cuda_free(w3);
     CK(moek_cuda_moe_layer_tune(layer, &c->tune));
+    if (to) {
+        CK(moek_cuda_moe_layer_set_tiles(layer, to->rules, to->n_rules));
+        if (to->expect_tile && device_cc() == 90)
+            CHECK_EQ_INT(moek_cuda_moe_layer_token_tile(layer, T), to->expect_tile);
+    }
 
     void *x = dmalloc((size_t)T * H * es), *out = dmalloc((size_t)T * H * es);
     CK(moek_cuda_fill_uniform(x, dt, (size_t)T * H, seed + 4, 1.0f, NULL));
@@ -332,6 +355,11 @@ static void run_moe(const moe_case *c, uint64_t *rng)
     moek_cuda_moe_layer_free(layer);
 }
 
+static void run_moe(const moe_case *c, uint64_t *rng)
+{
+    run_moe_tiles(c, NULL, rng);
+}
+
 TEST(cuda_device)
 {
     need_gpu();
@@ -429,6 +457,199 @@ TEST(moe_every_tile)
         else
             c.tune.generic = true;
         run_moe(&c, &rng);
+    }
+}
+
+/* ---- token-tile table and autotuning ------------------------------------ */
+
+/* A small layer with weights filled on the device. */
+static moek_cuda_moe_layer *small_layer(const moek_moe_shape *s, moek_dtype dt,
+                                        uint64_t seed)
+{
+    const size_t n = (size_t)s->experts * s->hidden * s->intermediate;
+    void *w = dmalloc(n * moek_dtype_size(dt));
+    CK(moek_cuda_fill_uniform(w, dt, n, seed, 0.05f, NULL));
+    moek_cuda_moe_layer *l = NULL;
+    CK(moek_cuda_moe_layer_new_from_device(s, dt, w, w, w, 0, &l));
+    moek_cuda_free(w);
+    return l;
+}
+
+/* set_tiles refuses bad tables (and keeps the old one), n = 0 clears, the
+ * tile of a call follows the rule with the largest min_tokens <= T, a
+ * forced tile wins; forwards with a table match the reference. */
+TEST(moe_tile_table)
+{
+    need_gpu();
+    uint64_t rng = test_seed();
+    const moek_moe_shape s = {16, 4, 384, 320};
+    moek_cuda_moe_layer *l = small_layer(&s, MOEK_DTYPE_BF16, test_rand(&rng));
+    const bool hopper = device_cc() == 90;
+    int heur[6];
+    static const int ts[6] = {1, 4, 7, 8, 100, 5000};
+    for (int i = 0; i < 6; i++)
+        heur[i] = moek_cuda_moe_layer_token_tile(l, ts[i]);
+
+    const moek_cuda_tile_rule good[] = {{1, 16}, {8, 64}, {100, 192}};
+    CK(moek_cuda_moe_layer_set_tiles(l, good, 3));
+    static const int want[6] = {16, 16, 16, 64, 192, 192};
+    for (int i = 0; i < 6; i++)
+        CHECK_EQ_INT(moek_cuda_moe_layer_token_tile(l, ts[i]),
+                     hopper ? want[i] : 16);
+
+    /* Refusals name the rule and leave the table as it was. */
+    const moek_cuda_tile_rule bad_tile[] = {{1, 16}, {4, 100}};
+    CHECK_EQ_INT(moek_cuda_moe_layer_set_tiles(l, bad_tile, 2), -EINVAL);
+    CHECK_STR_CONTAINS(moek_cuda_last_error(), "rule 1: token tile 100");
+    const moek_cuda_tile_rule same[] = {{1, 16}, {8, 32}, {8, 64}};
+    CHECK_EQ_INT(moek_cuda_moe_layer_set_tiles(l, same, 3), -EINVAL);
+    CHECK_STR_CONTAINS(moek_cuda_last_error(), "does not ascend");
+    const moek_cuda_tile_rule down[] = {{64, 16}, {8, 32}};
+    CHECK_EQ_INT(moek_cuda_moe_layer_set_tiles(l, down, 2), -EINVAL);
+    CHECK_STR_CONTAINS(moek_cuda_last_error(), "does not ascend");
+    const moek_cuda_tile_rule zero[] = {{0, 16}};
+    CHECK_EQ_INT(moek_cuda_moe_layer_set_tiles(l, zero, 1), -EINVAL);
+    CHECK_STR_CONTAINS(moek_cuda_last_error(), "below 1");
+    moek_cuda_tile_rule many[MOEK_CUDA_MAX_TILE_RULES + 1];
+    for (int i = 0; i < MOEK_CUDA_MAX_TILE_RULES + 1; i++)
+        many[i] = (moek_cuda_tile_rule){i + 1, 32};
+    CHECK_EQ_INT(moek_cuda_moe_layer_set_tiles(l, many,
+                                               MOEK_CUDA_MAX_TILE_RULES + 1),
+                 -EINVAL);
+    CHECK_STR_CONTAINS(moek_cuda_last_error(), "33 rules");
+    CHECK_EQ_INT(moek_cuda_moe_layer_set_tiles(l, NULL, 1), -EINVAL);
+    CHECK_EQ_INT(moek_cuda_moe_layer_set_tiles(l, good, -1), -EINVAL);
+    CHECK_EQ_INT(moek_cuda_moe_layer_set_tiles(NULL, good, 1), -EINVAL);
+    for (int i = 0; i < 6; i++)
+        CHECK_EQ_INT(moek_cuda_moe_layer_token_tile(l, ts[i]),
+                     hopper ? want[i] : 16);
+    /* The most rules there may be. */
+    CK(moek_cuda_moe_layer_set_tiles(l, many, MOEK_CUDA_MAX_TILE_RULES));
+    CHECK_EQ_INT(moek_cuda_moe_layer_token_tile(l, 5000), hopper ? 32 : 16);
+
+    /* Below the first rule: the heuristic. */
+    const moek_cuda_tile_rule late[] = {{8, 256}};
+    CK(moek_cuda_moe_layer_set_tiles(l, late, 1));
+    CHECK_EQ_INT(moek_cuda_moe_layer_token_tile(l, 4), heur[1]);
+    CHECK_EQ_INT(moek_cuda_moe_layer_token_tile(l, 7), heur[2]);
+    CHECK_EQ_INT(moek_cuda_moe_layer_token_tile(l, 8), hopper ? 256 : 16);
+
+    /* A forced tile wins over the table; the SIMT path has one tile. */
+    moek_cuda_tuning forced = {32, false}, none = {0, false}, simt = {0, true};
+    CK(moek_cuda_moe_layer_tune(l, &forced));
+    CHECK_EQ_INT(moek_cuda_moe_layer_token_tile(l, 100), hopper ? 32 : 16);
+    CK(moek_cuda_moe_layer_tune(l, &simt));
+    CHECK_EQ_INT(moek_cuda_moe_layer_token_tile(l, 100), 16);
+    CK(moek_cuda_moe_layer_tune(l, &none));
+    CHECK_EQ_INT(moek_cuda_moe_layer_token_tile(l, 100), hopper ? 256 : 16);
+
+    /* n = 0 clears. */
+    CK(moek_cuda_moe_layer_set_tiles(l, NULL, 0));
+    for (int i = 0; i < 6; i++)
+        CHECK_EQ_INT(moek_cuda_moe_layer_token_tile(l, ts[i]), heur[i]);
+    moek_cuda_moe_layer_free(l);
+
+    /* Forwards through tables that pick what the heuristic would not:
+     * fresh random inputs, poisoned outputs, the reference. */
+    const moek_cuda_tile_rule t1[] = {{1, 256}, {64, 16}, {200, 192}};
+    const moek_cuda_tile_rule t2[] = {{1, 128}, {32, 32}};
+    const struct {
+        int tokens, expect;
+        const moek_cuda_tile_rule *rules;
+        int n;
+        moek_dtype dt;
+    } runs[] = {
+        {5, 256, t1, 3, MOEK_DTYPE_BF16},   {100, 16, t1, 3, MOEK_DTYPE_FP16},
+        {300, 192, t1, 3, MOEK_DTYPE_BF16}, {3, 128, t2, 2, MOEK_DTYPE_FP16},
+        {300, 32, t2, 2, MOEK_DTYPE_BF16},
+    };
+    for (size_t i = 0; i < ARRAY_LEN(runs); i++) {
+        moe_case c = {{16, 4, 384, 320}, runs[i].dt, runs[i].tokens,
+                      ROUTE_SOFTMAX, true, 0, 64, {0, false}, false, false};
+        tile_opts to = {runs[i].rules, runs[i].n, runs[i].expect};
+        run_moe_tiles(&c, &to, &rng);
+    }
+}
+
+/* The autotuner returns an offered tile per token count, the fastest of its
+ * own timings, and leaves the layer's tuning and table as they were. */
+TEST(moe_autotune)
+{
+    need_gpu();
+    uint64_t rng = test_seed();
+    static const int offered[] = MOEK_CUDA_TOKEN_TILES;
+    static const int tokens[] = {1, 7, 64, 300, 1024};
+    const int n = (int)ARRAY_LEN(tokens);
+    for (int d = 0; d < 2; d++) {
+        const moek_moe_shape s = d ? (moek_moe_shape){8, 2, 256, 512}
+                                   : (moek_moe_shape){64, 6, 512, 256};
+        const moek_dtype dt = d ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16;
+        moek_cuda_moe_layer *l = small_layer(&s, dt, test_rand(&rng));
+        if (device_cc() != 90) {
+            int best[5];
+            CHECK_EQ_INT(moek_cuda_moe_layer_autotune(l, tokens, n, best, NULL),
+                         -ENOTSUP);
+            moek_cuda_moe_layer_free(l);
+            TEST_SKIP("device 0 is not sm_90: no token tiles to tune");
+        }
+        const moek_cuda_tile_rule table[] = {{1, 32}, {100, 128}};
+        CK(moek_cuda_moe_layer_set_tiles(l, table, 2));
+        int best[5] = {0};
+        float us[5 * MOEK_CUDA_TILE_CANDIDATES];
+        for (size_t i = 0; i < ARRAY_LEN(us); i++)
+            us[i] = -1.0f;
+        CK(moek_cuda_moe_layer_autotune(l, tokens, n, best, us));
+        for (int i = 0; i < n; i++) {
+            float lo = 1e30f;
+            fprintf(stderr, "  E=%d k=%d H=%d I=%d %s T=%d: best %d;",
+                    s.experts, s.topk, s.hidden, s.intermediate, dt_name(dt),
+                    tokens[i], best[i]);
+            for (int j = 0; j < MOEK_CUDA_TILE_CANDIDATES; j++) {
+                float t = us[i * MOEK_CUDA_TILE_CANDIDATES + j];
+                fprintf(stderr, " %d:%.1f", offered[j], t);
+                CHECK_MSG(isfinite(t) && t > 0.5f && t < 1e6f,
+                          "T=%d tile %d: %g us", tokens[i], offered[j], t);
+                if (t < lo)
+                    lo = t;
+            }
+            fputc('\n', stderr);
+            bool ok = false;
+            for (int j = 0; j < MOEK_CUDA_TILE_CANDIDATES; j++)
+                if (best[i] == offered[j]) {
+                    ok = true;
+                    CHECK_MSG(us[i * MOEK_CUDA_TILE_CANDIDATES + j] == lo,
+                              "T=%d: best tile %d is not the fastest timed",
+                              tokens[i], best[i]);
+                }
+            CHECK_MSG(ok, "T=%d: tile %d is not offered", tokens[i], best[i]);
+        }
+        /* The table is still the layer's, and nothing is forced. */
+        CHECK_EQ_INT(moek_cuda_moe_layer_token_tile(l, 5), 32);
+        CHECK_EQ_INT(moek_cuda_moe_layer_token_tile(l, 300), 128);
+        /* A forced tile survives an autotune too; us may be NULL. */
+        moek_cuda_tuning forced = {64, false};
+        CK(moek_cuda_moe_layer_tune(l, &forced));
+        const int one = 16;
+        CK(moek_cuda_moe_layer_autotune(l, &one, 1, best, NULL));
+        CHECK(best[0] >= 16 && best[0] <= 256);
+        CHECK_EQ_INT(moek_cuda_moe_layer_token_tile(l, 300), 64);
+        /* Refusals. */
+        CHECK_EQ_INT(moek_cuda_moe_layer_autotune(l, tokens, 0, best, NULL),
+                     -EINVAL);
+        const int zero = 0, huge = 1 << 20;
+        CHECK_EQ_INT(moek_cuda_moe_layer_autotune(l, &zero, 1, best, NULL),
+                     -EINVAL);
+        CHECK_EQ_INT(moek_cuda_moe_layer_autotune(l, &huge, 1, best, NULL),
+                     -EINVAL);
+        CHECK_EQ_INT(moek_cuda_moe_layer_autotune(l, tokens, n, NULL, NULL),
+                     -EINVAL);
+        moek_cuda_tuning simt = {0, true};
+        CK(moek_cuda_moe_layer_tune(l, &simt));
+        CHECK_EQ_INT(moek_cuda_moe_layer_autotune(l, tokens, n, best, NULL),
+                     -ENOTSUP);
+        CHECK_STR_CONTAINS(moek_cuda_last_error(), "SIMT");
+        CHECK(moek_cuda_context_ok());
+        moek_cuda_moe_layer_free(l);
     }
 }
 
@@ -901,6 +1122,8 @@ int main(int argc, char **argv)
                          TEST_CASE_TIMEOUT(moe_decode_slots, 120),
                          TEST_CASE_TIMEOUT(moe_many_tokens_and_nan, 300),
                          TEST_CASE_TIMEOUT(moe_every_tile, 300),
+                         TEST_CASE_TIMEOUT(moe_tile_table, 120),
+                         TEST_CASE_TIMEOUT(moe_autotune, 120),
                          TEST_CASE_TIMEOUT(moe_graph_replay, 120),
                          TEST_CASE_TIMEOUT(moe_shards, 120),
                          TEST_CASE_TIMEOUT(grouped_gemm, 300),
