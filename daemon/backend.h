@@ -21,11 +21,13 @@
 struct backend;
 
 /* Rows of a batch that stay in a client's region: the backend reads x rows
- * from src and writes the output rows to dst itself (by DMA). */
+ * from src and writes the output rows to dst itself (by DMA). pinned: both
+ * lie in pinned regions, which the device may also reach directly. */
 struct backend_rows {
     const void *src;
     void *dst;
     int rows;
+    bool pinned;
 };
 
 /* One batched MoE forward. Exactly one of logits / (ids, weights) is set. */

@@ -115,6 +115,7 @@ struct cuda_backend {
     bool broken;        /* a sticky error: the context is unusable */
     char name[96];
     char model[TILES_DEVICE_MAX]; /* the card's name, the tile table's key */
+    bool rows_kernel;   /* small batches' rows by kernel (cuda_copy_rows) */
     struct ep_group eps[EP_GROUPS]; /* as the home device of spread layers */
     /* The tile table's entries for this card (set_tiles from the loop
      * thread, read by cuda_moe_new on the loader thread). */
@@ -243,16 +244,24 @@ static void cuda_weights_free(struct backend *b, void *handle)
     free(w);
 }
 
+/* A batch of many small segments (decode requests of many clients) moves
+ * its rows with one kernel that reads and writes the pinned regions over
+ * the bus: one DMA per segment costs a few microseconds each, more than
+ * its few kilobytes. Large batches keep the copy engines.
+ * MOEK_CUDA_ROWS_DMA=1 keeps DMA always (for measuring). */
+#define ROWS_KERNEL_MIN_SEGS 4
+#define ROWS_KERNEL_MAX_BYTES ((size_t)4 << 20)
+
 /* The rows of io->segs between the clients' regions and the device buffer
- * (in: x rows to cb->x, else cb->out to the output rows), one batch of DMA
- * copies in stream order. */
+ * (in: x rows to cb->x, else cb->out to the output rows), in stream order:
+ * one batch of DMA copies, or the row kernel (see above). */
 static int cuda_copy_rows(struct cuda_backend *cb, const struct backend_moe_io *io,
                           size_t row_bytes, bool in)
 {
     size_t n = (size_t)io->n_segs;
     if (n > cb->cp_cap) {
         size_t cap = n + n / 2 + 16;
-        void *p = realloc(cb->cp, cap * (2 * sizeof(void *) + sizeof(size_t)));
+        void *p = realloc(cb->cp, cap * (2 * sizeof(void *) + sizeof(size_t) + sizeof(int)));
         if (!p)
             return -ENOMEM;
         cb->cp = p;
@@ -261,17 +270,31 @@ static int cuda_copy_rows(struct cuda_backend *cb, const struct backend_moe_io *
     void **dst = cb->cp;
     const void **src = (const void **)(dst + cb->cp_cap);
     size_t *size = (size_t *)(src + cb->cp_cap);
+    int *rows = (int *)(size + cb->cp_cap);
     size_t row = 0;
+    bool pinned = true;
     for (size_t i = 0; i < n; i++) {
         const struct backend_rows *g = &io->segs[i];
         uint8_t *dev = (uint8_t *)(in ? cb->x.p : cb->out.p) + row * row_bytes;
         dst[i] = in ? (void *)dev : g->dst;
         src[i] = in ? g->src : dev;
         size[i] = (size_t)g->rows * row_bytes;
+        rows[i] = g->rows;
+        pinned = pinned && g->pinned;
         row += (size_t)g->rows;
     }
     if (row != (size_t)io->tokens)
         return -EINVAL;
+    if (cb->rows_kernel && pinned && n >= ROWS_KERNEL_MIN_SEGS &&
+        row * row_bytes <= ROWS_KERNEL_MAX_BYTES) {
+        /* The region side of each segment: src going in, dst coming out. */
+        void **host = in ? (void **)src : dst;
+        int rc = moek_cuda_copy_rows_mapped(in ? cb->x.p : cb->out.p, host, rows, (int)n,
+                                            row_bytes, !in, cb->stream);
+        if (rc != -ENOTSUP)
+            return rc;
+        cb->rows_kernel = false; /* this device cannot: DMA from now on */
+    }
     return moek_cuda_copy_batch_async(dst, src, size, n, cb->stream);
 }
 
@@ -737,6 +760,8 @@ int backend_cuda_new(int device, struct backend **out)
     snprintf(cb->name, sizeof(cb->name), "%.72s (device %d)", cb->model, device);
     pthread_mutex_init(&cb->tiles_lock, NULL);
     tiles_init(&cb->tiles);
+    const char *dma = getenv("MOEK_CUDA_ROWS_DMA");
+    cb->rows_kernel = !(dma && *dma && *dma != '0');
     cb->base.ops = &cuda_ops;
     cb->base.name = "cuda";
     *out = &cb->base;

@@ -35,6 +35,7 @@
 
 #include "daemon/log.h"
 #include "daemon/loop.h"
+#include "daemon/region.h"
 #include "daemon/server.h"
 #include "daemon/util.h"
 #include "moe.pb-c.h"
@@ -365,7 +366,8 @@ static void run_moe(struct batch_job *bj)
         size_t at = (size_t)it->row0 * row_bytes;
         if (segs)
             segs[n_segs++] = (struct backend_rows){
-                (const uint8_t *)it->req->x.ptr + at, (uint8_t *)it->req->out.ptr + at, it->rows};
+                (const uint8_t *)it->req->x.ptr + at, (uint8_t *)it->req->out.ptr + at, it->rows,
+                it->req->x.region->pin_cookie && it->req->out.region->pin_cookie};
         else
             memcpy(x + row * row_bytes, (const uint8_t *)it->req->x.ptr + at,
                    (size_t)it->rows * row_bytes);

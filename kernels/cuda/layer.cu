@@ -26,19 +26,22 @@
 
 namespace {
 
-/* Pick the token tile for `avg` expected rows per non-empty group. Decode
- * (few rows per group): the tile of 16, 32 or 64 with the fewest
+/* Pick the token tile for `avg` expected rows per non-empty group. Up to
+ * ~95 rows: the tile of 16, 32, 64 or 128 with the fewest
  * column-equivalents, counting 32 columns of fixed cost per tile and sizing
  * for avg + 1.5 sigma (counts are roughly Poisson). Around 100-190 rows: one
  * 192-row tile per group. More: 256-row tiles, the remainders in 64-row tail
- * tiles (moek_tail_tiles). The sweeps in RESULTS.md are the evidence. */
+ * tiles (moek_tail_tiles). The sweeps in RESULTS.md are the evidence; the
+ * tuner's sweeps at 64 rows per group (mixtral T=256, qwen3 T=1024,
+ * deepseek T=2048) put 128 first, 30% ahead of the 32 that a choice among
+ * 16, 32 and 64 made. A card's tile table (tune.cu) overrides this. */
 int pick_tile(double avg)
 {
     if (avg >= 192)
         return 256;
     if (avg >= 96)
         return 192;
-    static const int tiles[] = {16, 32, 64};
+    static const int tiles[] = {16, 32, 64, 128};
     const double want = avg + 1.5 * sqrt(avg > 0 ? avg : 0);
     int best = 16;
     double best_cost = 1e300;

@@ -84,6 +84,16 @@ int moek_cuda_copy_async(void *dst, const void *src, size_t bytes, int kind,
  * in stream order on a created stream (not the legacy default stream). */
 int moek_cuda_copy_batch_async(void *const *dsts, const void *const *srcs,
                                const size_t *sizes, size_t n, void *stream);
+/* Rows between pinned host memory and one device buffer, moved by a kernel
+ * whose threads read or write the host memory over the bus (one launch per
+ * 64 segments) instead of one DMA per segment: for a batch of many small
+ * segments. Segment i is rows[i] rows of row_bytes at host[i]; they are
+ * the device buffer's rows in order. to_host: device to host, else host to
+ * device. The host memory must be registered (moek_cuda_host_register) and
+ * stay so until the stream passes the copy. -ENOTSUP where the device cannot
+ * use registered memory through host pointers. */
+int moek_cuda_copy_rows_mapped(void *dev, void *const *host, const int *rows, int n,
+                               size_t row_bytes, int to_host, void *stream);
 
 /*
  * Test and benchmark data without host traffic: element i of dst_dev (n
@@ -342,8 +352,10 @@ int moek_cuda_moe_layer_set_tiles(moek_cuda_moe_layer *layer,
  * with logits is routed) in four rotating sets, then for every offered tile
  * forced in turn, one CUDA graph per set holding one moek_cuda_fused_moe
  * call, two warm-up replays and the median of 9 to 51 timed replays (CUDA
- * events; more for short calls). best_tile[i] gets the fastest tile for
- * tokens[i]; us, when not NULL, n * MOEK_CUDA_TILE_CANDIDATES medians in
+ * events; more for short calls), after 300 ms of warm-up replays.
+ * best_tile[i] gets the fastest tile for tokens[i], unless the layer's
+ * present choice (moek_cuda_moe_layer_token_tile) is within 2% of it: then
+ * that one; us, when not NULL, n * MOEK_CUDA_TILE_CANDIDATES medians in
  * microseconds, us[i * MOEK_CUDA_TILE_CANDIDATES + j] for tile j of
  * MOEK_CUDA_TOKEN_TILES. Synchronous; allocates (and frees) its own stream,
  * workspace and buffers on the layer's device, so nothing else may use the
