@@ -32,6 +32,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 
 #include "daemon/log.h"
 #include "daemon/loop.h"
@@ -49,6 +50,8 @@ struct batch_item {
     int row0, rows;
     uint64_t session_id;
     bool skip;
+    bool whole;               /* the whole request is in this batch */
+    struct reply_chan *chan;  /* its session's reply socket (whole ones) */
 };
 
 struct batch_job {
@@ -64,6 +67,11 @@ struct batch_job {
     uint64_t t_submit, t_start, t_end;
     int rc;                   /* a failure of the whole batch */
     char err[192];
+    /* Replies sent as the batch ends, by the compute thread and the loop
+     * thread together (batch_reply_share): the next item to take, and
+     * whether the compute thread is still at it. */
+    atomic_uint claim;
+    atomic_bool helping;
 };
 
 void request_free(struct request *req)
@@ -81,20 +89,32 @@ void request_free(struct request *req)
     free(req);
 }
 
-/* Reply to a request and free it; loop thread. */
+/* A request's Reply: its status and timings, with the compute time and
+ * the largest batch it ran in given. */
+static void reply_fill(const struct request *req, uint64_t compute_us, uint32_t batch_requests,
+                       uint32_t batch_tokens, Moe__Reply *rep, Moe__Timings *tm)
+{
+    moe__reply__init(rep);
+    moe__timings__init(tm);
+    rep->id = req->id;
+    rep->status = status_from_errno(req->status);
+    rep->message = req->status ? (char *)req->message : (char *)"";
+    tm->queue_us = req->start_us > req->arrival_us ? req->start_us - req->arrival_us : 0;
+    tm->compute_us = compute_us;
+    tm->batch_requests = batch_requests;
+    tm->batch_tokens = batch_tokens;
+    rep->timings = tm;
+}
+
+/* Reply to a request (unless its reply went out as its batch ended) and
+ * free it; loop thread. */
 static void request_finish(struct server *s, struct request *req)
 {
-    Moe__Reply rep = MOE__REPLY__INIT;
-    Moe__Timings tm = MOE__TIMINGS__INIT;
-    rep.id = req->id;
-    rep.status = status_from_errno(req->status);
-    rep.message = req->status ? req->message : (char *)"";
-    tm.queue_us = req->start_us > req->arrival_us ? req->start_us - req->arrival_us : 0;
-    tm.compute_us = req->compute_us;
-    tm.batch_requests = req->batch_requests;
-    tm.batch_tokens = req->batch_tokens;
-    rep.timings = &tm;
-    server_reply_session(s, req->session_id, req->route_id, req->route_len, &rep);
+    Moe__Reply rep;
+    Moe__Timings tm;
+    reply_fill(req, req->compute_us, req->batch_requests, req->batch_tokens, &rep, &tm);
+    if (!req->replied)
+        server_reply_session(s, req->session_id, req->route_id, req->route_len, &rep);
     if (req->status) {
         s->stats.errors++;
         if (req->status == -ETIME)
@@ -459,6 +479,51 @@ static void run_gemm(struct batch_job *bj)
     free(first);
 }
 
+/*
+ * Replies as the batch ends. Sending one costs a few microseconds, mostly
+ * the wake-up of its client, and a batch of 32 clients' requests would
+ * have them wait in turn behind the loop thread; so the compute thread,
+ * awake anyway, sends replies too, from the moment the device is done,
+ * while the loop thread notices the batch. Each takes the next item
+ * (claim) until none is left. Only the replies that need nothing of the
+ * loop thread go this way: a request whole in this batch that succeeded,
+ * to its session's reply socket (held through chan, so the socket outlives
+ * a session that ends meanwhile), sent if the socket has room at once.
+ * Everything else, and whatever did not go, batch_done answers as before.
+ */
+static bool item_reply_now(struct batch_job *bj, struct batch_item *it, bool loop_thread)
+{
+    struct request *req = it->req;
+    if (!it->chan || !it->whole || bj->rc || req->status ||
+        (loop_thread && req->cancel_err)) /* cancel_err is the loop thread's */
+        return false;
+    /* As batch_done will have it: this batch is its only one. */
+    Moe__Reply rep;
+    Moe__Timings tm;
+    reply_fill(req, bj->compute_us, bj->n_items, (uint32_t)bj->tokens, &rep, &tm);
+    uint8_t buf[512];
+    size_t n = moe__reply__get_packed_size(&rep);
+    if (n > sizeof(buf))
+        return false;
+    moe__reply__pack(&rep, buf);
+    return send(it->chan->fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT) == (ssize_t)n;
+}
+
+static void batch_reply_share(struct batch_job *bj, bool loop_thread)
+{
+    uint32_t i;
+    while ((i = atomic_fetch_add_explicit(&bj->claim, 1, memory_order_relaxed)) < bj->n_items)
+        bj->items[i].req->replied = item_reply_now(bj, &bj->items[i], loop_thread);
+}
+
+/* Compute thread, once the batch is handed back (worker.h). */
+static void batch_after(struct job *job)
+{
+    struct batch_job *bj = (struct batch_job *)job;
+    batch_reply_share(bj, false);
+    atomic_store_explicit(&bj->helping, false, memory_order_release); /* bj is done's now */
+}
+
 static void batch_run(struct job *job)
 {
     struct batch_job *bj = (struct batch_job *)job;
@@ -477,6 +542,7 @@ static void batch_run(struct job *job)
             snprintf(req->message, sizeof(req->message), "%s", bj->err);
         }
     }
+    atomic_store_explicit(&bj->helping, true, memory_order_relaxed); /* batch_after's */
 }
 
 /* ---- loop thread ---------------------------------------------------------- */
@@ -487,6 +553,9 @@ static void batch_done(struct job *job)
     struct server *s = bj->s;
     struct stats *st = &s->stats;
     uint64_t t_seen = now_us();
+    batch_reply_share(bj, true);
+    while (atomic_load_explicit(&bj->helping, memory_order_acquire))
+        cpu_relax(); /* the compute thread's last send */
     /* Requests are freed below; keep their sessions for the wait. */
     for (uint32_t i = 0; i < bj->n_items; i++)
         bj->items[i].session_id = bj->items[i].req->session_id;
@@ -504,7 +573,7 @@ static void batch_done(struct job *job)
             req->batch_requests = bj->n_items;
         if (bj->tokens > req->batch_tokens)
             req->batch_tokens = (uint32_t)bj->tokens;
-        if (req->cancel_err && !req->status) {
+        if (req->cancel_err && !req->status && !req->replied) {
             req->status = req->cancel_err;
             snprintf(req->message, sizeof(req->message), "%s", req->cancel_why);
         }
@@ -548,6 +617,8 @@ static void batch_done(struct job *job)
     ring_add(&st->launch_us, bj->t_start - bj->t_submit);
     st->prev_end_us = bj->t_end;
     st->prev_replied_us = t_replied;
+    for (uint32_t i = 0; i < bj->n_items; i++)
+        reply_chan_unref(&bj->items[i].chan);
     layer_unref(s, &bj->layer);
     free(bj->items);
     free(bj);
@@ -582,8 +653,12 @@ static int batch_add(struct batch_job *bj, struct request *req, int rows)
         bj->items = n;
         bj->cap_items = cap;
     }
-    bj->items[bj->n_items++] =
-        (struct batch_item){req, req->next_row, rows, req->session_id, false};
+    struct batch_item *it = &bj->items[bj->n_items++];
+    *it = (struct batch_item){req, req->next_row, rows, req->session_id, false, false, NULL};
+    it->whole = req->next_row == 0 && rows == req->tokens;
+    struct session *se = it->whole ? session_by_id(bj->s, req->session_id) : NULL;
+    if (se && se->chan)
+        it->chan = reply_chan_ref(se->chan);
     req->next_row += rows;
     bj->tokens += (uint64_t)rows;
     return 0;
@@ -707,6 +782,7 @@ void batch_kick(struct server *s)
     }
     bj->job.run = batch_run;
     bj->job.done = batch_done;
+    bj->job.after = batch_after;
     s->batch_running = true;
     bj->t_submit = now_us();
     worker_submit(s->compute, &bj->job);

@@ -14,6 +14,7 @@
 #ifndef MOED_SERVER_H
 #define MOED_SERVER_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <sys/types.h>
@@ -28,6 +29,16 @@
 struct loop;
 struct loop_watch;
 struct out_msg;
+
+/* A session's reply socket as the compute thread holds it while it sends a
+ * batch's replies (batch.c): the descriptor is closed when the last holder
+ * lets go, so a send can never reach a number reused for another client. */
+struct reply_chan {
+    atomic_int refs;
+    int fd;
+};
+struct reply_chan *reply_chan_ref(struct reply_chan *c);
+void reply_chan_unref(struct reply_chan **c);
 struct region;
 
 #define SESSION_TOKEN_BYTES 16
@@ -46,6 +57,7 @@ struct session {
     gid_t gid;
     bool opened;
     int reply_fd;            /* OpenSession.reply_socket, or -1 */
+    struct reply_chan *chan; /* the same socket, or NULL */
     struct loop_watch *reply_watch;
     /* Replies to requests that came on the reply socket, waiting for room
      * there (the socket is then watched for output, not read). */
@@ -107,6 +119,7 @@ struct request {
     char cancel_why[64];
     uint64_t compute_us;
     uint32_t batch_requests, batch_tokens;
+    bool replied;           /* its Reply went out as its batch ended (batch.c) */
 };
 
 enum layer_state { LAYER_LOADING, LAYER_READY };

@@ -115,6 +115,22 @@ struct out_msg {
  * client cannot hold the loop. */
 #define SOCKET_READ_BUDGET 64
 
+struct reply_chan *reply_chan_ref(struct reply_chan *c)
+{
+    atomic_fetch_add_explicit(&c->refs, 1, memory_order_relaxed);
+    return c;
+}
+
+void reply_chan_unref(struct reply_chan **cp)
+{
+    struct reply_chan *c = *cp;
+    *cp = NULL;
+    if (c && atomic_fetch_sub_explicit(&c->refs, 1, memory_order_acq_rel) == 1) {
+        close(c->fd);
+        free(c);
+    }
+}
+
 static void reply_socket_close(struct server *s, struct session *se, const char *why)
 {
     if (se->reply_fd < 0)
@@ -124,7 +140,8 @@ static void reply_socket_close(struct server *s, struct session *se, const char 
                   (unsigned long long)se->id, (int)se->pid, why, se->n_out);
     if (se->reply_watch)
         loop_unwatch(s->loop, &se->reply_watch);
-    close_fd(&se->reply_fd);
+    se->reply_fd = -1;
+    reply_chan_unref(&se->chan); /* closes it unless a batch still holds it */
     while (se->outq) {
         struct out_msg *m = se->outq;
         se->outq = m->next;
@@ -383,11 +400,18 @@ static void session_open(struct server *s, struct session *se, const Moe__OpenSe
                          "OpenSession");
             return;
         }
-        se->reply_watch = loop_watch(s->loop, fds[0], EPOLLIN, reply_socket_ready, se);
+        se->chan = calloc(1, sizeof(*se->chan));
+        se->reply_watch = se->chan ? loop_watch(s->loop, fds[0], EPOLLIN, reply_socket_ready, se)
+                                   : NULL;
         if (!se->reply_watch) {
-            session_fail(s, se, -errno, "reply socket: %s", strerror(errno));
+            int e = se->chan ? errno : ENOMEM;
+            free(se->chan);
+            se->chan = NULL;
+            session_fail(s, se, -e, "reply socket: %s", strerror(e));
             return;
         }
+        atomic_init(&se->chan->refs, 1);
+        se->chan->fd = fds[0];
         se->reply_fd = fds[0];
         fds[0] = -1; /* the session owns it now */
     }

@@ -67,6 +67,7 @@ static void *worker_main(void *arg)
         pthread_mutex_unlock(&w->mu);
 
         j->run(j);
+        void (*after)(struct job *) = j->after; /* j may be done() with below */
 
         pthread_mutex_lock(&w->mu);
         w->busy_since_us = 0;
@@ -84,6 +85,8 @@ static void *worker_main(void *arg)
             ssize_t r = write(w->efd, &one, sizeof(one));
             (void)r;
         }
+        if (after)
+            after(j);
         pthread_mutex_lock(&w->mu);
     }
     pthread_mutex_unlock(&w->mu);

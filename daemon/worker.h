@@ -19,6 +19,10 @@ struct worker;
 struct job {
     void (*run)(struct job *job);
     void (*done)(struct job *job);
+    /* Optional: runs on the worker thread right after the job is handed
+     * back, alongside done() on the loop thread; the job must stay alive
+     * until it returns (done() waits for it). */
+    void (*after)(struct job *job);
     struct job *next; /* owned by the worker while queued */
 };
 

@@ -90,12 +90,14 @@ TEST(concurrent_requests_are_merged)
 
 /* Each process runs its inputs alone first (no_batch), then again and again
  * while the others do the same: the bytes never change. A request of 700
- * tokens runs in slices of 128 rows next to the others. */
+ * tokens runs in slices of 128 rows next to the others. A batch waits up to
+ * 2 ms for more requests, so the runs share batches however fast the
+ * backend is (on a GPU a request of this layer takes tens of us). */
 TEST(batched_results_are_bit_identical_to_lone_runs)
 {
     uint64_t seed = test_seed();
     struct itest_daemon d;
-    itest_daemon_start(&d, "--max-slice-tokens", "128", NULL);
+    itest_daemon_start(&d, "--max-slice-tokens", "128", "--max-delay-us", "2000", NULL);
     moe_client *c = itest_connect(&d, "itest");
     struct itest_layer L = make_layer("bits", 16, 4, 128, 192);
     itest_layer_upload(c, &L, &seed);
