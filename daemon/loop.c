@@ -28,7 +28,6 @@ struct loop_watch {
 struct loop {
     int epfd;
     volatile sig_atomic_t stop;
-    uint64_t spin_until_us; /* loop_spin_until */
     loop_hook_fn before_sleep;
     void *before_sleep_data;
     struct loop_watch *dead;
@@ -161,11 +160,6 @@ void loop_stop(struct loop *l)
     l->stop = 1;
 }
 
-void loop_spin_until(struct loop *l, uint64_t until_us)
-{
-    l->spin_until_us = until_us;
-}
-
 int loop_run_once(struct loop *l, int timeout_ms)
 {
     struct epoll_event evs[64];
@@ -173,12 +167,6 @@ int loop_run_once(struct loop *l, int timeout_ms)
         l->before_sleep(l->before_sleep_data);
     if (l->stop)
         return 0;
-    if (l->spin_until_us) {
-        if (now_us() < l->spin_until_us)
-            timeout_ms = 0;
-        else
-            l->spin_until_us = 0;
-    }
     int n = epoll_wait(l->epfd, evs, (int)ARRAY_SIZE(evs), timeout_ms);
     if (n < 0)
         return errno == EINTR ? 0 : -errno;

@@ -27,11 +27,6 @@ void loop_free(struct loop **l);
 struct loop_watch *loop_watch(struct loop *l, int fd, uint32_t events,
                               loop_fd_fn fn, void *data);
 /* Stop watching; safe inside a callback, even the watch's own. *w = NULL. */
-/* Until the monotonic time until_us (util.h's now_us), look for events
- * without sleeping: for a moment when an event is due soon and a sleeping
- * thread's wake-up would cost more than the spin. The before-sleep hook may
- * call it on every pass; 0 stops it. */
-void loop_spin_until(struct loop *l, uint64_t until_us);
 /* Change the epoll events a watch waits for; 0 or -errno. */
 int loop_watch_events(struct loop *l, struct loop_watch *w, uint32_t events);
 void loop_unwatch(struct loop *l, struct loop_watch **w);

@@ -577,10 +577,6 @@ static void server_before_sleep(void *data)
     if (s->zmq_dirty)
         server_drain(s);
     batch_kick(s);
-    /* Waiting for the clients of the last batch to come back (batch.c):
-     * their requests are due within the return wait; catch each as it
-     * lands instead of waking for it. */
-    loop_spin_until(s->loop, spin && s->n_awaited && !s->batch_running ? s->awaited_until_us : 0);
 }
 
 int server_new(struct config *cfg, struct backend **backends, int n_backends,
