@@ -7,7 +7,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,17 +19,6 @@
 #include "moe.pb-c.h"
 
 #define MAX_EXPERTS 4096
-
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-    return rc;
-}
 
 static bool under_dir(const char *path, const char *dir)
 {
@@ -52,9 +40,9 @@ int layer_open_allowed(const char *path, char *const *allowed, size_t n_allowed,
                        char *canon, size_t canon_len, char *err, size_t errlen)
 {
     if (!path || path[0] != '/')
-        return fail(err, errlen, -EINVAL, "weight path must be absolute");
+        return errf(err, errlen, -EINVAL, "weight path must be absolute");
     if (n_allowed == 0)
-        return fail(err, errlen, -EACCES,
+        return errf(err, errlen, -EACCES,
                     "no directories are allowed for weight files (set allowed_dirs)");
     char *real = realpath(path, NULL);
     if (!real) {
@@ -80,25 +68,25 @@ int layer_open_allowed(const char *path, char *const *allowed, size_t n_allowed,
             }
         }
         if (inside)
-            return fail(err, errlen, -ENOENT, "%s: no such file", path);
-        return fail(err, errlen, -EACCES, "%s is outside the allowed directories", path);
+            return errf(err, errlen, -ENOENT, "%s: no such file", path);
+        return errf(err, errlen, -EACCES, "%s is outside the allowed directories", path);
     }
     if (!under_any(real, allowed, n_allowed)) {
         free(real);
-        return fail(err, errlen, -EACCES, "%s is outside the allowed directories", path);
+        return errf(err, errlen, -EACCES, "%s is outside the allowed directories", path);
     }
     /* O_NONBLOCK: a FIFO must not hang the loader waiting for a writer. */
     int fd = open(real, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY | O_NONBLOCK);
     if (fd < 0) {
         int e = -errno;
         free(real);
-        return fail(err, errlen, e, "%s: %s", path, strerror(-e));
+        return errf(err, errlen, e, "%s: %s", path, strerror(-e));
     }
     struct stat fst;
     if (fstat(fd, &fst) < 0 || !S_ISREG(fst.st_mode)) {
         close(fd);
         free(real);
-        return fail(err, errlen, -EIO, "%s is not a regular file", path);
+        return errf(err, errlen, -EIO, "%s is not a regular file", path);
     }
     /* The file opened is the one checked, whatever was renamed in between. */
     char link[64], got[PATH_MAX];
@@ -107,12 +95,12 @@ int layer_open_allowed(const char *path, char *const *allowed, size_t n_allowed,
     free(real);
     if (n <= 0) {
         close(fd);
-        return fail(err, errlen, -EACCES, "%s: cannot verify the opened file", path);
+        return errf(err, errlen, -EACCES, "%s: cannot verify the opened file", path);
     }
     got[n] = '\0';
     if (!under_any(got, allowed, n_allowed)) {
         close(fd);
-        return fail(err, errlen, -EACCES, "%s is outside the allowed directories", path);
+        return errf(err, errlen, -EACCES, "%s is outside the allowed directories", path);
     }
     snprintf(canon, canon_len, "%s", got);
     return fd;
@@ -149,7 +137,7 @@ static int read_as(const struct st_file *f, const struct st_tensor *t, int dtype
     int src = st_to_wire(t->dtype);
     if (src == dtype) {
         if (st_read(f, t, dst) < 0)
-            return fail(err, errlen, -EIO, "tensor %s: file is truncated", t->name);
+            return errf(err, errlen, -EIO, "tensor %s: file is truncated", t->name);
         return 0;
     }
     void *tmp = malloc(t->nbytes ? t->nbytes : 1);
@@ -158,7 +146,7 @@ static int read_as(const struct st_file *f, const struct st_tensor *t, int dtype
     if (!tmp || !f32)
         rc = -ENOMEM;
     else if (st_read(f, t, tmp) < 0)
-        rc = fail(err, errlen, -EIO, "tensor %s: file is truncated", t->name);
+        rc = errf(err, errlen, -EIO, "tensor %s: file is truncated", t->name);
     else {
         moek_to_f32(wire_to_moek(src), tmp, f32, numel);
         moek_from_f32(wire_to_moek(dtype), f32, dst, numel);
@@ -199,7 +187,7 @@ static int moe_shape(const struct layer_spec *spec, const struct st_file *f,
         if (find_expert(f, prefix, 0, moe_schemes[i][0]))
             sch = i;
     if (sch < 0)
-        return fail(err, errlen, -EINVAL,
+        return errf(err, errlen, -EINVAL,
                     "no tensor %sexperts.0.w1.weight or %sexperts.0.gate_proj.weight in the file",
                     prefix, prefix);
     const char *const *parts = moe_schemes[sch];
@@ -209,18 +197,18 @@ static int moe_shape(const struct layer_spec *spec, const struct st_file *f,
             E++;
     }
     if (E == 0 || E > MAX_EXPERTS)
-        return fail(err, errlen, -EINVAL, "%u experts (1 to %d supported)", E, MAX_EXPERTS);
+        return errf(err, errlen, -EINVAL, "%u experts (1 to %d supported)", E, MAX_EXPERTS);
     const struct st_tensor *g0 = find_expert(f, prefix, 0, parts[0]);
     if (g0->ndim != 2)
-        return fail(err, errlen, -EINVAL, "%s is not a matrix", g0->name);
+        return errf(err, errlen, -EINVAL, "%s is not a matrix", g0->name);
     uint64_t I = spec->intermediate ? spec->intermediate : g0->shape[0];
     uint64_t H = spec->hidden ? spec->hidden : g0->shape[1];
     if (I == 0 || H == 0 || I > (1u << 20) || H > (1u << 20))
-        return fail(err, errlen, -EINVAL, "hidden %llu / intermediate %llu out of range",
+        return errf(err, errlen, -EINVAL, "hidden %llu / intermediate %llu out of range",
                     (unsigned long long)H, (unsigned long long)I);
     int dtype = st_to_wire(g0->dtype) ? (spec->dtype ? spec->dtype : st_to_wire(g0->dtype)) : 0;
     if (!dtype)
-        return fail(err, errlen, -ENOTSUP, "%s has dtype %s; bf16, fp16 and fp32 are supported",
+        return errf(err, errlen, -ENOTSUP, "%s has dtype %s; bf16, fp16 and fp32 are supported",
                     g0->name, st_dtype_name(g0->dtype));
     out->dtype = dtype;
     out->experts = E;
@@ -256,11 +244,11 @@ static int read_moe(const struct layer_spec *spec, const struct st_file *f,
         for (int p = 0; p < 3; p++) {
             const struct st_tensor *t = find_expert(f, prefix, e, parts[p]);
             if (!t)
-                return fail(err, errlen, -EINVAL, "tensor %sexperts.%u.%s.weight is missing",
+                return errf(err, errlen, -EINVAL, "tensor %sexperts.%u.%s.weight is missing",
                             prefix, e, parts[p]);
             bool ok = p < 2 ? shape2(t, I, H) : shape2(t, H, I);
             if (!ok || !st_to_wire(t->dtype))
-                return fail(err, errlen, -EINVAL,
+                return errf(err, errlen, -EINVAL,
                             "tensor %s has shape/dtype that does not fit H=%llu I=%llu "
                             "(want %s [%llu, %llu])", t->name, (unsigned long long)H,
                             (unsigned long long)I, p < 2 ? "gate/up" : "down",
@@ -278,19 +266,19 @@ static int read_gemm(const struct layer_spec *spec, const struct st_file *f,
     const char *name = spec->prefix ? spec->prefix : "";
     const struct st_tensor *t = st_find(f, name);
     if (!t)
-        return fail(err, errlen, -EINVAL, "tensor '%s' is missing", name);
+        return errf(err, errlen, -EINVAL, "tensor '%s' is missing", name);
     if (t->ndim != 3 || t->shape[0] == 0 || t->shape[1] == 0 || t->shape[2] == 0 ||
         t->shape[0] > 65536 || t->shape[1] > (1u << 20) || t->shape[2] > (1u << 20))
-        return fail(err, errlen, -EINVAL, "tensor '%s' must be [G, N, K] with each dimension nonzero",
+        return errf(err, errlen, -EINVAL, "tensor '%s' must be [G, N, K] with each dimension nonzero",
                     name);
     if ((spec->groups && spec->groups != t->shape[0]) || (spec->n && spec->n != t->shape[1]) ||
         (spec->k && spec->k != t->shape[2]))
-        return fail(err, errlen, -EINVAL, "tensor '%s' is [%llu, %llu, %llu], not the given shape",
+        return errf(err, errlen, -EINVAL, "tensor '%s' is [%llu, %llu, %llu], not the given shape",
                     name, (unsigned long long)t->shape[0], (unsigned long long)t->shape[1],
                     (unsigned long long)t->shape[2]);
     int dtype = spec->dtype ? spec->dtype : st_to_wire(t->dtype);
     if (!dtype || !st_to_wire(t->dtype))
-        return fail(err, errlen, -ENOTSUP, "tensor '%s' has dtype %s; bf16, fp16 and fp32 are supported",
+        return errf(err, errlen, -ENOTSUP, "tensor '%s' has dtype %s; bf16, fp16 and fp32 are supported",
                     name, st_dtype_name(t->dtype));
     uint64_t numel = t->shape[0] * t->shape[1] * t->shape[2];
     out->dtype = dtype;
@@ -317,7 +305,7 @@ int layer_read_weights(const struct layer_spec *spec, char *const *allowed,
     char why[256] = "";
     int rc = st_open_fd(fd, &f, why, sizeof(why));
     if (rc)
-        return fail(err, errlen, rc == -ENOMEM ? rc : -EIO, "%s: not a valid safetensors file: %s",
+        return errf(err, errlen, rc == -ENOMEM ? rc : -EIO, "%s: not a valid safetensors file: %s",
                     canon, why);
     rc = spec->kind == MOE__LAYER_KIND__LAYER_GEMM ? read_gemm(spec, f, out, err, errlen)
                                                    : read_moe(spec, f, out, err, errlen);
@@ -340,7 +328,7 @@ int layer_read_shape(const struct layer_spec *spec, char *const *allowed, size_t
     char canon[PATH_MAX];
     memset(out, 0, sizeof(*out));
     if (spec->kind != MOE__LAYER_KIND__LAYER_MOE)
-        return fail(err, errlen, -EINVAL, "not a MoE layer");
+        return errf(err, errlen, -EINVAL, "not a MoE layer");
     int fd = layer_open_allowed(spec->path, allowed, n_allowed, canon, sizeof(canon), err, errlen);
     if (fd < 0)
         return fd;
@@ -348,7 +336,7 @@ int layer_read_shape(const struct layer_spec *spec, char *const *allowed, size_t
     char why[256] = "";
     int rc = st_open_fd(fd, &f, why, sizeof(why));
     if (rc)
-        return fail(err, errlen, rc == -ENOMEM ? rc : -EIO, "%s: not a valid safetensors file: %s",
+        return errf(err, errlen, rc == -ENOMEM ? rc : -EIO, "%s: not a valid safetensors file: %s",
                     canon, why);
     int sch;
     rc = moe_shape(spec, f, out, &sch, err, errlen);

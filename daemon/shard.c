@@ -4,21 +4,11 @@
 #include "daemon/shard.h"
 
 #include <errno.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-    return rc;
-}
+#include "daemon/util.h"
 
 void shard_done(struct shard_set *set, struct backend **backends)
 {
@@ -40,18 +30,18 @@ int shard_plan(int experts, const uint32_t *devices, int n_devices, const uint32
 {
     memset(out, 0, sizeof(*out));
     if (n_devices < 1 || n_devices > experts)
-        return fail(err, errlen, -EINVAL, "%d devices for %d experts: each device needs an expert",
+        return errf(err, errlen, -EINVAL, "%d devices for %d experts: each device needs an expert",
                     n_devices, experts);
     for (int i = 0; i < n_devices; i++) {
         if ((int)devices[i] >= n_backends)
-            return fail(err, errlen, -EINVAL, "device %u does not exist (this daemon has %d)",
+            return errf(err, errlen, -EINVAL, "device %u does not exist (this daemon has %d)",
                         devices[i], n_backends);
         for (int j = 0; j < i; j++)
             if (devices[j] == devices[i])
-                return fail(err, errlen, -EINVAL, "device %u is listed twice", devices[i]);
+                return errf(err, errlen, -EINVAL, "device %u is listed twice", devices[i]);
     }
     if (map && n_map != experts)
-        return fail(err, errlen, -EINVAL, "the expert placement names %d experts; the layer has %d",
+        return errf(err, errlen, -EINVAL, "the expert placement names %d experts; the layer has %d",
                     n_map, experts);
     out->experts = experts;
     out->n = n_devices;
@@ -69,7 +59,7 @@ int shard_plan(int experts, const uint32_t *devices, int n_devices, const uint32
                 ;
             if (s == n_devices) {
                 shard_done(out, NULL);
-                return fail(err, errlen, -EINVAL, "expert %d is placed on device %u, which is not "
+                return errf(err, errlen, -EINVAL, "expert %d is placed on device %u, which is not "
                             "among the layer's devices", e, map[e]);
             }
         } else {
@@ -83,7 +73,7 @@ int shard_plan(int experts, const uint32_t *devices, int n_devices, const uint32
         sh->device = (int)devices[s];
         if (sh->n_experts == 0) {
             shard_done(out, NULL);
-            return fail(err, errlen, -EINVAL, "device %u would hold no expert", devices[s]);
+            return errf(err, errlen, -EINVAL, "device %u would hold no expert", devices[s]);
         }
         sh->experts = calloc((size_t)sh->n_experts, sizeof(int32_t));
         sh->remap = malloc((size_t)experts * sizeof(int32_t));
@@ -132,7 +122,7 @@ int shard_upload(struct shard_set *set, struct backend **backends, const moek_mo
                 bt->ops->weights_free(bt, set->shards[t].weights);
                 set->shards[t].weights = NULL;
             }
-            return fail(err, errlen, rc, "device %d (%s) cannot hold its %zu experts: %s",
+            return errf(err, errlen, rc, "device %d (%s) cannot hold its %zu experts: %s",
                         sh->device, be->name, n, rc == -ENOMEM ? "out of memory" : strerror(-rc));
         }
         sh->bytes = 3 * n * per;

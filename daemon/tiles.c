@@ -8,13 +8,14 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
-#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include "daemon/util.h"
 
 #define TILES_MAX_BYTES (1u << 20)
 #define TILES_MAX_ENTRIES 4096
@@ -31,17 +32,6 @@ bool tiles_tile_ok(int tile)
         if (tiles_offered[i] == tile)
             return true;
     return false;
-}
-
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-    return rc;
 }
 
 void tiles_init(struct tile_table *t)
@@ -79,39 +69,39 @@ int tiles_check_entry(const struct tile_entry *e, char *err, size_t errlen)
 {
     size_t len = strnlen(e->device, TILES_DEVICE_MAX);
     if (len == 0)
-        return fail(err, errlen, -EINVAL, "the card's name is empty");
+        return errf(err, errlen, -EINVAL, "the card's name is empty");
     if (len == TILES_DEVICE_MAX)
-        return fail(err, errlen, -EINVAL, "the card's name is longer than %d characters",
+        return errf(err, errlen, -EINVAL, "the card's name is longer than %d characters",
                     TILES_DEVICE_MAX - 1);
     for (size_t i = 0; i < len; i++)
         if ((unsigned char)e->device[i] < 0x20 || e->device[i] == 0x7f)
-            return fail(err, errlen, -EINVAL, "the card's name holds a control character");
+            return errf(err, errlen, -EINVAL, "the card's name holds a control character");
     if (!tiles_dtype_name(e->dt))
-        return fail(err, errlen, -EINVAL, "dtype %d is not bf16 or fp16", (int)e->dt);
+        return errf(err, errlen, -EINVAL, "dtype %d is not bf16 or fp16", (int)e->dt);
     if (e->hidden < 1 || e->hidden > TILES_MAX_DIM || e->intermediate < 1 ||
         e->intermediate > TILES_MAX_DIM)
-        return fail(err, errlen, -EINVAL, "hidden %d / intermediate %d: each from 1 to %d",
+        return errf(err, errlen, -EINVAL, "hidden %d / intermediate %d: each from 1 to %d",
                     e->hidden, e->intermediate, TILES_MAX_DIM);
     if (e->experts < 1 || e->experts > TILES_MAX_EXPERTS)
-        return fail(err, errlen, -EINVAL, "%d experts (1 to %d)", e->experts, TILES_MAX_EXPERTS);
+        return errf(err, errlen, -EINVAL, "%d experts (1 to %d)", e->experts, TILES_MAX_EXPERTS);
     if (e->topk < 1 || e->topk > e->experts)
-        return fail(err, errlen, -EINVAL, "topk %d is not between 1 and the %d experts", e->topk,
+        return errf(err, errlen, -EINVAL, "topk %d is not between 1 and the %d experts", e->topk,
                     e->experts);
     if (e->n_rules < 1)
-        return fail(err, errlen, -EINVAL, "no rules");
+        return errf(err, errlen, -EINVAL, "no rules");
     if (e->n_rules > TILES_MAX_RULES)
-        return fail(err, errlen, -EINVAL, "%d rules; at most %d", e->n_rules, TILES_MAX_RULES);
+        return errf(err, errlen, -EINVAL, "%d rules; at most %d", e->n_rules, TILES_MAX_RULES);
     for (int i = 0; i < e->n_rules; i++) {
         const struct tile_rule *r = &e->rules[i];
         if (r->min_tokens < 1 || r->min_tokens > TILES_MAX_TOKENS)
-            return fail(err, errlen, -EINVAL, "rule '%d:%d': min_tokens is not from 1 to %d",
+            return errf(err, errlen, -EINVAL, "rule '%d:%d': min_tokens is not from 1 to %d",
                         r->min_tokens, r->tile, TILES_MAX_TOKENS);
         if (i > 0 && r->min_tokens <= e->rules[i - 1].min_tokens)
-            return fail(err, errlen, -EINVAL,
+            return errf(err, errlen, -EINVAL,
                         "rule '%d:%d': min_tokens does not ascend (the rule before has %d)",
                         r->min_tokens, r->tile, e->rules[i - 1].min_tokens);
         if (!tiles_tile_ok(r->tile))
-            return fail(err, errlen, -EINVAL,
+            return errf(err, errlen, -EINVAL,
                         "rule '%d:%d': tile %d is not 16, 32, 64, 128, 192 or 256",
                         r->min_tokens, r->tile, r->tile);
     }
@@ -144,7 +134,7 @@ int tiles_put(struct tile_table *t, const struct tile_entry *e, char *err, size_
             return 0;
         }
     if (t->n >= TILES_MAX_ENTRIES)
-        return fail(err, errlen, -EINVAL, "more than %d entries", TILES_MAX_ENTRIES);
+        return errf(err, errlen, -EINVAL, "more than %d entries", TILES_MAX_ENTRIES);
     if (table_reserve(t, t->n + 1))
         return -ENOMEM;
     t->entries[t->n++] = *e;
@@ -219,27 +209,27 @@ static int parse_line(const char *line, size_t len, struct tile_entry *e, char *
                                   "rules"};
     int n = split_tabs(line, len, f, fl, TILES_FIELDS);
     if (n != TILES_FIELDS)
-        return fail(err, errlen, -EINVAL,
+        return errf(err, errlen, -EINVAL,
                     "%s%d field%s; want 7 separated by tabs: card, dtype, hidden, "
                     "intermediate, experts, topk, rules",
                     n > TILES_FIELDS ? "more than " : "", n > TILES_FIELDS ? TILES_FIELDS : n,
                     n == 1 ? "" : "s");
     memset(e, 0, sizeof(*e));
     if (fl[0] >= TILES_DEVICE_MAX)
-        return fail(err, errlen, -EINVAL, "the card's name is longer than %d characters",
+        return errf(err, errlen, -EINVAL, "the card's name is longer than %d characters",
                     TILES_DEVICE_MAX - 1);
     memcpy(e->device, f[0], fl[0]);
     char word[16];
     snprintf(word, sizeof(word), "%.*s", (int)(fl[1] < 15 ? fl[1] : 15), f[1]);
     int dt = fl[1] < 15 ? tiles_dtype_parse(word) : -1;
     if (dt < 0)
-        return fail(err, errlen, -EINVAL, "unknown dtype '%.*s' (bf16 or fp16)", (int)fl[1], f[1]);
+        return errf(err, errlen, -EINVAL, "unknown dtype '%.*s' (bf16 or fp16)", (int)fl[1], f[1]);
     e->dt = (moek_dtype)dt;
     int *nums[] = {&e->hidden, &e->intermediate, &e->experts, &e->topk};
     for (int i = 0; i < 4; i++) {
         *nums[i] = parse_num(f[2 + i], fl[2 + i]);
         if (*nums[i] < 1)
-            return fail(err, errlen, -EINVAL, "bad %s '%.*s' (a positive number)", names[2 + i],
+            return errf(err, errlen, -EINVAL, "bad %s '%.*s' (a positive number)", names[2 + i],
                         (int)fl[2 + i], f[2 + i]);
     }
     const char *p = f[6], *end = f[6] + fl[6];
@@ -255,10 +245,10 @@ static int parse_line(const char *line, size_t len, struct tile_entry *e, char *
         int m = colon ? parse_num(w, (size_t)(colon - w)) : -1;
         int tile = colon ? parse_num(colon + 1, (size_t)(p - colon - 1)) : -1;
         if (m < 0 || tile < 0)
-            return fail(err, errlen, -EINVAL, "bad rule '%.*s' (min_tokens:tile, two numbers)",
+            return errf(err, errlen, -EINVAL, "bad rule '%.*s' (min_tokens:tile, two numbers)",
                         (int)(p - w), w);
         if (e->n_rules == TILES_MAX_RULES)
-            return fail(err, errlen, -EINVAL, "more than %d rules", TILES_MAX_RULES);
+            return errf(err, errlen, -EINVAL, "more than %d rules", TILES_MAX_RULES);
         e->rules[e->n_rules++] = (struct tile_rule){m, tile};
     }
     return tiles_check_entry(e, err, errlen);
@@ -284,12 +274,12 @@ int tiles_parse(struct tile_table *t, const char *text, const char *name, char *
             continue;
         struct tile_entry e;
         if ((rc = parse_line(line, len, &e, why, sizeof(why)))) {
-            fail(err, errlen, rc, "%s:%d: %s", name, lineno, why);
+            errf(err, errlen, rc, "%s:%d: %s", name, lineno, why);
             break;
         }
         for (size_t j = 0; j < t->n; j++)
             if (same_key(&t->entries[j], &e)) {
-                rc = fail(err, errlen, -EINVAL,
+                rc = errf(err, errlen, -EINVAL,
                           "%s:%d: the same card, dtype and shape as line %d", name, lineno,
                           lines[j]);
                 break;
@@ -297,7 +287,7 @@ int tiles_parse(struct tile_table *t, const char *text, const char *name, char *
         if (rc)
             break;
         if (t->n >= TILES_MAX_ENTRIES) {
-            rc = fail(err, errlen, -EINVAL, "%s:%d: more than %d entries", name, lineno,
+            rc = errf(err, errlen, -EINVAL, "%s:%d: more than %d entries", name, lineno,
                       TILES_MAX_ENTRIES);
             break;
         }
@@ -317,7 +307,7 @@ int tiles_parse(struct tile_table *t, const char *text, const char *name, char *
     free(lines);
     if (rc) {
         if (rc == -ENOMEM)
-            fail(err, errlen, rc, "%s: out of memory", name);
+            errf(err, errlen, rc, "%s: out of memory", name);
         t->n = 0;
     }
     return rc;
@@ -328,21 +318,21 @@ int tiles_read(struct tile_table *t, const char *path, char *err, size_t errlen)
     FILE *fp = fopen(path, "re");
     if (!fp) {
         int e = -errno;
-        return fail(err, errlen, e, "cannot open %s: %s", path, strerror(-e));
+        return errf(err, errlen, e, "cannot open %s: %s", path, strerror(-e));
     }
     char *text = malloc(TILES_MAX_BYTES + 1);
     size_t n = text ? fread(text, 1, TILES_MAX_BYTES + 1, fp) : 0;
     int bad = ferror(fp);
     fclose(fp);
     if (!text)
-        return fail(err, errlen, -ENOMEM, "%s: out of memory", path);
+        return errf(err, errlen, -ENOMEM, "%s: out of memory", path);
     int rc = 0;
     if (bad)
-        rc = fail(err, errlen, -EIO, "%s: read error", path);
+        rc = errf(err, errlen, -EIO, "%s: read error", path);
     else if (n > TILES_MAX_BYTES)
-        rc = fail(err, errlen, -EINVAL, "%s: larger than 1 MiB", path);
+        rc = errf(err, errlen, -EINVAL, "%s: larger than 1 MiB", path);
     else if (memchr(text, '\0', n))
-        rc = fail(err, errlen, -EINVAL, "%s: holds a NUL byte (not a text file)", path);
+        rc = errf(err, errlen, -EINVAL, "%s: holds a NUL byte (not a text file)", path);
     if (!rc) {
         text[n] = '\0';
         rc = tiles_parse(t, text, path, err, errlen);
@@ -447,13 +437,13 @@ int tiles_write(const char *path, const struct tile_table *updates, size_t *kept
     char dir[PATH_MAX], tmp[PATH_MAX + 16];
     const char *slash = strrchr(path, '/');
     if (!path[0] || !slash || !slash[1])
-        return fail(err, errlen, -EINVAL, "'%s' is not an absolute file name", path);
+        return errf(err, errlen, -EINVAL, "'%s' is not an absolute file name", path);
     if (slash == path)
         snprintf(dir, sizeof(dir), "/");
     else if (snprintf(dir, sizeof(dir), "%.*s", (int)(slash - path), path) >= (int)sizeof(dir))
-        return fail(err, errlen, -ENAMETOOLONG, "%s: name too long", path);
+        return errf(err, errlen, -ENAMETOOLONG, "%s: name too long", path);
     if (snprintf(tmp, sizeof(tmp), "%s/.%s.XXXXXX", dir, slash + 1) >= (int)sizeof(tmp))
-        return fail(err, errlen, -ENAMETOOLONG, "%s: name too long", path);
+        return errf(err, errlen, -ENAMETOOLONG, "%s: name too long", path);
 
     struct tile_table t;
     char why[400] = "";
@@ -463,7 +453,7 @@ int tiles_write(const char *path, const struct tile_table *updates, size_t *kept
         rc = 0;
     } else if (rc) {
         tiles_done(&t);
-        return fail(err, errlen, rc, "%s; not overwritten (fix or remove it)", why);
+        return errf(err, errlen, rc, "%s; not overwritten (fix or remove it)", why);
     }
     size_t from_file = t.n, replaced = 0;
     for (size_t i = 0; i < updates->n && !rc; i++) {
@@ -477,18 +467,18 @@ int tiles_write(const char *path, const struct tile_table *updates, size_t *kept
     tiles_done(&t);
     if (rc) {
         free(text);
-        return rc == -ENOMEM ? fail(err, errlen, rc, "out of memory")
-                             : fail(err, errlen, rc, "%s", why);
+        return rc == -ENOMEM ? errf(err, errlen, rc, "out of memory")
+                             : errf(err, errlen, rc, "%s", why);
     }
     if ((rc = make_dirs(dir)) < 0) {
         free(text);
-        return fail(err, errlen, rc, "cannot create %s: %s", dir, strerror(-rc));
+        return errf(err, errlen, rc, "cannot create %s: %s", dir, strerror(-rc));
     }
     int fd = mkostemp(tmp, O_CLOEXEC);
     if (fd < 0) {
         rc = -errno;
         free(text);
-        return fail(err, errlen, rc, "cannot create a file in %s: %s", dir, strerror(-rc));
+        return errf(err, errlen, rc, "cannot create a file in %s: %s", dir, strerror(-rc));
     }
     rc = write_all(fd, text, strlen(text));
     free(text);
@@ -502,7 +492,7 @@ int tiles_write(const char *path, const struct tile_table *updates, size_t *kept
         rc = -errno;
     if (rc) {
         unlink(tmp);
-        return fail(err, errlen, rc, "cannot write %s: %s", path, strerror(-rc));
+        return errf(err, errlen, rc, "cannot write %s: %s", path, strerror(-rc));
     }
     int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dfd >= 0) {
@@ -511,7 +501,7 @@ int tiles_write(const char *path, const struct tile_table *updates, size_t *kept
         close(dfd);
     }
     if (rc)
-        return fail(err, errlen, rc, "%s written, but the directory's fsync failed: %s", path,
+        return errf(err, errlen, rc, "%s written, but the directory's fsync failed: %s", path,
                     strerror(-rc));
     if (kept)
         *kept = from_file - replaced;

@@ -4,7 +4,6 @@
 #include "daemon/tune.h"
 
 #include <errno.h>
-#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -12,17 +11,6 @@
 #include "daemon/layer.h"
 #include "daemon/util.h"
 #include "moe.pb-c.h"
-
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static int fail(char *err, size_t errlen, int rc, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-    return rc;
-}
 
 /* ---- the plan ------------------------------------------------------------ */
 
@@ -141,7 +129,7 @@ int tune_add_configured(struct tune_plan *p, const struct config *c, FILE *out, 
             continue;
         }
         if (!lc->topk)
-            return fail(err, errlen, -EINVAL, "layer '%s': topk is required for a MoE layer",
+            return errf(err, errlen, -EINVAL, "layer '%s': topk is required for a MoE layer",
                         lc->name);
         struct layer_spec spec = {
             .kind = lc->kind, .dtype = lc->dtype, .experts = lc->experts, .topk = lc->topk,
@@ -153,14 +141,14 @@ int tune_add_configured(struct tune_plan *p, const struct config *c, FILE *out, 
         int rc = layer_read_shape(&spec, c->allowed_dirs, c->n_allowed_dirs, &hw, why,
                                   sizeof(why));
         if (rc < 0)
-            return fail(err, errlen, rc, "layer '%s': %s", lc->name, why);
+            return errf(err, errlen, rc, "layer '%s': %s", lc->name, why);
         if (hw.dtype != MOE__DTYPE__DTYPE_BF16 && hw.dtype != MOE__DTYPE__DTYPE_FP16) {
             fprintf(out, "# layer '%s' is fp32, which the CUDA kernels do not compute: not "
                          "tuned\n", lc->name);
             continue;
         }
         if (lc->topk > hw.experts)
-            return fail(err, errlen, -EINVAL, "layer '%s': topk %u is above its %u experts",
+            return errf(err, errlen, -EINVAL, "layer '%s': topk %u is above its %u experts",
                         lc->name, lc->topk, hw.experts);
         struct tune_shape t = {
             .s = {(int)hw.experts, (int)lc->topk, (int)hw.hidden, (int)hw.intermediate},
@@ -168,7 +156,7 @@ int tune_add_configured(struct tune_plan *p, const struct config *c, FILE *out, 
         };
         snprintf(t.from, sizeof(t.from), "layer '%s'", lc->name);
         if (tune_add(p, &t) < 0)
-            return fail(err, errlen, -ENOSPC, "more than %d layer shapes to tune",
+            return errf(err, errlen, -ENOSPC, "more than %d layer shapes to tune",
                         TUNE_MAX_SHAPES);
     }
     return 0;
@@ -179,11 +167,11 @@ int tune_add_configured(struct tune_plan *p, const struct config *c, FILE *out, 
 int tune_check(struct backend *b, const char *path, char *err, size_t errlen)
 {
     if (!b->ops->moe_tune)
-        return fail(err, errlen, -ENOTSUP,
+        return errf(err, errlen, -ENOTSUP,
                     "tuning needs a CUDA device: the %s backend has no token tiles to tune",
                     b->name);
     if (!path[0])
-        return fail(err, errlen, -EINVAL,
+        return errf(err, errlen, -EINVAL,
                     "tile_table is empty, so nothing would keep the measured tiles: set it in "
                     "the configuration or with --tile-table FILE");
     struct tile_table have;
@@ -194,7 +182,7 @@ int tune_check(struct backend *b, const char *path, char *err, size_t errlen)
     if (rc == -ENOENT)
         return 0;
     if (rc < 0)
-        return fail(err, errlen, rc, "tile table %s; moed --tune does not overwrite it: fix "
+        return errf(err, errlen, rc, "tile table %s; moed --tune does not overwrite it: fix "
                                      "or remove it", why);
     return 0;
 }
@@ -250,10 +238,10 @@ int tune_run(struct backend *b, const struct tune_plan *p, const char *path, FIL
     if (rc < 0)
         return rc;
     if (p->n_shapes == 0)
-        return fail(err, errlen, -EINVAL, "nothing to tune: no MoE layer is configured; name "
+        return errf(err, errlen, -EINVAL, "nothing to tune: no MoE layer is configured; name "
                                           "shapes with --tune-shape E,k,H,I[,dtype] or add --demo");
     if (p->n_tokens == 0)
-        return fail(err, errlen, -EINVAL, "no token counts to tune");
+        return errf(err, errlen, -EINVAL, "no token counts to tune");
     struct tile_table upd;
     tiles_init(&upd);
     int failed = 0, done = 0;
@@ -302,7 +290,7 @@ int tune_run(struct backend *b, const struct tune_plan *p, const char *path, FIL
     if (rc < 0)
         return rc;
     if (failed || done < p->n_shapes)
-        return fail(err, errlen, -EIO, "%d of %d layer shapes could not be tuned (see above)",
+        return errf(err, errlen, -EIO, "%d of %d layer shapes could not be tuned (see above)",
                     failed + (p->n_shapes - done), p->n_shapes);
     return 0;
 }

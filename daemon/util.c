@@ -3,6 +3,8 @@
  */
 #include "daemon/util.h"
 
+#include <stdarg.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/random.h>
 
@@ -34,4 +36,13 @@ bool name_valid(const char *name)
             return false;
     }
     return true;
+}
+
+int errf(char *err, size_t errlen, int rc, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+    return rc;
 }

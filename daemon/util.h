@@ -57,4 +57,9 @@ int random_bytes(void *buf, size_t n);
 /* True when name is 1..64 characters of [A-Za-z0-9._-]. */
 bool name_valid(const char *name);
 
+/* Write a message into err (errlen bytes) and return rc: for functions that
+ * report why they failed in a caller's buffer. */
+int errf(char *err, size_t errlen, int rc, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
 #endif
