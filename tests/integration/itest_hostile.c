@@ -927,6 +927,19 @@ TEST(unregistering_a_region_is_answered)
     itest_daemon_stop(&d);
 }
 
+/* OpenSession asking for a reply socket, with these descriptors beside it. */
+static Moe__SessionReply *open_asking_reply_socket(struct raw *r, const int *fds, int nfds)
+{
+    Moe__SessionRequest req = MOE__SESSION_REQUEST__INIT;
+    Moe__OpenSession os = MOE__OPEN_SESSION__INIT;
+    os.protocol_version = 1;
+    os.client_name = "raw";
+    os.reply_socket = true;
+    req.body_case = MOE__SESSION_REQUEST__BODY_OPEN;
+    req.open = &os;
+    return raw_session_call(r, &req, fds, nfds);
+}
+
 /* OpenSession's reply socket must be one AF_UNIX SOCK_SEQPACKET socket: none,
  * a pipe, a stream socket or two descriptors are refused with a message,
  * the session stays closed, and the daemon serves on. */
@@ -935,14 +948,7 @@ static int open_with_reply_fds(const char *dir, const int *fds, int nfds)
     struct raw r;
     memset(&r, 0, sizeof(r));
     CHECK(raw_connect_session(&r, dir) == 0);
-    Moe__SessionRequest req = MOE__SESSION_REQUEST__INIT;
-    Moe__OpenSession os = MOE__OPEN_SESSION__INIT;
-    os.protocol_version = 1;
-    os.client_name = "raw";
-    os.reply_socket = true;
-    req.body_case = MOE__SESSION_REQUEST__BODY_OPEN;
-    req.open = &os;
-    Moe__SessionReply *rep = raw_session_call(&r, &req, fds, nfds);
+    Moe__SessionReply *rep = open_asking_reply_socket(&r, fds, nfds);
     int st = (int)rep->status;
     if (st)
         CHECK_MSG(rep->message && strstr(rep->message, "reply_socket"), "message: %s",
@@ -986,14 +992,7 @@ static void open_with_socket(struct raw *r, const char *dir, int *rfd)
     memset(r, 0, sizeof(*r));
     CHECK(raw_connect_session(r, dir) == 0);
     raw_connect_zmq(r, dir, 300);
-    Moe__SessionRequest req = MOE__SESSION_REQUEST__INIT;
-    Moe__OpenSession os = MOE__OPEN_SESSION__INIT;
-    os.protocol_version = 1;
-    os.client_name = "raw";
-    os.reply_socket = true;
-    req.body_case = MOE__SESSION_REQUEST__BODY_OPEN;
-    req.open = &os;
-    Moe__SessionReply *rep = raw_session_call(r, &req, &sp[1], 1);
+    Moe__SessionReply *rep = open_asking_reply_socket(r, &sp[1], 1);
     CHECK_EQ_INT((int)rep->status, 0);
     CHECK_MSG(rep->socket_requests, "the daemon does not read requests on reply sockets");
     CHECK(rep->token.len == 16);
