@@ -292,21 +292,40 @@ static int read_gemm(const struct layer_spec *spec, const struct st_file *f,
     return read_as(f, t, dtype, out->w1, numel, err, errlen);
 }
 
+/* Open spec's file (under the allowed directories) as safetensors; its
+ * canonical path in canon (PATH_MAX). */
+static int open_spec(const struct layer_spec *spec, char *const *allowed, size_t n_allowed,
+                     char *canon, struct st_file **f, char *err, size_t errlen)
+{
+    int fd = layer_open_allowed(spec->path, allowed, n_allowed, canon, PATH_MAX, err, errlen);
+    if (fd < 0)
+        return fd;
+    char why[256] = "";
+    int rc = st_open_fd(fd, f, why, sizeof(why));
+    if (rc)
+        return errf(err, errlen, rc == -ENOMEM ? rc : -EIO, "%s: not a valid safetensors file: %s",
+                    canon, why);
+    return 0;
+}
+
+/* out->source: the canonical path, and ":prefix" when there is one. */
+static void set_source(struct host_weights *out, const char *canon, const struct layer_spec *spec)
+{
+    int n = snprintf(out->source, sizeof(out->source), "%s", canon);
+    if (spec->prefix && n >= 0 && (size_t)n < sizeof(out->source))
+        snprintf(out->source + n, sizeof(out->source) - (size_t)n, ":%s", spec->prefix);
+}
+
 int layer_read_weights(const struct layer_spec *spec, char *const *allowed,
                        size_t n_allowed, struct host_weights *out, char *err,
                        size_t errlen)
 {
     char canon[PATH_MAX];
-    memset(out, 0, sizeof(*out));
-    int fd = layer_open_allowed(spec->path, allowed, n_allowed, canon, sizeof(canon), err, errlen);
-    if (fd < 0)
-        return fd;
     struct st_file *f = NULL;
-    char why[256] = "";
-    int rc = st_open_fd(fd, &f, why, sizeof(why));
+    memset(out, 0, sizeof(*out));
+    int rc = open_spec(spec, allowed, n_allowed, canon, &f, err, errlen);
     if (rc)
-        return errf(err, errlen, rc == -ENOMEM ? rc : -EIO, "%s: not a valid safetensors file: %s",
-                    canon, why);
+        return rc;
     rc = spec->kind == MOE__LAYER_KIND__LAYER_GEMM ? read_gemm(spec, f, out, err, errlen)
                                                    : read_moe(spec, f, out, err, errlen);
     st_close(&f);
@@ -316,9 +335,7 @@ int layer_read_weights(const struct layer_spec *spec, char *const *allowed,
         host_weights_done(out);
         return rc;
     }
-    int n = snprintf(out->source, sizeof(out->source), "%s", canon);
-    if (spec->prefix && n >= 0 && (size_t)n < sizeof(out->source))
-        snprintf(out->source + n, sizeof(out->source) - (size_t)n, ":%s", spec->prefix);
+    set_source(out, canon, spec);
     return 0;
 }
 
@@ -326,25 +343,18 @@ int layer_read_shape(const struct layer_spec *spec, char *const *allowed, size_t
                      struct host_weights *out, char *err, size_t errlen)
 {
     char canon[PATH_MAX];
+    struct st_file *f = NULL;
     memset(out, 0, sizeof(*out));
     if (spec->kind != MOE__LAYER_KIND__LAYER_MOE)
         return errf(err, errlen, -EINVAL, "not a MoE layer");
-    int fd = layer_open_allowed(spec->path, allowed, n_allowed, canon, sizeof(canon), err, errlen);
-    if (fd < 0)
-        return fd;
-    struct st_file *f = NULL;
-    char why[256] = "";
-    int rc = st_open_fd(fd, &f, why, sizeof(why));
+    int rc = open_spec(spec, allowed, n_allowed, canon, &f, err, errlen);
     if (rc)
-        return errf(err, errlen, rc == -ENOMEM ? rc : -EIO, "%s: not a valid safetensors file: %s",
-                    canon, why);
+        return rc;
     int sch;
     rc = moe_shape(spec, f, out, &sch, err, errlen);
     st_close(&f);
     if (rc)
         return rc;
-    int n = snprintf(out->source, sizeof(out->source), "%s", canon);
-    if (spec->prefix && n >= 0 && (size_t)n < sizeof(out->source))
-        snprintf(out->source + n, sizeof(out->source) - (size_t)n, ":%s", spec->prefix);
+    set_source(out, canon, spec);
     return 0;
 }
