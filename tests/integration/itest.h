@@ -37,6 +37,28 @@ struct itest_daemon {
 
 /* The backend under test: $MOE_TEST_BACKEND (cpu, the default, or cuda on
  * a GPU machine). */
+/* Run a shell command and capture its standard output (and standard error
+ * when err_too) into buf, echoed to the test's log; its exit status. */
+static inline int itest_run_cmd(bool err_too, char *buf, size_t len, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static inline int itest_run_cmd(bool err_too, char *buf, size_t len, const char *fmt, ...)
+{
+    char cmd[2048];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof(cmd), fmt, ap);
+    va_end(ap);
+    if (err_too)
+        strncat(cmd, " 2>&1", sizeof(cmd) - strlen(cmd) - 1);
+    FILE *p = popen(cmd, "r");
+    CHECK(p != NULL);
+    size_t n = fread(buf, 1, len - 1, p);
+    buf[n] = '\0';
+    int st = pclose(p);
+    fprintf(stderr, "  $ %s\n%s", cmd, buf);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+}
+
 static inline const char *itest_backend(void)
 {
     const char *b = getenv("MOE_TEST_BACKEND");

@@ -8,24 +8,6 @@
 #include "daemon/safetensors.h"
 #include "tests/integration/itest.h"
 
-/* Run a shell command, capture stdout into buf; return the exit status. */
-static int run_cmd(char *buf, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int run_cmd(char *buf, size_t len, const char *fmt, ...)
-{
-    char cmd[2048];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(cmd, sizeof(cmd), fmt, ap);
-    va_end(ap);
-    FILE *p = popen(cmd, "r");
-    CHECK(p != NULL);
-    size_t n = fread(buf, 1, len - 1, p);
-    buf[n] = '\0';
-    int st = pclose(p);
-    fprintf(stderr, "  $ %s\n%s", cmd, buf);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
-}
-
 static void write_moe_file(const char *path, int E, int H, int I, uint64_t *seed)
 {
     size_t per = (size_t)H * (size_t)I;
@@ -62,36 +44,36 @@ TEST(cli_forward_check_in_every_routing_mode)
     itest_daemon_start(&d, "--allow-dir", wdir, "--demo", NULL);
     const char *b = itest_build();
     char out[8192];
-    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s load soft --file %s --prefix mlp. --topk 4",
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "%s/moectl -r %s load soft --file %s --prefix mlp. --topk 4",
                          b, d.dir, path), 0);
     CHECK_STR_CONTAINS(out, "loaded soft");
-    CHECK_EQ_INT(run_cmd(out, sizeof(out),
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out),
                          "%s/moectl -r %s load sig --file %s --prefix mlp. --topk 2 --routing sigmoid "
                          "--no-renormalize --dtype fp32", b, d.dir, path), 0);
-    CHECK_EQ_INT(run_cmd(out, sizeof(out),
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out),
                          "%s/moectl -r %s load given --file %s --prefix mlp. --topk 3 --routing given",
                          b, d.dir, path), 0);
     const char *layers[] = {"soft", "sig", "given", "demo"};
     for (size_t i = 0; i < ARRAY_LEN(layers); i++) {
-        CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s forward --layer %s --tokens 9 --check",
+        CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "%s/moectl -r %s forward --layer %s --tokens 9 --check",
                              b, d.dir, layers[i]), 0);
         CHECK_STR_CONTAINS(out, ": ok");
     }
-    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s layers", b, d.dir), 0);
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "%s/moectl -r %s layers", b, d.dir), 0);
     CHECK_STR_CONTAINS(out, "sigmoid");
     CHECK_STR_CONTAINS(out, "E=16 k=3");
-    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s gemm --layer demo-gemm --rows 50 --check",
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "%s/moectl -r %s gemm --layer demo-gemm --rows 50 --check",
                          b, d.dir), 0);
     CHECK_STR_CONTAINS(out, ": ok");
     /* Failures exit non-zero with a message. */
-    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s forward --layer nope --tokens 1 2>&1",
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "%s/moectl -r %s forward --layer nope --tokens 1 2>&1",
                          b, d.dir), 1);
     CHECK_STR_CONTAINS(out, "no layer named 'nope'");
-    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s unload nope 2>&1", b, d.dir), 1);
-    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s frobnicate 2>&1", b, d.dir), 2);
-    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r /nonexistent info 2>&1", b), 1);
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "%s/moectl -r %s unload nope 2>&1", b, d.dir), 1);
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "%s/moectl -r %s frobnicate 2>&1", b, d.dir), 2);
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "%s/moectl -r /nonexistent info 2>&1", b), 1);
     CHECK_STR_CONTAINS(out, "is moed running?");
-    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s unload sig", b, d.dir), 0);
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "%s/moectl -r %s unload sig", b, d.dir), 0);
     itest_daemon_stop(&d);
     itest_rmdir(wdir);
 }
@@ -102,14 +84,14 @@ TEST(cli_ping_stats_json_and_bench)
     itest_daemon_start(&d, "--demo", NULL);
     const char *b = itest_build();
     char out[16384];
-    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s ping --count 50", b, d.dir), 0);
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "%s/moectl -r %s ping --count 50", b, d.dir), 0);
     CHECK_STR_CONTAINS(out, "p50");
-    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s ping --count 20 --interval-us 500", b,
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "%s/moectl -r %s ping --count 20 --interval-us 500", b,
                          d.dir), 0);
     CHECK_STR_CONTAINS(out, "20 round trips");
-    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s info", b, d.dir), 0);
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "%s/moectl -r %s info", b, d.dir), 0);
     CHECK_STR_CONTAINS(out, "backend cpu");
-    CHECK_EQ_INT(run_cmd(out, sizeof(out),
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out),
                          "%s/moectl -r %s bench --clients 3 --tokens 2 --seconds 1 --json", b, d.dir), 0);
     cJSON *j = cJSON_Parse(out);
     CHECK(j != NULL);
@@ -120,7 +102,7 @@ TEST(cli_ping_stats_json_and_bench)
     cJSON_Delete(j);
     /* Clients that busy-poll for their replies (moe_set_spin_us) are
      * served the same. */
-    CHECK_EQ_INT(run_cmd(out, sizeof(out),
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out),
                          "%s/moectl -r %s bench --clients 2 --seconds 1 --client-spin-us 300 --json",
                          b, d.dir), 0);
     j = cJSON_Parse(out);
@@ -129,7 +111,7 @@ TEST(cli_ping_stats_json_and_bench)
     CHECK(cJSON_GetNumberValue(cJSON_GetObjectItem(j, "requests")) > 10);
     CHECK_EQ_INT((int)cJSON_GetNumberValue(cJSON_GetObjectItem(j, "errors")), 0);
     cJSON_Delete(j);
-    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s stats --json", b, d.dir), 0);
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "%s/moectl -r %s stats --json", b, d.dir), 0);
     j = cJSON_Parse(out);
     CHECK(j != NULL);
     CHECK(cJSON_GetNumberValue(cJSON_GetObjectItem(j, "requests")) >= reqs);

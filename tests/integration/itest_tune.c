@@ -10,26 +10,6 @@
  */
 #include "tests/integration/itest.h"
 
-/* Run a shell command, capture stdout and stderr into buf; return the exit
- * status. */
-static int run_cmd(char *buf, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int run_cmd(char *buf, size_t len, const char *fmt, ...)
-{
-    char cmd[2048];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(cmd, sizeof(cmd), fmt, ap);
-    va_end(ap);
-    strncat(cmd, " 2>&1", sizeof(cmd) - strlen(cmd) - 1);
-    FILE *p = popen(cmd, "r");
-    CHECK(p != NULL);
-    size_t n = fread(buf, 1, len - 1, p);
-    buf[n] = '\0';
-    int st = pclose(p);
-    fprintf(stderr, "  $ %s\n%s", cmd, buf);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
-}
-
 static void write_file(const char *path, const char *text)
 {
     FILE *fp = fopen(path, "w");
@@ -79,7 +59,7 @@ TEST(tune_needs_a_cuda_device)
     const char *b = itest_build();
     if (itest_on_gpu()) {
         /* A real, small tune; the table then serves the demo layer. */
-        CHECK_EQ_INT(run_cmd(out, sizeof(out),
+        CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out),
                              "%s/moed --tune --backend cuda --tile-table %s --tune-shape "
                              "8,2,256,512 --tune-tokens 1,16,256 --runtime-dir %s",
                              b, table, rt), 0);
@@ -96,7 +76,7 @@ TEST(tune_needs_a_cuda_device)
         itest_rmdir(dir);
         return;
     }
-    CHECK_EQ_INT(run_cmd(out, sizeof(out),
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out),
                          "%s/moed --tune --backend cpu --tile-table %s --tune-shape 8,2,256,512 "
                          "--runtime-dir %s", b, table, rt), 1);
     CHECK_STR_CONTAINS(out, "tuning needs a CUDA device");
@@ -107,7 +87,7 @@ TEST(tune_needs_a_cuda_device)
     snprintf(conf, sizeof(conf), "%s/moed.conf", dir);
     snprintf(text, sizeof(text), "[layer x]\nfile = %s/none.safetensors\ntopk = 2\n", dir);
     write_file(conf, text);
-    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moed --tune --backend cpu --config %s "
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moed --tune --backend cpu --config %s "
                          "--tile-table %s --demo --runtime-dir %s", b, conf, table, rt), 1);
     CHECK_STR_CONTAINS(out, "tuning needs a CUDA device: the cpu backend");
     CHECK_EQ_INT(count_lines(out), 1);
@@ -139,7 +119,7 @@ TEST(tune_refuses_bad_options)
         "exclude each other", "--tile-table relative.tsv: not an absolute file name",
     };
     for (size_t i = 0; i < ARRAY_LEN(bad); i++) {
-        int rc = run_cmd(out, sizeof(out), "%s/moed --backend cpu %s", b, bad[i]);
+        int rc = itest_run_cmd(true, out, sizeof(out), "%s/moed --backend cpu %s", b, bad[i]);
         CHECK_MSG(rc == (i == ARRAY_LEN(bad) - 1 ? 1 : 2), "moed %s: exit status %d", bad[i], rc);
         CHECK_STR_CONTAINS(out, why[i]);
     }
@@ -154,29 +134,29 @@ TEST(check_config_with_tile_table)
     snprintf(text, sizeof(text), "[daemon]\nbackend = cpu\ntile_table = %s\n", table);
     write_file(conf, text);
     const char *b = itest_build();
-    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moed --config %s --check-config", b, conf), 0);
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moed --config %s --check-config", b, conf), 0);
     CHECK_STR_CONTAINS(out, "configuration OK");
     char want[400];
     snprintf(want, sizeof(want), "tile table %s: not written yet", table);
     CHECK_STR_CONTAINS(out, want);
     write_file(table, "# tuned\nNVIDIA H200\tbf16\t4096\t14336\t8\t2\t1:16 64:32 512:128\n");
-    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moed --config %s --check-config", b, conf), 0);
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moed --config %s --check-config", b, conf), 0);
     snprintf(want, sizeof(want), "tile table %s: 1 entry", table);
     CHECK_STR_CONTAINS(out, want);
     /* A malformed table is reported with its line; the configuration is
      * still good (the daemon would start with the heuristic). */
     write_file(table, "NVIDIA H200\tbf16\t4096\t14336\t8\t2\t1:16\nNVIDIA H200\tbf16\t1\t1\t1\t1\t1:100\n");
-    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moed --config %s --check-config", b, conf), 0);
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moed --config %s --check-config", b, conf), 0);
     snprintf(want, sizeof(want), "%s:2: rule '1:100': tile 100 is not", table);
     CHECK_STR_CONTAINS(out, want);
     CHECK_STR_CONTAINS(out, "configuration OK");
     /* Empty: no table. */
     write_file(conf, "[daemon]\ntile_table =\n");
-    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moed --config %s --check-config", b, conf), 0);
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moed --config %s --check-config", b, conf), 0);
     CHECK_STR_CONTAINS(out, "tile table: none");
     /* A relative name is a configuration error. */
     write_file(conf, "[daemon]\ntile_table = tiles.tsv\n");
-    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moed --config %s --check-config", b, conf), 1);
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moed --config %s --check-config", b, conf), 1);
     CHECK_STR_CONTAINS(out, "line 2: bad value 'tiles.tsv' for 'tile_table'");
     itest_rmdir(dir);
 }
@@ -194,7 +174,7 @@ TEST(a_bad_table_does_not_stop_the_daemon)
     CHECK(log_waits_for(&d, "token tiles from the kernels' heuristic"));
     /* It serves. */
     char out[4096];
-    CHECK_EQ_INT(run_cmd(out, sizeof(out), "%s/moectl -r %s forward --layer demo --tokens 3 --check",
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moectl -r %s forward --layer demo --tokens 3 --check",
                          itest_build(), d.dir), 0);
     CHECK_STR_CONTAINS(out, ": ok");
     /* A reload reads the table again. */
