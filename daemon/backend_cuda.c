@@ -362,8 +362,12 @@ static int cuda_moe_run(struct backend *b, void *handle, const struct backend_mo
     if (io->segs && (io->x || io->out))
         return -EINVAL;
     const struct backend_moe_io *rows = io->segs ? io : NULL;
-    if (rows && (rc = cuda_copy_rows(cb, rows, H * es, true)))
+    if (rows && (rc = cuda_copy_rows(cb, rows, H * es, true))) {
+        /* Copies or row kernels enqueued before the failure may still read
+         * the clients' regions: they must not be released under them. */
+        moek_cuda_stream_sync(cb->stream);
         return cuda_check(cb, rc);
+    }
     io = &key;
     if (T <= GRAPH_MAX_TOKENS) {
         void **g = &w->graph[T];

@@ -31,6 +31,7 @@
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sched.h>
 #include <string.h>
 #include <sys/socket.h>
 
@@ -52,6 +53,7 @@ struct batch_item {
     bool skip;
     bool whole;               /* the whole request is in this batch */
     struct reply_chan *chan;  /* its session's reply socket (whole ones) */
+    bool replied;             /* its Reply went out as the batch ended */
 };
 
 struct batch_job {
@@ -486,16 +488,18 @@ static void run_gemm(struct batch_job *bj)
  * awake anyway, sends replies too, from the moment the device is done,
  * while the loop thread notices the batch. Each takes the next item
  * (claim) until none is left. Only the replies that need nothing of the
- * loop thread go this way: a request whole in this batch that succeeded,
- * to its session's reply socket (held through chan, so the socket outlives
- * a session that ends meanwhile), sent if the socket has room at once.
- * Everything else, and whatever did not go, batch_done answers as before.
+ * loop thread go this way: a request whole in this batch (cancels and
+ * expiries touch queued requests only) that succeeded, to its session's
+ * reply socket (held through chan, so the socket outlives a session that
+ * ends meanwhile) while the loop thread holds no replies for that socket
+ * (chan->direct), sent if the socket has room at once. Everything else, and
+ * whatever did not go, batch_done answers as before.
  */
-static bool item_reply_now(struct batch_job *bj, struct batch_item *it, bool loop_thread)
+static bool item_reply_now(struct batch_job *bj, struct batch_item *it)
 {
     struct request *req = it->req;
     if (!it->chan || !it->whole || bj->rc || req->status ||
-        (loop_thread && req->cancel_err)) /* cancel_err is the loop thread's */
+        !atomic_load_explicit(&it->chan->direct, memory_order_acquire))
         return false;
     /* As batch_done will have it: this batch is its only one. */
     Moe__Reply rep;
@@ -509,18 +513,18 @@ static bool item_reply_now(struct batch_job *bj, struct batch_item *it, bool loo
     return send(it->chan->fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT) == (ssize_t)n;
 }
 
-static void batch_reply_share(struct batch_job *bj, bool loop_thread)
+static void batch_reply_share(struct batch_job *bj)
 {
     uint32_t i;
     while ((i = atomic_fetch_add_explicit(&bj->claim, 1, memory_order_relaxed)) < bj->n_items)
-        bj->items[i].req->replied = item_reply_now(bj, &bj->items[i], loop_thread);
+        bj->items[i].replied = item_reply_now(bj, &bj->items[i]);
 }
 
 /* Compute thread, once the batch is handed back (worker.h). */
 static void batch_after(struct job *job)
 {
     struct batch_job *bj = (struct batch_job *)job;
-    batch_reply_share(bj, false);
+    batch_reply_share(bj);
     atomic_store_explicit(&bj->helping, false, memory_order_release); /* bj is done's now */
 }
 
@@ -553,9 +557,15 @@ static void batch_done(struct job *job)
     struct server *s = bj->s;
     struct stats *st = &s->stats;
     uint64_t t_seen = now_us();
-    batch_reply_share(bj, true);
-    while (atomic_load_explicit(&bj->helping, memory_order_acquire))
-        cpu_relax(); /* the compute thread's last send */
+    batch_reply_share(bj);
+    /* The compute thread's last send: microseconds, unless it was
+     * preempted; then give it the core. */
+    for (unsigned spins = 0; atomic_load_explicit(&bj->helping, memory_order_acquire); spins++) {
+        if (spins < 4096)
+            cpu_relax();
+        else
+            sched_yield();
+    }
     /* Requests are freed below; keep their sessions for the wait. */
     for (uint32_t i = 0; i < bj->n_items; i++)
         bj->items[i].session_id = bj->items[i].req->session_id;
@@ -567,6 +577,7 @@ static void batch_done(struct job *job)
     for (uint32_t i = 0; i < bj->n_items; i++) {
         struct batch_item *it = &bj->items[i];
         struct request *req = it->req;
+        req->replied = it->replied;
         req->rows_done += it->rows;
         req->compute_us += bj->compute_us;
         if (bj->n_items > req->batch_requests)
@@ -654,7 +665,7 @@ static int batch_add(struct batch_job *bj, struct request *req, int rows)
         bj->cap_items = cap;
     }
     struct batch_item *it = &bj->items[bj->n_items++];
-    *it = (struct batch_item){req, req->next_row, rows, req->session_id, false, false, NULL};
+    *it = (struct batch_item){req, req->next_row, rows, req->session_id, false, false, NULL, false};
     it->whole = req->next_row == 0 && rows == req->tokens;
     struct session *se = it->whole ? session_by_id(bj->s, req->session_id) : NULL;
     if (se && se->chan)

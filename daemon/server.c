@@ -405,31 +405,34 @@ static void handle_compute(struct server *s, struct session *se, const uint8_t *
     batch_enqueue(s, req);
 }
 
-void server_handle_message(struct server *s, const uint8_t *rid, size_t rlen,
-                           const uint8_t *data, size_t len)
+int server_handle_message(struct server *s, const uint8_t *rid, size_t rlen,
+                          const uint8_t *data, size_t len)
 {
     uint64_t arrival = now_us();
+    uint64_t sid;
+    const bool on_socket = route_session(rid, rlen, &sid);
+    int rc = 0;
     Moe__Request *m = moe__request__unpack(NULL, len, data);
     if (!m) {
+        if (on_socket)
+            return -EPROTO; /* never answered there: see server.h */
         server_reply_error(s, rid, rlen, 0, -EPROTO,
                            "request of %zu bytes could not be decoded as moe.Request", len);
-        return;
+        return 0;
+    }
+    struct session *se = session_by_token(s, m->token.data, m->token.len);
+    if (on_socket && (!se || se->id != sid)) {
+        rc = -EACCES;
+        goto out;
     }
     if (s->draining) {
         /* Decoded first, so the refusal carries the request's id. */
         server_reply_error(s, rid, rlen, m->id, -ECANCELED, "daemon is shutting down");
         goto out;
     }
-    struct session *se = session_by_token(s, m->token.data, m->token.len);
     if (!se) {
         server_reply_error(s, rid, rlen, m->id, -EACCES,
                            "unknown or missing session token: open a session first");
-        goto out;
-    }
-    uint64_t sid;
-    if (route_session(rid, rlen, &sid) && sid != se->id) {
-        server_reply_error(s, rid, rlen, m->id, -EACCES,
-                           "the token is not this reply socket's session's");
         goto out;
     }
     switch (m->body_case) {
@@ -447,10 +450,11 @@ void server_handle_message(struct server *s, const uint8_t *rid, size_t rlen,
         break;
     case MOE__REQUEST__BODY_UNLOAD_LAYER: {
         const char *name = m->unload_layer->name;
-        int rc = layer_unload(s, name);
-        if (rc)
-            server_reply_error(s, rid, rlen, m->id, rc,
-                               rc == -EBUSY ? "layer '%s' is still loading" : "no layer named '%s'",
+        int urc = layer_unload(s, name);
+        if (urc)
+            server_reply_error(s, rid, rlen, m->id, urc,
+                               urc == -EBUSY ? "layer '%s' is still loading"
+                                             : "no layer named '%s'",
                                name);
         else {
             Moe__Reply rep = MOE__REPLY__INIT;
@@ -470,6 +474,7 @@ void server_handle_message(struct server *s, const uint8_t *rid, size_t rlen,
     }
 out:
     moe__request__free_unpacked(m, NULL);
+    return rc;
 }
 
 /* Read one message: [routing id] [body], and nothing else (extra parts are
@@ -516,8 +521,11 @@ static int server_recv_one(struct server *s)
         /* Without a routing id there is nobody to answer. */
     } else if (route_session(rid, rlen, NULL)) {
         /* Answering would write to a session's reply socket. */
-        log_warn("request socket: a peer uses a routing id reserved for reply sockets; "
-                 "message dropped");
+        static bool warned;
+        if (!warned)
+            log_warn("request socket: a peer uses a routing id reserved for reply sockets; "
+                     "its messages are dropped (logged once)");
+        warned = true;
     } else if (bad || nparts != 2) {
         server_reply_error(s, rid, rlen, 0, -EPROTO,
                            "a request is one message part, got %d", nparts - 1);

@@ -36,6 +36,9 @@ struct out_msg;
 struct reply_chan {
     atomic_int refs;
     int fd;
+    /* The compute thread may send now: the loop thread holds no replies
+     * for the socket, which is still open (session.c sets it). */
+    atomic_bool direct;
 };
 struct reply_chan *reply_chan_ref(struct reply_chan *c);
 void reply_chan_unref(struct reply_chan **c);
@@ -220,9 +223,13 @@ unsigned server_pending(const struct server *s);
 /* Decode, authenticate, validate and dispatch one request that arrived
  * from routing id rid: what the ZeroMQ socket does for each message, callable
  * without it (tests, fuzzing). Every request is answered through
- * server_reply(), now or when its work completes. */
-void server_handle_message(struct server *s, const uint8_t *rid, size_t rlen,
-                           const uint8_t *data, size_t len);
+ * server_reply(), now or when its work completes; 0. Except on a reply
+ * socket's route: what does not decode, or carries no token of that
+ * socket's own session, is not answered there (an answer could come back
+ * as the next "request", in a loop that a client wired up on purpose) and
+ * returns -EPROTO or -EACCES for the caller to close the socket. */
+int server_handle_message(struct server *s, const uint8_t *rid, size_t rlen,
+                          const uint8_t *data, size_t len);
 /*
  * Requests may also come on a session's reply socket. They carry a route of
  * SOCKET_ROUTE_LEN bytes made here instead of a ZeroMQ routing id, so every

@@ -11,6 +11,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -141,6 +142,7 @@ static void reply_socket_close(struct server *s, struct session *se, const char 
     if (se->reply_watch)
         loop_unwatch(s->loop, &se->reply_watch);
     se->reply_fd = -1;
+    atomic_store_explicit(&se->chan->direct, false, memory_order_release);
     reply_chan_unref(&se->chan); /* closes it unless a batch still holds it */
     while (se->outq) {
         struct out_msg *m = se->outq;
@@ -156,10 +158,20 @@ static int reply_socket_send(struct server *s, struct session *se, const void *b
 {
     if (send(se->reply_fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT) >= 0)
         return 1;
-    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS)
+    if (errno == EAGAIN || errno == EWOULDBLOCK)
         return 0;
     reply_socket_close(s, se, strerror(errno));
     return -1;
+}
+
+/* Wait for room (EPOLLOUT) or for requests (EPOLLIN); a watch that cannot
+ * be changed would leave the socket spinning or deaf: closed instead. */
+static bool reply_socket_watch(struct server *s, struct session *se, uint32_t events)
+{
+    int rc = loop_watch_events(s->loop, se->reply_watch, events);
+    if (rc)
+        reply_socket_close(s, se, strerror(-rc));
+    return rc == 0;
 }
 
 /* The socket has room: send what waits, and read requests again once
@@ -175,7 +187,8 @@ static void reply_socket_flush(struct server *s, struct session *se)
         free(m);
     }
     se->outq_tail = &se->outq;
-    loop_watch_events(s->loop, se->reply_watch, EPOLLIN);
+    if (reply_socket_watch(s, se, EPOLLIN))
+        atomic_store_explicit(&se->chan->direct, true, memory_order_release);
 }
 
 void session_send_reply(struct server *s, uint64_t session_id, void *reply)
@@ -201,8 +214,14 @@ void session_send_reply(struct server *s, uint64_t session_id, void *reply)
     }
     m->next = NULL;
     m->n = moe__reply__pack(reply, m->data);
-    if (!se->outq)
-        loop_watch_events(s->loop, se->reply_watch, EPOLLOUT);
+    if (!se->outq) {
+        /* Replies wait here now: the compute thread must not pass them. */
+        atomic_store_explicit(&se->chan->direct, false, memory_order_release);
+        if (!reply_socket_watch(s, se, EPOLLOUT)) {
+            free(m);
+            return;
+        }
+    }
     *se->outq_tail = m;
     se->outq_tail = &m->next;
     se->n_out++;
@@ -238,12 +257,21 @@ static void reply_socket_read(struct server *s, struct session *se)
             break;
         }
         got++;
-        if ((size_t)n >= cap)
-            server_reply_error(s, rid, sizeof(rid), 0, -EMSGSIZE,
-                               "request of %zd bytes is over the reply socket's %zu", n,
-                               limit);
-        else
-            server_handle_message(s, rid, sizeof(rid), s->sock_rx, (size_t)n);
+        /* What is not this session's request is not answered (server.h):
+         * the socket is closed, and the session goes on by ZeroMQ. */
+        int rc = (size_t)n >= cap ? -EMSGSIZE
+                                  : server_handle_message(s, rid, sizeof(rid), s->sock_rx,
+                                                          (size_t)n);
+        if (rc) {
+            log_warn("session %llu (pid %d): reply socket closed: a datagram of %zd bytes that "
+                     "is %s",
+                     (unsigned long long)se->id, (int)se->pid, n,
+                     rc == -EMSGSIZE ? "too large"
+                     : rc == -EPROTO ? "no moe.Request"
+                                     : "not this session's (token)");
+            reply_socket_close(s, se, NULL);
+            break;
+        }
     }
     s->in_drain = false;
     if (got)
@@ -377,6 +405,26 @@ static void session_unregister(struct server *s, struct session *se, uint64_t id
     session_fail(s, se, -ENOENT, "no region %llu in this session", (unsigned long long)id);
 }
 
+/* A reply socket must be one end of a seqpacket socketpair that the
+ * session's own process made: not a socket connected to a listener (moed's
+ * own session socket, another service), whose peer would get the replies,
+ * nor one that another user's process made. */
+static bool reply_socket_ok(const struct session *se, int fd)
+{
+    int type = 0, domain = 0;
+    socklen_t tl = sizeof(type), dl = sizeof(domain);
+    struct sockaddr_un peer;
+    socklen_t pl = sizeof(peer);
+    struct ucred cred;
+    socklen_t cl = sizeof(cred);
+    return getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &tl) == 0 && type == SOCK_SEQPACKET &&
+           getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &dl) == 0 && domain == AF_UNIX &&
+           getpeername(fd, (struct sockaddr *)&peer, &pl) == 0 &&
+           pl <= offsetof(struct sockaddr_un, sun_path) && /* unnamed: a socketpair */
+           getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) == 0 && cred.pid == se->pid &&
+           cred.uid == se->uid;
+}
+
 static void session_open(struct server *s, struct session *se, const Moe__OpenSession *m,
                          int *fds, int nfds)
 {
@@ -390,14 +438,10 @@ static void session_open(struct server *s, struct session *se, const Moe__OpenSe
         return;
     }
     if (m->reply_socket) {
-        int type = 0, domain = 0;
-        socklen_t tl = sizeof(type), dl = sizeof(domain);
-        if (nfds != 1 || getsockopt(fds[0], SOL_SOCKET, SO_TYPE, &type, &tl) < 0 ||
-            getsockopt(fds[0], SOL_SOCKET, SO_DOMAIN, &domain, &dl) < 0 ||
-            type != SOCK_SEQPACKET || domain != AF_UNIX) {
+        if (nfds != 1 || !reply_socket_ok(se, fds[0])) {
             session_fail(s, se, -EINVAL,
-                         "reply_socket needs one AF_UNIX SOCK_SEQPACKET socket beside "
-                         "OpenSession");
+                         "reply_socket needs one end of an AF_UNIX SOCK_SEQPACKET socketpair "
+                         "made by the session's own process, beside OpenSession");
             return;
         }
         se->chan = calloc(1, sizeof(*se->chan));
@@ -411,6 +455,7 @@ static void session_open(struct server *s, struct session *se, const Moe__OpenSe
             return;
         }
         atomic_init(&se->chan->refs, 1);
+        atomic_init(&se->chan->direct, true);
         se->chan->fd = fds[0];
         se->reply_fd = fds[0];
         fds[0] = -1; /* the session owns it now */

@@ -32,7 +32,7 @@ struct worker {
     /* The loop thread is spinning in worker_poll(): a finished job needs no
      * eventfd write, whose wake-up would find nothing (see worker_poll). */
     atomic_bool polling;
-    unsigned spin_us;
+    atomic_uint spin_us;    /* set after the thread starts (worker_set_spin) */
     int efd;
     struct loop *loop;
     struct loop_watch *watch;
@@ -45,11 +45,12 @@ static void *worker_main(void *arg)
     pthread_setname_np(pthread_self(), w->name);
     pthread_mutex_lock(&w->mu);
     for (;;) {
-        if (!w->queue && !w->stop && w->spin_us) {
+        unsigned spin = atomic_load_explicit(&w->spin_us, memory_order_relaxed);
+        if (!w->queue && !w->stop && spin) {
             /* The next job often follows at once: a futex wake-up costs
              * more than a short spin, on a virtual machine tens of us. */
             pthread_mutex_unlock(&w->mu);
-            uint64_t until = now_us() + w->spin_us;
+            uint64_t until = now_us() + spin;
             while (!atomic_load_explicit(&w->queued_n, memory_order_acquire) && now_us() < until)
                 cpu_relax();
             pthread_mutex_lock(&w->mu);
@@ -186,7 +187,7 @@ void worker_submit(struct worker *w, struct job *job)
 
 void worker_set_spin(struct worker *w, unsigned us)
 {
-    w->spin_us = us;
+    atomic_store_explicit(&w->spin_us, us, memory_order_relaxed);
 }
 
 /*

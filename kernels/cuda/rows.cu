@@ -9,6 +9,8 @@
 #include <errno.h>
 #include <stdint.h>
 
+#include <atomic>
+
 #include "cuda_common.cuh"
 
 /* Segments per launch: the list travels in the kernel's parameters. */
@@ -48,18 +50,28 @@ __global__ void __launch_bounds__(256) copy_rows(char *dev, rows_args a, size_t 
     }
 }
 
-/* Whether a kernel on this device may use registered host memory through
- * the host's own pointers (cudaDevAttrCanUseHostPointerForRegisteredMem). */
-static int host_pointers_ok(void)
+/* Whether a kernel on the current device may use registered (mapped) host
+ * memory through the host's own pointers
+ * (cudaDevAttrCanUseHostPointerForRegisteredMem), asked once per device. */
+static bool host_pointers_ok(void)
 {
-    int dev = 0, ok = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&ok, cudaDevAttrCanUseHostPointerForRegisteredMem, dev) !=
-            cudaSuccess) {
+    static std::atomic<signed char> known[64]; /* 0 unknown, 1 yes, -1 no */
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
         (void)cudaGetLastError();
-        return 0;
+        return false;
     }
-    return ok;
+    if (dev >= 0 && dev < 64 && known[dev].load(std::memory_order_relaxed))
+        return known[dev].load(std::memory_order_relaxed) > 0;
+    int ok = 0;
+    if (cudaDeviceGetAttribute(&ok, cudaDevAttrCanUseHostPointerForRegisteredMem, dev) !=
+        cudaSuccess) {
+        (void)cudaGetLastError();
+        ok = 0;
+    }
+    if (dev >= 0 && dev < 64)
+        known[dev].store(ok ? 1 : -1, std::memory_order_relaxed);
+    return ok != 0;
 }
 
 int moek_cuda_copy_rows_mapped(void *dev, void *const *host, const int *rows, int n,

@@ -196,7 +196,9 @@ int moek_cuda_host_register(void *p, size_t bytes)
 {
     if (!p || !bytes)
         return -EINVAL;
-    MOEK_CU(cudaHostRegister(p, bytes, cudaHostRegisterPortable));
+    /* Mapped too: kernels may then reach it through the host pointer
+     * (moek_cuda_copy_rows_mapped). */
+    MOEK_CU(cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped));
     return 0;
 }
 

@@ -35,8 +35,6 @@ struct itest_daemon {
     char log[300];
 };
 
-/* The backend under test: $MOE_TEST_BACKEND (cpu, the default, or cuda on
- * a GPU machine). */
 /* Run a shell command and capture its standard output (and standard error
  * when err_too) into buf, echoed to the test's log; its exit status. */
 static inline int itest_run_cmd(bool err_too, char *buf, size_t len, const char *fmt, ...)
@@ -59,6 +57,8 @@ static inline int itest_run_cmd(bool err_too, char *buf, size_t len, const char 
     return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
 }
 
+/* The backend under test: $MOE_TEST_BACKEND (cpu, the default, or cuda on
+ * a GPU machine). */
 static inline const char *itest_backend(void)
 {
     const char *b = getenv("MOE_TEST_BACKEND");

@@ -940,9 +940,10 @@ static Moe__SessionReply *open_asking_reply_socket(struct raw *r, const int *fds
     return raw_session_call(r, &req, fds, nfds);
 }
 
-/* OpenSession's reply socket must be one AF_UNIX SOCK_SEQPACKET socket: none,
- * a pipe, a stream socket or two descriptors are refused with a message,
- * the session stays closed, and the daemon serves on. */
+/* OpenSession's reply socket must be one end of an AF_UNIX SOCK_SEQPACKET
+ * socketpair: none, a pipe, a stream socket, two descriptors or a socket
+ * connected to a listener are refused with a message, the session stays
+ * closed, and the daemon serves on. */
 static int open_with_reply_fds(const char *dir, const int *fds, int nfds)
 {
     struct raw r;
@@ -971,6 +972,13 @@ TEST(a_bad_reply_socket_is_refused)
     CHECK(open_with_reply_fds(d.dir, &st[1], 1) != 0);
     int two[2] = {sp[1], sp[1]};
     CHECK(open_with_reply_fds(d.dir, two, 2) != 0);
+    /* A socket connected to a listener (here moed's own session socket):
+     * the replies would go to whoever listens there. */
+    struct raw named;
+    memset(&named, 0, sizeof(named));
+    CHECK(raw_connect_session(&named, d.dir) == 0);
+    CHECK(open_with_reply_fds(d.dir, &named.sfd, 1) != 0);
+    close(named.sfd);
     CHECK_EQ_INT(open_with_reply_fds(d.dir, &sp[1], 1), 0);
     for (int i = 0; i < 2; i++) {
         close(pfd[i]);
@@ -1018,6 +1026,17 @@ static int socket_send_req(struct raw *r, int fd, Moe__Request *req, const uint8
     return socket_send(fd, buf, moe__request__pack(req, buf));
 }
 
+/* True when the daemon closed its end of the reply socket within wait_ms,
+ * with nothing sent on it first. */
+static bool socket_closed(int fd, int wait_ms)
+{
+    struct pollfd p = {fd, POLLIN, 0};
+    if (poll(&p, 1, wait_ms) <= 0)
+        return false;
+    uint8_t b[64];
+    return recv(fd, b, sizeof(b), MSG_DONTWAIT) == 0;
+}
+
 /* The next reply on a reply socket, or NULL after wait_ms. */
 static Moe__Reply *socket_recv(int fd, int wait_ms)
 {
@@ -1062,23 +1081,25 @@ TEST(requests_on_a_reply_socket_are_checked)
     CHECK(rep->id == a.next_id && rep->body_case == MOE__REPLY__BODY_HELLO);
     moe__reply__free_unpacked(rep, NULL);
 
-    /* Another session's token: refused, on this socket; b hears nothing. */
-    CHECK_EQ_INT(socket_send_req(&a, afd, &req, b.token), 0);
-    rep = socket_recv(afd, 5000);
-    CHECK(rep != NULL);
-    CHECK((int)rep->status != 0);
-    CHECK_STR_CONTAINS(rep->message, "not this reply socket's session");
-    moe__reply__free_unpacked(rep, NULL);
-    CHECK(raw_recv_try(&b) == NULL);
-
-    /* Bytes that are no Request. */
+    /* Another session's token, bytes that are no Request, an empty
+     * datagram: never answered on the socket (an answer could loop back as
+     * the next "request"); the daemon closes it and the session goes on by
+     * ZeroMQ; b hears nothing. */
     static const uint8_t junk[] = {0xff, 0xff, 0xff, 0x01, 0x02};
-    CHECK_EQ_INT(socket_send(afd, junk, sizeof(junk)), 0);
-    rep = socket_recv(afd, 5000);
-    CHECK(rep != NULL);
-    CHECK((int)rep->status != 0);
-    CHECK_STR_CONTAINS(rep->message, "could not be decoded");
-    moe__reply__free_unpacked(rep, NULL);
+    for (int k = 0; k < 3; k++) {
+        struct raw x;
+        int xfd;
+        open_with_socket(&x, d.dir, &xfd);
+        if (k == 0)
+            CHECK_EQ_INT(socket_send_req(&x, xfd, &req, b.token), 0);
+        else
+            CHECK_EQ_INT(socket_send(xfd, junk, k == 1 ? sizeof(junk) : 0), 0);
+        CHECK_MSG(socket_closed(xfd, 5000), "case %d: the reply socket was answered or kept", k);
+        raw_hello(&x);
+        close(xfd);
+        raw_close(&x);
+    }
+    CHECK(raw_recv_try(&b) == NULL);
 
     /* A ZeroMQ peer whose routing id is the one the daemon gives a's socket
      * (a zero byte, 'S', the session id): its request must not be answered
@@ -1139,6 +1160,67 @@ TEST(requests_on_a_reply_socket_are_checked)
     itest_daemon_stop(&d);
 }
 
+/* CPU time (user + system, clock ticks) the process has used. */
+static long cpu_ticks(pid_t pid)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    CHECK(f != NULL);
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char *p = strrchr(buf, ')'); /* the name may hold spaces */
+    CHECK(p != NULL);
+    long ut = 0, st = 0;
+    /* After ") ": state, then fields 4..13, then utime (14), stime (15). */
+    CHECK(sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %ld %ld", &ut, &st) == 2);
+    return ut + st;
+}
+
+/* Two sessions whose reply sockets are the two ends of one socketpair, and
+ * bytes that are no request written into it: the daemon must not answer
+ * one session's socket into the other's for ever (it closes the socket
+ * that got them), nor take sockets connected to a listener. */
+TEST(cross_wired_reply_sockets_do_not_loop)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    int sp[2];
+    CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) == 0);
+    struct raw a, b;
+    memset(&a, 0, sizeof(a));
+    memset(&b, 0, sizeof(b));
+    CHECK(raw_connect_session(&a, d.dir) == 0);
+    CHECK(raw_connect_session(&b, d.dir) == 0);
+    raw_connect_zmq(&a, d.dir, 2000);
+    raw_connect_zmq(&b, d.dir, 2000);
+    for (int i = 0; i < 2; i++) {
+        struct raw *r = i ? &b : &a;
+        Moe__SessionReply *rep = open_asking_reply_socket(r, &sp[i], 1);
+        CHECK_EQ_INT((int)rep->status, 0);
+        memcpy(r->token, rep->token.data, 16);
+        moe__session_reply__free_unpacked(rep, NULL);
+    }
+    close(sp[1]); /* only the daemon reads b's socket now */
+    static const uint8_t junk[] = {0x08, 0x01, 0x12, 0x03, 'a', 'b', 'c'};
+    CHECK_EQ_INT(socket_send(sp[0], junk, sizeof(junk)), 0);
+    /* More, until the daemon has closed b's end (EPIPE). */
+    for (int i = 0; i < 20 && socket_send(sp[0], junk, sizeof(junk)) == 0; i++)
+        ;
+    usleep(300 * 1000);
+    long t0 = cpu_ticks(d.pid);
+    usleep(500 * 1000);
+    long used = cpu_ticks(d.pid) - t0;
+    CHECK_MSG(used < 15, "the daemon used %ld clock ticks of CPU in 500 ms of quiet", used);
+    raw_hello(&a);
+    raw_hello(&b);
+    close(sp[0]);
+    raw_close(&a);
+    raw_close(&b);
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -1152,5 +1234,6 @@ int main(int argc, char **argv)
         TEST_CASE(unregistering_a_region_is_answered),
         TEST_CASE(a_bad_reply_socket_is_refused),
         TEST_CASE(requests_on_a_reply_socket_are_checked),
+        TEST_CASE(cross_wired_reply_sockets_do_not_loop),
         {0}});
 }
