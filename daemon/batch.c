@@ -33,7 +33,6 @@
 #include <stdlib.h>
 #include <sched.h>
 #include <string.h>
-#include <sys/socket.h>
 
 #include "daemon/log.h"
 #include "daemon/loop.h"
@@ -51,8 +50,8 @@ struct batch_item {
     int row0, rows;
     uint64_t session_id;
     bool skip;
-    bool whole;               /* the whole request is in this batch */
-    struct reply_chan *chan;  /* its session's reply socket (whole ones) */
+    /* Its session's reply socket, for a request whole in this batch. */
+    struct reply_chan *chan;
     bool replied;             /* its Reply went out as the batch ended */
 };
 
@@ -108,15 +107,9 @@ static void reply_fill(const struct request *req, uint64_t compute_us, uint32_t 
     rep->timings = tm;
 }
 
-/* Reply to a request (unless its reply went out as its batch ended) and
- * free it; loop thread. */
-static void request_finish(struct server *s, struct request *req)
+/* Count an answered request and free it; loop thread. */
+static void request_settle(struct server *s, struct request *req)
 {
-    Moe__Reply rep;
-    Moe__Timings tm;
-    reply_fill(req, req->compute_us, req->batch_requests, req->batch_tokens, &rep, &tm);
-    if (!req->replied)
-        server_reply_session(s, req->session_id, req->route_id, req->route_len, &rep);
     if (req->status) {
         s->stats.errors++;
         if (req->status == -ETIME)
@@ -130,6 +123,16 @@ static void request_finish(struct server *s, struct request *req)
     }
     layer_unref(s, &req->layer);
     request_free(req);
+}
+
+/* Reply to a request and free it; loop thread. */
+static void request_finish(struct server *s, struct request *req)
+{
+    Moe__Reply rep;
+    Moe__Timings tm;
+    reply_fill(req, req->compute_us, req->batch_requests, req->batch_tokens, &rep, &tm);
+    server_reply_session(s, req->session_id, req->route_id, req->route_len, &rep);
+    request_settle(s, req);
 }
 
 static void request_fail(struct server *s, struct request *req, int err, const char *why)
@@ -498,19 +501,14 @@ static void run_gemm(struct batch_job *bj)
 static bool item_reply_now(struct batch_job *bj, struct batch_item *it)
 {
     struct request *req = it->req;
-    if (!it->chan || !it->whole || bj->rc || req->status ||
+    if (!it->chan || bj->rc || req->status ||
         !atomic_load_explicit(&it->chan->direct, memory_order_acquire))
         return false;
     /* As batch_done will have it: this batch is its only one. */
     Moe__Reply rep;
     Moe__Timings tm;
     reply_fill(req, bj->compute_us, bj->n_items, (uint32_t)bj->tokens, &rep, &tm);
-    uint8_t buf[512];
-    size_t n = moe__reply__get_packed_size(&rep);
-    if (n > sizeof(buf))
-        return false;
-    moe__reply__pack(&rep, buf);
-    return send(it->chan->fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT) == (ssize_t)n;
+    return reply_chan_send(it->chan, &rep) == 0;
 }
 
 static void batch_reply_share(struct batch_job *bj)
@@ -577,14 +575,13 @@ static void batch_done(struct job *job)
     for (uint32_t i = 0; i < bj->n_items; i++) {
         struct batch_item *it = &bj->items[i];
         struct request *req = it->req;
-        req->replied = it->replied;
         req->rows_done += it->rows;
         req->compute_us += bj->compute_us;
         if (bj->n_items > req->batch_requests)
             req->batch_requests = bj->n_items;
         if (bj->tokens > req->batch_tokens)
             req->batch_tokens = (uint32_t)bj->tokens;
-        if (req->cancel_err && !req->status && !req->replied) {
+        if (req->cancel_err && !req->status) {
             req->status = req->cancel_err;
             snprintf(req->message, sizeof(req->message), "%s", req->cancel_why);
         }
@@ -596,7 +593,9 @@ static void batch_done(struct job *job)
             queue_account(s, req, req->tokens - req->next_row);
             queue_unlink(s, req->layer, prev, req);
         }
-        if (!req->queued && req->rows_done == req->next_row)
+        if (it->replied) /* whole, done, and answered already */
+            request_settle(s, req);
+        else if (!req->queued && req->rows_done == req->next_row)
             request_finish(s, req);
     }
     /* Remember who was served, to wait for them (see the top). */
@@ -665,9 +664,9 @@ static int batch_add(struct batch_job *bj, struct request *req, int rows)
         bj->cap_items = cap;
     }
     struct batch_item *it = &bj->items[bj->n_items++];
-    *it = (struct batch_item){req, req->next_row, rows, req->session_id, false, false, NULL, false};
-    it->whole = req->next_row == 0 && rows == req->tokens;
-    struct session *se = it->whole ? session_by_id(bj->s, req->session_id) : NULL;
+    *it = (struct batch_item){req, req->next_row, rows, req->session_id, false, NULL, false};
+    const bool whole = req->next_row == 0 && rows == req->tokens;
+    struct session *se = whole ? session_by_id(bj->s, req->session_id) : NULL;
     if (se && se->chan)
         it->chan = reply_chan_ref(se->chan);
     req->next_row += rows;

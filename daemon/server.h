@@ -42,6 +42,10 @@ struct reply_chan {
 };
 struct reply_chan *reply_chan_ref(struct reply_chan *c);
 void reply_chan_unref(struct reply_chan **c);
+/* Pack a Reply and send it on c's socket without waiting, from either
+ * thread: 0, or -errno (-EAGAIN: no room now; -EMSGSIZE: larger than a
+ * session message). */
+int reply_chan_send(struct reply_chan *c, void *reply);
 struct region;
 
 #define SESSION_TOKEN_BYTES 16
@@ -59,8 +63,7 @@ struct session {
     uid_t uid;
     gid_t gid;
     bool opened;
-    int reply_fd;            /* OpenSession.reply_socket, or -1 */
-    struct reply_chan *chan; /* the same socket, or NULL */
+    struct reply_chan *chan; /* OpenSession.reply_socket, or NULL */
     struct loop_watch *reply_watch;
     /* Replies to requests that came on the reply socket, waiting for room
      * there (the socket is then watched for output, not read). */
@@ -122,7 +125,6 @@ struct request {
     char cancel_why[64];
     uint64_t compute_us;
     uint32_t batch_requests, batch_tokens;
-    bool replied;           /* its Reply went out as its batch ended (batch.c) */
 };
 
 enum layer_state { LAYER_LOADING, LAYER_READY };

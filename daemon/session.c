@@ -79,21 +79,26 @@ static void session_send(struct server *s, struct session *se, Moe__SessionReply
                   (unsigned long long)se->id, (int)se->pid, strerror(errno));
 }
 
-int session_push_reply(struct session *se, void *reply)
+int reply_chan_send(struct reply_chan *c, void *reply)
 {
-    if (se->reply_fd < 0)
-        return -ENOTCONN;
-    if (se->outq)
-        return -EAGAIN; /* the socket's room is promised to its own requests */
     uint8_t buf[SESSION_MSG_MAX];
     size_t n = moe__reply__get_packed_size(reply);
     if (n > sizeof(buf))
         return -EMSGSIZE;
     moe__reply__pack(reply, buf);
+    return send(c->fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT) < 0 ? -errno : 0;
+}
+
+int session_push_reply(struct session *se, void *reply)
+{
+    if (!se->chan)
+        return -ENOTCONN;
+    if (se->outq)
+        return -EAGAIN; /* the socket's room is promised to its own requests */
     /* Never blocks: a client that does not read its reply socket gets its
      * replies on the request socket once that one is full. The session
      * socket itself carries only the answers to session requests. */
-    return send(se->reply_fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT) < 0 ? -errno : 0;
+    return reply_chan_send(se->chan, reply);
 }
 
 /* ---- requests on the reply socket ---------------------------------------
@@ -134,14 +139,13 @@ void reply_chan_unref(struct reply_chan **cp)
 
 static void reply_socket_close(struct server *s, struct session *se, const char *why)
 {
-    if (se->reply_fd < 0)
+    if (!se->chan)
         return;
     if (why)
         log_debug("session %llu (pid %d): reply socket closed (%s), %u replies dropped",
                   (unsigned long long)se->id, (int)se->pid, why, se->n_out);
     if (se->reply_watch)
         loop_unwatch(s->loop, &se->reply_watch);
-    se->reply_fd = -1;
     atomic_store_explicit(&se->chan->direct, false, memory_order_release);
     reply_chan_unref(&se->chan); /* closes it unless a batch still holds it */
     while (se->outq) {
@@ -153,14 +157,15 @@ static void reply_socket_close(struct server *s, struct session *se, const char 
     se->n_out = 0;
 }
 
-/* Send one datagram: 1 sent, 0 no room now, -1 the socket is closed. */
-static int reply_socket_send(struct server *s, struct session *se, const void *buf, size_t n)
+/* The outcome of a send on the reply socket: 1 sent, 0 no room now, -1
+ * the socket failed and is closed. */
+static int reply_socket_sent(struct server *s, struct session *se, int rc)
 {
-    if (send(se->reply_fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT) >= 0)
+    if (rc == 0)
         return 1;
-    if (errno == EAGAIN || errno == EWOULDBLOCK)
+    if (rc == -EAGAIN || rc == -EWOULDBLOCK)
         return 0;
-    reply_socket_close(s, se, strerror(errno));
+    reply_socket_close(s, se, strerror(-rc));
     return -1;
 }
 
@@ -180,7 +185,8 @@ static void reply_socket_flush(struct server *s, struct session *se)
 {
     while (se->outq) {
         struct out_msg *m = se->outq;
-        if (reply_socket_send(s, se, m->data, m->n) <= 0)
+        int rc = send(se->chan->fd, m->data, m->n, MSG_NOSIGNAL | MSG_DONTWAIT) < 0 ? -errno : 0;
+        if (reply_socket_sent(s, se, rc) <= 0)
             return;
         se->outq = m->next;
         se->n_out--;
@@ -194,19 +200,17 @@ static void reply_socket_flush(struct server *s, struct session *se)
 void session_send_reply(struct server *s, uint64_t session_id, void *reply)
 {
     struct session *se = session_by_id(s, session_id);
-    if (!se || se->reply_fd < 0) {
+    if (!se || !se->chan) {
         log_debug("session %llu: reply %llu dropped: the reply socket is gone",
                   (unsigned long long)session_id,
                   (unsigned long long)((Moe__Reply *)reply)->id);
         return;
     }
-    uint8_t buf[SESSION_MSG_MAX];
+    /* Too large for one buffer (-EMSGSIZE) or no room: queued. */
+    int rc = se->outq ? -EAGAIN : reply_chan_send(se->chan, reply);
+    if (rc != -EMSGSIZE && reply_socket_sent(s, se, rc) != 0)
+        return; /* sent, or the socket is gone */
     size_t n = moe__reply__get_packed_size(reply);
-    if (!se->outq && n <= sizeof(buf)) {
-        moe__reply__pack(reply, buf);
-        if (reply_socket_send(s, se, buf, n) != 0)
-            return; /* sent, or the socket is gone */
-    }
     struct out_msg *m = malloc(sizeof(*m) + n);
     if (!m) {
         log_warn("session %llu: reply dropped: out of memory", (unsigned long long)se->id);
@@ -245,8 +249,8 @@ static void reply_socket_read(struct server *s, struct session *se)
     route_for_session(se->id, rid);
     int got = 0;
     s->in_drain = true; /* one batch_kick for all of them, below */
-    while (got < SOCKET_READ_BUDGET && se->reply_fd >= 0 && !se->outq) {
-        ssize_t n = recv(se->reply_fd, s->sock_rx, cap, MSG_DONTWAIT | MSG_TRUNC);
+    while (got < SOCKET_READ_BUDGET && se->chan && !se->outq) {
+        ssize_t n = recv(se->chan->fd, s->sock_rx, cap, MSG_DONTWAIT | MSG_TRUNC);
         if (n < 0) {
             if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
                 reply_socket_close(s, se, strerror(errno));
@@ -457,7 +461,6 @@ static void session_open(struct server *s, struct session *se, const Moe__OpenSe
         atomic_init(&se->chan->refs, 1);
         atomic_init(&se->chan->direct, true);
         se->chan->fd = fds[0];
-        se->reply_fd = fds[0];
         fds[0] = -1; /* the session owns it now */
     }
     se->opened = true;
@@ -467,7 +470,7 @@ static void session_open(struct server *s, struct session *se, const Moe__OpenSe
     rep.token.len = SESSION_TOKEN_BYTES;
     rep.session_id = se->id;
     rep.request_endpoint = s->endpoint;
-    rep.socket_requests = se->reply_fd >= 0;
+    rep.socket_requests = se->chan != NULL;
     session_send(s, se, &rep);
     log_debug("session %llu opened by pid %d uid %u (%s)", (unsigned long long)se->id,
               (int)se->pid, (unsigned)se->uid, se->name);
@@ -605,7 +608,6 @@ int session_attach(struct server *s, int fd)
     se->id = ++s->next_session_id;
     se->server = s;
     se->fd = fd;
-    se->reply_fd = -1;
     se->outq_tail = &se->outq;
     se->pid = cred.pid;
     se->uid = cred.uid;
