@@ -33,6 +33,7 @@
 #define MOEK_ALIGN_THREADS 1024
 #define MOEK_WTILE 128 /* weight rows per GEMM tile (two warpgroups of 64) */
 #define MOEK_KTILE 64  /* K per pipeline stage: one 128-byte swizzle row */
+#define MOEK_BBOX 32   /* token rows per TMA box in cluster mode */
 
 /* Epilogues. */
 enum { MOEK_EPI_SWIGLU = 0, MOEK_EPI_COMBINE = 1, MOEK_EPI_STORE = 2 };
@@ -312,24 +313,45 @@ int moek_cuda_refuse(int err, const char *fmt, ...)
             return moek_cuda_fail(e_, #call);                                 \
     } while (0)
 
-/* Launch with the programmatic-dependency attribute when pdl is set. */
+/* Launch with the programmatic-dependency attribute when pdl is set, in
+ * clusters of `cluster` CTAs along x when it is above 1. */
 template <typename... KArgs, typename... Args>
-static inline cudaError_t moek_launch(void (*kernel)(KArgs...), dim3 grid,
-                                      dim3 block, size_t smem,
-                                      cudaStream_t stream, bool pdl,
-                                      Args &&...args)
+static inline cudaError_t moek_launch_cl(void (*kernel)(KArgs...), dim3 grid,
+                                         dim3 block, size_t smem,
+                                         cudaStream_t stream, bool pdl,
+                                         int cluster, Args &&...args)
 {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchAttribute attr[2];
+    unsigned n = 0;
+    if (pdl) {
+        attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[n].val.programmaticStreamSerializationAllowed = 1;
+        n++;
+    }
+    if (cluster > 1) {
+        attr[n].id = cudaLaunchAttributeClusterDimension;
+        attr[n].val.clusterDim.x = (unsigned)cluster;
+        attr[n].val.clusterDim.y = 1;
+        attr[n].val.clusterDim.z = 1;
+        n++;
+    }
     cfg.attrs = attr;
-    cfg.numAttrs = pdl ? 1 : 0;
+    cfg.numAttrs = n;
     return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+template <typename... KArgs, typename... Args>
+static inline cudaError_t moek_launch(void (*kernel)(KArgs...), dim3 grid,
+                                      dim3 block, size_t smem,
+                                      cudaStream_t stream, bool pdl,
+                                      Args &&...args)
+{
+    return moek_launch_cl(kernel, grid, block, smem, stream, pdl, 1,
+                          std::forward<Args>(args)...);
 }
 
 /* The objects of the C ABI (weights.cu creates them, layer.cu runs them). */
@@ -348,6 +370,7 @@ struct moek_cuda_moe_layer {
     bool tiny;  /* decode batches take route_align_tiny */
     bool tiled; /* w13 and w2p in tiles (moek_wt_index) */
     bool l2_hint; /* their loads evict first from L2 */
+    bool cluster; /* prefill tiles may run in CTA pairs (layer.cu) */
     int split_min_kb;
     /* The token-tile table (moek_cuda_moe_layer_set_tiles): n_rules rules,
      * min_tokens ascending. */
@@ -417,9 +440,19 @@ cudaError_t moek_launch_align_groups(const moek_align_args &aa,
 
 /* gemm_wgmma.cu / gemm_simt.cu */
 cudaError_t moek_gemm_wgmma_prepare(moek_dtype dt);
+/* cluster 2: pairs of CTAs share each token tile by TMA multicast; the
+ * token rows a.b are then contiguous (a.b_rows unused) behind tmap_b (boxes
+ * of MOEK_KTILE x MOEK_BBOX), the grid is even, the plan has no K split and
+ * a.chunk and a.n_tiles are even. Tiles moek_wgmma_cluster_ok only. */
 cudaError_t moek_launch_gemm_wgmma(moek_dtype dt, const void *tmap,
-                                   const moek_gemm_args &a, int grid,
-                                   cudaStream_t stream, bool pdl);
+                                   const void *tmap_b, const moek_gemm_args &a,
+                                   int grid, cudaStream_t stream, bool pdl,
+                                   int cluster);
+bool moek_wgmma_cluster_ok(int bn);
+/* weights.cu: a 2-D map of [rows, K] elements, 128-byte swizzle, boxes of
+ * MOEK_KTILE x box_rows. */
+int moek_make_tmap(CUtensorMap *m, void *base, moek_dtype dt, uint64_t rows,
+                   uint64_t K, uint32_t box_rows);
 cudaError_t moek_launch_gemm_simt(moek_dtype dt, const moek_gemm_args &a,
                                   int grid, cudaStream_t stream, bool pdl);
 bool moek_wgmma_tile_ok(int bn);

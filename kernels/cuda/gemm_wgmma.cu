@@ -140,6 +140,57 @@ __device__ __forceinline__ void tma_load_2d(void *dst, const CUtensorMap *map,
                  : "memory");
 }
 
+/* Cluster mode (CL = 2): a pair of CTAs on adjacent weight tiles of one
+ * token tile. Each loads half the token rows through TMA and multicasts them
+ * into both CTAs' stages, so every token tile is read from L2 once per pair;
+ * a stage is free when the consumers of both CTAs have released it. */
+__device__ __forceinline__ void tma_load_2d_mc(void *dst, const CUtensorMap *map,
+                                               int c0, int c1, uint64_t *bar,
+                                               uint16_t mask)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::"
+                 "complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3}], "
+                 "[%4], %5;" ::"r"(smem_u32(dst)),
+                 "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1),
+                 "r"(smem_u32(bar)), "h"(mask)
+                 : "memory");
+}
+
+/* Add expected bytes to the current phase without arriving. */
+__device__ __forceinline__ void mbar_expect_tx_only(uint64_t *bar,
+                                                    uint32_t bytes)
+{
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::
+                     "r"(smem_u32(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+
+/* Arrive on the barrier at the same offset in CTA `peer` of the cluster. */
+__device__ __forceinline__ void mbar_arrive_peer(uint64_t *bar, uint32_t peer)
+{
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                 : "=r"(remote)
+                 : "r"(smem_u32(bar)), "r"(peer));
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cluster_sync()
+{
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
+                 "barrier.cluster.wait.acquire.aligned;" ::
+                     : "memory");
+}
+
+__device__ __forceinline__ uint32_t cluster_rank()
+{
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
 /* One contiguous block of tiled weights (moek_wt_index) into shared
  * memory, completing on the stage's mbarrier like a TMA load. */
 __device__ __forceinline__ void bulk_load(void *dst, const void *src,
@@ -244,7 +295,7 @@ struct pipe_pos {
 
 /* early_a: issue the weight tiles of the first stages (in the order the
  * producer will use them) before waiting for the previous kernel. */
-template <int BN>
+template <int BN, int CL>
 __device__ __forceinline__ int preissue(const moek_gemm_args &a,
                                         const CUtensorMap *tmap, uint8_t *smem,
                                         uint64_t *full, int ncg, int split,
@@ -256,7 +307,12 @@ __device__ __forceinline__ int preissue(const moek_gemm_args &a,
         const moek_item it = moek_decode_item(a, ncg, split, idx, tail, sb);
         for (int kb = it.kb0; kb < it.kb1 && pre < C::STAGES; kb++, pre++) {
             if (threadIdx.x == 0) {
-                mbar_expect_tx(&full[pre], A_BYTES);
+                /* CL = 2: the stage's one arrival comes with its token rows
+                 * (produce_mc), which the peer's multicast also fills. */
+                if (CL == 2)
+                    mbar_expect_tx_only(&full[pre], A_BYTES);
+                else
+                    mbar_expect_tx(&full[pre], A_BYTES);
                 load_w(a, tmap, smem + pre * C::STAGE, it, kb, &full[pre]);
             }
         }
@@ -316,13 +372,67 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
     }
 }
 
+/* Producer of cluster mode, one phase, run by warp 0 (lane 0 issues): the weight tile
+ * as in produce(), and this CTA's half of the N token rows (contiguous rows
+ * of a.b from it.pos: the caller permuted them) in boxes of MOEK_BBOX rows,
+ * multicast to both CTAs. Rows past the item's mlen belong to the next group
+ * or lie past the tensor (zero): the epilogue skips those columns. */
+template <int BN, int N>
+__device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
+                                           const CUtensorMap *tmap,
+                                           const CUtensorMap *tmap_b,
+                                           uint8_t *smem, uint64_t *full,
+                                           uint64_t *empty, int ncg, int idx,
+                                           int items, bool tail, int pre,
+                                           pipe_pos &pp, const int *sb,
+                                           uint32_t rank)
+{
+    using C = tile_cfg<BN>;
+    constexpr int HALF = N / 2;
+    static_assert(HALF % MOEK_BBOX == 0, "token tile halves of whole boxes");
+    for (; idx < items; idx += gridDim.x) {
+        const moek_item it = moek_decode_item(a, ncg, 1, idx, tail, sb);
+        for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
+            uint8_t *sA = smem + pp.stage * C::STAGE;
+            uint8_t *sB = sA + A_BYTES;
+            if (pp.used >= pre)
+                mbar_wait(&empty[pp.stage], pp.phase ^ 1);
+            if (threadIdx.x == 0) {
+                if (pp.used >= pre) {
+                    mbar_expect_tx(&full[pp.stage], A_BYTES + N * 128);
+                    load_w(a, tmap, sA, it, kb, &full[pp.stage]);
+                } else {
+                    mbar_expect_tx(&full[pp.stage], N * 128);
+                }
+#pragma unroll
+                for (int j = 0; j < HALF / MOEK_BBOX; j++) {
+                    const int r = (int)rank * HALF + j * MOEK_BBOX;
+                    tma_load_2d_mc(sB + r * 128, tmap_b, kb * MOEK_KTILE,
+                                   it.pos + r, &full[pp.stage], 3);
+                }
+            }
+            __syncwarp();
+        }
+    }
+}
+
+/* A consumer warp is done with stage s: in cluster mode the peer's producer
+ * may refill it (its multicast writes here) only once both CTAs released it. */
+template <int CL>
+__device__ __forceinline__ void release(uint64_t *empty, int s)
+{
+    mbar_arrive(&empty[s]);
+    if (CL == 2)
+        mbar_arrive_peer(&empty[s], cluster_rank() ^ 1);
+}
+
 /* Consumer warpgroup cw, one phase: weight rows 64 cw .. 64 cw + 63 of each
  * tile against its N token rows, then the epilogue. COMBINE: the item's
  * (token, routing weight) pairs are loaded into shared memory before its
  * K loop, so the epilogue's atomics do not each wait on two dependent global
  * loads (measured: qwen3 T=4096 down GEMM 473 -> 348 us without those
  * loads); two buffers by item parity, one warpgroup barrier per item. */
-template <typename T, int BN, int N>
+template <typename T, int BN, int N, int CL>
 __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
                                         uint64_t *full, uint64_t *empty,
                                         int ncg, int split, int idx, int items,
@@ -361,12 +471,12 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
             wgmma_commit();
             wgmma_wait<1>();
             if (prev >= 0 && lane == 0)
-                mbar_arrive(&empty[prev]);
+                release<CL>(empty, prev);
             prev = pp.stage;
         }
         wgmma_wait<0>();
         if (prev >= 0 && lane == 0)
-            mbar_arrive(&empty[prev]);
+            release<CL>(empty, prev);
         const int R_lo = it.nt * MOEK_WTILE + cw * 64 + warp * 16 + (lane >> 2);
         const int c0 = 2 * (lane & 3);
         if (comb) /* this warpgroup's staged pairs are all written */
@@ -383,9 +493,10 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
 }
 #endif
 
-template <typename T, int BN>
+template <typename T, int BN, int CL>
 __global__ void __launch_bounds__(384, 1)
     gemm_wgmma_kernel(const __grid_constant__ CUtensorMap tmap,
+                      const __grid_constant__ CUtensorMap tmap_b,
                       const moek_gemm_args a)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -400,16 +511,27 @@ __global__ void __launch_bounds__(384, 1)
 
     if (tid == 0) {
         for (int s = 0; s < C::STAGES; s++) {
-            mbar_init(&full[s], 1 + 128);
-            mbar_init(&empty[s], 8);
+            /* full: the producer's expect-tx arrival, plus (CL = 1) one
+             * no-increment arrival per producer thread's cp.async;
+             * empty: each consumer warp of the CTA (CL = 2: of both). */
+            mbar_init(&full[s], CL == 2 ? 1 : 1 + 128);
+            mbar_init(&empty[s], 8 * CL);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         if (!a.w_tiled)
             asm volatile("prefetch.tensormap [%0];" ::"l"(
                              reinterpret_cast<uint64_t>(&tmap))
                          : "memory");
+        if (CL == 2)
+            asm volatile("prefetch.tensormap [%0];" ::"l"(
+                             reinterpret_cast<uint64_t>(&tmap_b))
+                         : "memory");
     }
     __syncthreads();
+    /* The peer multicasts into this CTA's stages and arrives on its
+     * barriers: both must be initialised first. */
+    if (CL == 2)
+        cluster_sync();
     /* The tile list comes from the align kernel. With early_a it finished
      * before the previous kernel (which waited for it) let this one launch,
      * so only the producer's token rows need the wait below. */
@@ -441,56 +563,93 @@ __global__ void __launch_bounds__(384, 1)
         __syncthreads();
     }
 
+    /* Cluster mode pairs CTAs 2c and 2c + 1 on items 2i and 2i + 1 of an
+     * even grid: with one K split and an even count of weight tiles per
+     * chunk, those are weight tiles nt and nt + 1 of one token tile
+     * (moek_decode_item), and both CTAs walk equally many items. The host
+     * launches it only so (layer.cu); a plan with a K split traps. */
+    if (CL == 2 && split != 1)
+        __trap();
     pipe_pos pp = {0, 0, 0, 0};
     if (wg == 0) {
         int pre = 0;
         if (a.early_a) {
-            pre = preissue<BN>(a, &tmap, smem, full, ncg, split, first, items,
-                               false, 0, sb);
-            pre = preissue<BN>(a, &tmap, smem, full, ncg, split, tstart, tails,
-                               true, pre, sb);
+            pre = preissue<BN, CL>(a, &tmap, smem, full, ncg, split, first,
+                                   items, false, 0, sb);
+            pre = preissue<BN, CL>(a, &tmap, smem, full, ncg, split, tstart,
+                                   tails, true, pre, sb);
             moek_pdl_wait();
         }
-        produce<T, BN, BN>(a, &tmap, smem, full, empty, ncg, split, first,
-                           items, false, pre, pp, sb);
-        produce<T, BN, TN>(a, &tmap, smem, full, empty, ncg, split, tstart,
-                           tails, true, pre, pp, sb);
+        if constexpr (CL == 2) {
+            /* Warp 0 walks the items, lane 0 issues; warps 1-3 wait at the
+             * closing cluster barrier. (One thread alone in the loop, its
+             * warp's other lanes parked at that barrier, ran at two thirds
+             * of the speed.) */
+            if (tid < 32) {
+                const uint32_t rank = cluster_rank();
+                produce_mc<BN, BN>(a, &tmap, &tmap_b, smem, full, empty, ncg,
+                                   first, items, false, pre, pp, sb, rank);
+                produce_mc<BN, TN>(a, &tmap, &tmap_b, smem, full, empty, ncg,
+                                   tstart, tails, true, pre, pp, sb, rank);
+                __syncwarp();
+            }
+        } else {
+            produce<T, BN, BN>(a, &tmap, smem, full, empty, ncg, split, first,
+                               items, false, pre, pp, sb);
+            produce<T, BN, TN>(a, &tmap, smem, full, empty, ncg, split, tstart,
+                               tails, true, pre, pp, sb);
+        }
     } else {
-        consume<T, BN, BN>(a, smem, full, empty, ncg, split, first, items,
-                           false, pp, sb);
-        consume<T, BN, TN>(a, smem, full, empty, ncg, split, tstart, tails,
-                           true, pp, sb);
+        consume<T, BN, BN, CL>(a, smem, full, empty, ncg, split, first, items,
+                               false, pp, sb);
+        consume<T, BN, TN, CL>(a, smem, full, empty, ncg, split, tstart, tails,
+                               true, pp, sb);
     }
+    /* The peer's last releases arrive on this CTA's barriers: stay until
+     * both are done. */
+    if (CL == 2)
+        cluster_sync();
 #endif
 }
 
-template <typename T, int BN>
-cudaError_t launch_bn(const void *tmap, const moek_gemm_args &a, int grid,
-                      cudaStream_t stream, bool pdl)
+template <typename T, int BN, int CL>
+cudaError_t launch_bn(const void *tmap, const void *tmap_b,
+                      const moek_gemm_args &a, int grid, cudaStream_t stream,
+                      bool pdl)
 {
-    return moek_launch(gemm_wgmma_kernel<T, BN>, dim3(grid), dim3(384),
-                       (size_t)tile_cfg<BN>::SMEM, stream, pdl,
-                       *reinterpret_cast<const CUtensorMap *>(tmap), a);
+    return moek_launch_cl(gemm_wgmma_kernel<T, BN, CL>, dim3(grid), dim3(384),
+                          (size_t)tile_cfg<BN>::SMEM, stream, pdl, CL,
+                          *reinterpret_cast<const CUtensorMap *>(tmap),
+                          *reinterpret_cast<const CUtensorMap *>(tmap_b), a);
 }
 
 template <typename T>
-cudaError_t launch_t(const void *tmap, const moek_gemm_args &a, int grid,
-                     cudaStream_t stream, bool pdl)
+cudaError_t launch_t(const void *tmap, const void *tmap_b,
+                     const moek_gemm_args &a, int grid, cudaStream_t stream,
+                     bool pdl, int cluster)
 {
+    if (cluster == 2) {
+        switch (a.bn) {
+        case 128: return launch_bn<T, 128, 2>(tmap, tmap_b, a, grid, stream, pdl);
+        case 192: return launch_bn<T, 192, 2>(tmap, tmap_b, a, grid, stream, pdl);
+        case 256: return launch_bn<T, 256, 2>(tmap, tmap_b, a, grid, stream, pdl);
+        default: return cudaErrorInvalidValue;
+        }
+    }
     switch (a.bn) {
-    case 16: return launch_bn<T, 16>(tmap, a, grid, stream, pdl);
-    case 32: return launch_bn<T, 32>(tmap, a, grid, stream, pdl);
-    case 64: return launch_bn<T, 64>(tmap, a, grid, stream, pdl);
-    case 128: return launch_bn<T, 128>(tmap, a, grid, stream, pdl);
-    case 192: return launch_bn<T, 192>(tmap, a, grid, stream, pdl);
-    case 256: return launch_bn<T, 256>(tmap, a, grid, stream, pdl);
+    case 16: return launch_bn<T, 16, 1>(tmap, tmap, a, grid, stream, pdl);
+    case 32: return launch_bn<T, 32, 1>(tmap, tmap, a, grid, stream, pdl);
+    case 64: return launch_bn<T, 64, 1>(tmap, tmap, a, grid, stream, pdl);
+    case 128: return launch_bn<T, 128, 1>(tmap, tmap, a, grid, stream, pdl);
+    case 192: return launch_bn<T, 192, 1>(tmap, tmap, a, grid, stream, pdl);
+    case 256: return launch_bn<T, 256, 1>(tmap, tmap, a, grid, stream, pdl);
     default: return cudaErrorInvalidValue;
     }
 }
 
-template <typename T, int BN> cudaError_t prepare_bn()
+template <typename T, int BN, int CL> cudaError_t prepare_bn()
 {
-    return cudaFuncSetAttribute(gemm_wgmma_kernel<T, BN>,
+    return cudaFuncSetAttribute(gemm_wgmma_kernel<T, BN, CL>,
                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 tile_cfg<BN>::SMEM);
 }
@@ -498,12 +657,15 @@ template <typename T, int BN> cudaError_t prepare_bn()
 template <typename T> cudaError_t prepare_t()
 {
     cudaError_t e;
-    if ((e = prepare_bn<T, 16>()) != cudaSuccess ||
-        (e = prepare_bn<T, 32>()) != cudaSuccess ||
-        (e = prepare_bn<T, 64>()) != cudaSuccess ||
-        (e = prepare_bn<T, 128>()) != cudaSuccess ||
-        (e = prepare_bn<T, 192>()) != cudaSuccess ||
-        (e = prepare_bn<T, 256>()) != cudaSuccess)
+    if ((e = prepare_bn<T, 16, 1>()) != cudaSuccess ||
+        (e = prepare_bn<T, 32, 1>()) != cudaSuccess ||
+        (e = prepare_bn<T, 64, 1>()) != cudaSuccess ||
+        (e = prepare_bn<T, 128, 1>()) != cudaSuccess ||
+        (e = prepare_bn<T, 192, 1>()) != cudaSuccess ||
+        (e = prepare_bn<T, 256, 1>()) != cudaSuccess ||
+        (e = prepare_bn<T, 128, 2>()) != cudaSuccess ||
+        (e = prepare_bn<T, 192, 2>()) != cudaSuccess ||
+        (e = prepare_bn<T, 256, 2>()) != cudaSuccess)
         return e;
     return cudaSuccess;
 }
@@ -522,11 +684,18 @@ cudaError_t moek_gemm_wgmma_prepare(moek_dtype dt)
                                  : prepare_t<__half>();
 }
 
+bool moek_wgmma_cluster_ok(int bn)
+{
+    return bn == 128 || bn == 192 || bn == 256;
+}
+
 cudaError_t moek_launch_gemm_wgmma(moek_dtype dt, const void *tmap,
-                                   const moek_gemm_args &a, int grid,
-                                   cudaStream_t stream, bool pdl)
+                                   const void *tmap_b, const moek_gemm_args &a,
+                                   int grid, cudaStream_t stream, bool pdl,
+                                   int cluster)
 {
     return dt == MOEK_DTYPE_BF16
-               ? launch_t<__nv_bfloat16>(tmap, a, grid, stream, pdl)
-               : launch_t<__half>(tmap, a, grid, stream, pdl);
+               ? launch_t<__nv_bfloat16>(tmap, tmap_b, a, grid, stream, pdl,
+                                         cluster)
+               : launch_t<__half>(tmap, tmap_b, a, grid, stream, pdl, cluster);
 }

@@ -79,6 +79,7 @@ struct moe_ws {
         *cg_before, *pos_token;
     float *wts, *pos_weight, *acc;
     void *inter;
+    void *xs; /* cluster mode: x's rows in slot order, or NULL */
 };
 
 struct carver {
@@ -93,8 +94,8 @@ struct carver {
     }
 };
 
-size_t carve_moe(const moek_moe_shape &s, moek_dtype dt, int T, char *base,
-                 moe_ws *w)
+size_t carve_moe(const moek_moe_shape &s, moek_dtype dt, int T, bool xs,
+                 char *base, moe_ws *w)
 {
     carver c = {base, 0};
     const size_t slots = (size_t)T * s.topk;
@@ -112,6 +113,7 @@ size_t carve_moe(const moek_moe_shape &s, moek_dtype dt, int T, char *base,
     x.pos_weight = c.take<float>(sizeof(float) * slots);
     x.acc = c.take<float>(sizeof(float) * (size_t)T * s.hidden);
     x.inter = c.take<char>((size_t)2 * slots * s.intermediate);
+    x.xs = xs ? c.take<char>((size_t)2 * slots * s.hidden) : nullptr;
     if (w)
         *w = x;
     return c.off + 256;
@@ -158,14 +160,48 @@ __global__ void finalize_kernel(const float4 *acc, uint2 *out, size_t n4)
     }
 }
 
+/* Cluster mode's token operand of GEMM 1: row p of xs is row pos_token[p]
+ * of x, one warp per row, rows of row16 16-byte chunks. */
+__global__ void permute_rows_kernel(const uint4 *x, uint4 *xs,
+                                    const int *pos_token, int slots, int row16)
+{
+    moek_pdl_wait();
+    moek_pdl_trigger();
+    const int lane = threadIdx.x & 31;
+    const int nw = (int)(gridDim.x * blockDim.x) >> 5;
+    for (int p = (int)(blockIdx.x * blockDim.x + threadIdx.x) >> 5; p < slots;
+         p += nw) {
+        const uint4 *src = x + (size_t)__ldg(pos_token + p) * row16;
+        uint4 *dst = xs + (size_t)p * row16;
+        for (int c = lane; c < row16; c += 32)
+            dst[c] = __ldg(src + c);
+    }
+}
+
 cudaError_t run_gemm(moek_dtype dt, bool wgmma, const CUtensorMap *tm,
                      const moek_gemm_args &a, int grid, cudaStream_t st,
-                     bool pdl)
+                     bool pdl, const CUtensorMap *tm_b = nullptr)
 {
     if (grid < 1)
         grid = 1;
-    return wgmma ? moek_launch_gemm_wgmma(dt, tm, a, grid, st, pdl)
+    if (tm_b) /* cluster mode: an even grid */
+        grid = grid < 2 ? 2 : grid & ~1;
+    return wgmma ? moek_launch_gemm_wgmma(dt, tm, tm_b ? tm_b : tm, a, grid,
+                                          st, pdl, tm_b ? 2 : 1)
                  : moek_launch_gemm_simt(dt, a, grid, st, pdl);
+}
+
+/*
+ * Cluster mode (prefill tiles): CTA pairs share each token tile through TMA
+ * multicast, which halves the token rows read from L2 per weight tile, and
+ * GEMM 1 reads them from a copy of x in slot order (TMA cannot gather).
+ * The layer qualifies at load (moek_cuda_moe_layer.cluster: tiled weights,
+ * even weight-tile counts); a call takes it with a 128-row tile or wider.
+ */
+bool moe_cluster(const moek_cuda_moe_layer *L, int bn)
+{
+    return L->cluster && L->cc == 90 && !L->tune.generic &&
+           moek_wgmma_cluster_ok(bn);
 }
 
 } // namespace
@@ -211,7 +247,9 @@ size_t moek_cuda_moe_workspace_size(const moek_cuda_moe_layer *layer,
 {
     if (!layer || max_tokens < 0)
         return 0;
-    return carve_moe(layer->shape, layer->dt, max_tokens, nullptr, nullptr);
+    return carve_moe(layer->shape, layer->dt, max_tokens,
+                     moe_cluster(layer, moe_tile(layer, max_tokens)), nullptr,
+                     nullptr);
 }
 
 size_t moek_cuda_gemm_workspace_size(const moek_cuda_gemm_weights *w,
@@ -250,6 +288,14 @@ int moek_cuda_moe_layer_token_tile(const moek_cuda_moe_layer *layer, int tokens)
     return layer ? moe_tile(layer, tokens) : -EINVAL;
 }
 
+int moek_cuda_moe_layer_uses_cluster(const moek_cuda_moe_layer *layer,
+                                     int tokens)
+{
+    return layer && tokens > 0 && moe_cluster(layer, moe_tile(layer, tokens))
+               ? 1
+               : 0;
+}
+
 int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
                         const void *x, const moek_cuda_routing *routing,
                         int T, void *out, void *stream)
@@ -283,7 +329,12 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     if ((long long)T * L->shape.topk >= (1LL << 31) / 2)
         return moek_cuda_refuse(-ENOTSUP, "fused_moe: %d tokens is too many",
                                 T);
-    const size_t need = carve_moe(L->shape, L->dt, T, nullptr, nullptr);
+    const int bn = moe_tile(L, T);
+    /* Cluster mode needs 16-byte rows of x and room for their copy; a
+     * workspace sized by moek_cuda_moe_workspace_size has it. */
+    bool cl = moe_cluster(L, bn) && ((uintptr_t)x & 15) == 0 &&
+              carve_moe(L->shape, L->dt, T, true, nullptr, nullptr) <= ws->bytes;
+    const size_t need = carve_moe(L->shape, L->dt, T, cl, nullptr, nullptr);
     if (need > ws->bytes)
         return moek_cuda_refuse(-ENOSPC,
                                 "fused_moe: %d tokens need %zu bytes of "
@@ -291,11 +342,10 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
                                 T, need, ws->bytes);
     MOEK_CU(cudaSetDevice(L->device));
     moe_ws w;
-    carve_moe(L->shape, L->dt, T, (char *)ws->base, &w);
+    carve_moe(L->shape, L->dt, T, cl, (char *)ws->base, &w);
     const moek_moe_shape &s = L->shape;
     const int E = s.experts, k = s.topk, H = s.hidden, I = s.intermediate;
     const bool wgmma = L->cc == 90 && !L->tune.generic;
-    const int bn = moe_tile(L, T);
     cudaStream_t st = (cudaStream_t)stream;
     /* PDL needs a real stream; the legacy default stream gets plain launches. */
     const bool pdl = L->pdl && st != nullptr;
@@ -316,6 +366,16 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     g1.out = w.inter;
     g1.ldo = I;
     g1.which = 0;
+    CUtensorMap tb1, tb2;
+    if (cl) {
+        const int r1 = moek_make_tmap(&tb1, w.xs, L->dt, (uint64_t)T * k, H,
+                                      MOEK_BBOX);
+        if (r1)
+            return r1;
+        g1.b = w.xs;
+        g1.b_rows = nullptr;
+        g1.chunk = g1.chunk < 2 ? 2 : g1.chunk & ~1;
+    }
     moek_gemm_args g2 = g1;
     g2.early_a = L->early;
     g2.w = L->w2p;
@@ -334,6 +394,13 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     g2.pos_token = w.pos_token;
     g2.pos_weight = w.pos_weight;
     g2.which = 1;
+    if (cl) {
+        const int r2 = moek_make_tmap(&tb2, w.inter, L->dt, (uint64_t)T * k,
+                                      I, MOEK_BBOX);
+        if (r2)
+            return r2;
+        g2.chunk = g2.chunk < 2 ? 2 : g2.chunk & ~1;
+    }
     g1.w_tiled = g2.w_tiled = L->tiled;
     g1.l2_hint = g2.l2_hint = L->tiled && L->l2_hint;
     for (moek_gemm_args *g : {&g1, &g2}) {
@@ -371,7 +438,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     aa.split_min_kb = L->split_min_kb;
     aa.tiny = L->tiny;
     aa.d[0] = {g1.n_tiles, g1.kblocks, 0};
-    aa.d[1] = {g2.n_tiles, g2.kblocks, 1};
+    aa.d[1] = {g2.n_tiles, g2.kblocks, cl ? 0 : 1};
     aa.ngemm = 2;
     aa.plan = w.plan;
     aa.cg_group = w.cg_group;
@@ -386,6 +453,15 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     aa.pos_token = w.pos_token;
     aa.pos_weight = w.pos_weight;
     MOEK_CU(moek_launch_route(ra, aa, w.counts, st, pdl));
+    if (cl) {
+        const int slots = T * k, row16 = H * 2 / 16;
+        long long warps = slots;
+        int grid0 = (int)((warps + 7) / 8 < 4LL * L->sms ? (warps + 7) / 8
+                                                         : 4LL * L->sms);
+        MOEK_CU(moek_launch(permute_rows_kernel, dim3(grid0), dim3(256), 0, st,
+                            pdl, (const uint4 *)x, (uint4 *)w.xs,
+                            (const int *)w.pos_token, slots, row16));
+    }
 
     /* Grid bounds: GEMM 1 has at most (hit experts + T k / 64) token tiles
      * times its weight tiles; GEMM 2 may split, so it takes every SM. */
@@ -398,8 +474,10 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
      * (RESULTS.md, run 6). */
     if (items1 < L->sms)
         g2.early_a = 0;
-    MOEK_CU(run_gemm(L->dt, wgmma, &L->tm13, g1, grid1, st, pdl));
-    MOEK_CU(run_gemm(L->dt, wgmma, &L->tm2, g2, L->sms, st, pdl));
+    MOEK_CU(run_gemm(L->dt, wgmma, &L->tm13, g1, grid1, st, pdl,
+                     cl ? &tb1 : nullptr));
+    MOEK_CU(run_gemm(L->dt, wgmma, &L->tm2, g2, L->sms, st, pdl,
+                     cl ? &tb2 : nullptr));
 
     const size_t n4 = (size_t)T * H / 4;
     long long blocks = (long long)((n4 + 255) / 256);
@@ -420,10 +498,10 @@ int moek_cuda_moe_read_routing(const moek_cuda_moe_layer *L,
 {
     if (!L || !ws || T < 0 || !ids || !weights)
         return -EINVAL;
-    if (carve_moe(L->shape, L->dt, T, nullptr, nullptr) > ws->bytes)
+    if (carve_moe(L->shape, L->dt, T, false, nullptr, nullptr) > ws->bytes)
         return -ENOSPC;
     moe_ws w;
-    carve_moe(L->shape, L->dt, T, (char *)ws->base, &w);
+    carve_moe(L->shape, L->dt, T, false, (char *)ws->base, &w);
     MOEK_CU(cudaStreamSynchronize((cudaStream_t)stream));
     const size_t n = (size_t)T * L->shape.topk;
     MOEK_CU(cudaMemcpy(ids, w.ids, n * sizeof(int32_t), cudaMemcpyDeviceToHost));

@@ -310,6 +310,13 @@ int moek_cuda_gemm_weights_tune(moek_cuda_gemm_weights *w,
 int moek_cuda_moe_layer_token_tile(const moek_cuda_moe_layer *layer,
                                    int tokens);
 
+/* 1 when a call of `tokens` tokens (input rows 16-byte aligned, workspace
+ * from moek_cuda_moe_workspace_size) runs its GEMMs in cluster mode: CTA
+ * pairs sharing each token tile through TMA multicast (prefill tiles of 128
+ * rows and wider, on sm_90 with tiled weights); 0 when not. */
+int moek_cuda_moe_layer_uses_cluster(const moek_cuda_moe_layer *layer,
+                                     int tokens);
+
 /* ---- token-tile table and autotuning ------------------------------------ */
 
 /*

@@ -95,8 +95,10 @@ int relayout(void *dst, bool tiled, int g0, const void *a, const void *b,
     return 0;
 }
 
-int make_tmap(CUtensorMap *m, void *base, moek_dtype dt, uint64_t rows,
-              uint64_t K)
+} // namespace
+
+int moek_make_tmap(CUtensorMap *m, void *base, moek_dtype dt, uint64_t rows,
+                   uint64_t K, uint32_t box_rows)
 {
     static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
     if (!encode) {
@@ -111,7 +113,7 @@ int make_tmap(CUtensorMap *m, void *base, moek_dtype dt, uint64_t rows,
     }
     cuuint64_t dims[2] = {K, rows};
     cuuint64_t strides[1] = {K * 2};
-    cuuint32_t box[2] = {MOEK_KTILE, MOEK_WTILE};
+    cuuint32_t box[2] = {MOEK_KTILE, box_rows};
     cuuint32_t estr[2] = {1, 1};
     CUresult r = encode(m,
                         dt == MOEK_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
@@ -125,6 +127,14 @@ int make_tmap(CUtensorMap *m, void *base, moek_dtype dt, uint64_t rows,
         return moek_cuda_refuse(-EIO, "cuTensorMapEncodeTiled failed (%d)",
                                 (int)r);
     return 0;
+}
+
+namespace {
+
+int make_tmap(CUtensorMap *m, void *base, moek_dtype dt, uint64_t rows,
+              uint64_t K)
+{
+    return moek_make_tmap(m, base, dt, rows, K, MOEK_WTILE);
 }
 
 int device_setup(int device, int *sms, int *cc)
@@ -141,7 +151,8 @@ int device_setup(int device, int *sms, int *cc)
  * GEMM 1, MOEK_CUDA_NO_TINY=1 routes decode batches through the general
  * small-batch kernel, MOEK_CUDA_ROW_MAJOR=1 keeps the weights row-major
  * (read through TMA maps), MOEK_CUDA_NO_L2_HINT=1 drops the weight loads'
- * L2 evict-first hint. Read once, when a layer or weight set is made. */
+ * L2 evict-first hint, MOEK_CUDA_NO_CLUSTER=1 keeps prefill tiles off
+ * cluster mode (layer.cu). Read once, when a layer or weight set is made. */
 bool env_off(const char *name)
 {
     const char *e = getenv(name);
@@ -226,6 +237,15 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
     const int E = shape->experts, H = shape->hidden, I = shape->intermediate;
     L->h16 = (H + 15) / 16 * 16;
     const bool tl = L->tiled;
+    /* Cluster mode pairs adjacent weight tiles and reads token rows through
+     * TMA maps (16-byte row pitch). Its copy of x costs H per slot and its
+     * gain grows with I: on the H200 it paid for mixtral (I = 14336, T=4096
+     * 4% faster), broke even for deepseek (2048) and lost 4% for qwen3
+     * (768) (kernels/bench/RESULTS.md). */
+    L->cluster = tl && !env_off("MOEK_CUDA_NO_CLUSTER") && I >= 4096 &&
+                 H % 8 == 0 && I % 8 == 0 &&
+                 (2 * I + MOEK_WTILE - 1) / MOEK_WTILE % 2 == 0 &&
+                 (L->h16 + MOEK_WTILE - 1) / MOEK_WTILE % 2 == 0;
     void *tmp = nullptr;
     cudaError_t e = weight_alloc(&L->w13, tl, E, 2 * I, H);
     if (e == cudaSuccess)

@@ -476,6 +476,42 @@ static moek_cuda_moe_layer *small_layer(const moek_moe_shape *s, moek_dtype dt,
     return l;
 }
 
+/* Cluster mode (CTA pairs sharing token tiles by multicast) on each tile
+ * that takes it, over a shape that qualifies (I >= 4096, even weight-tile
+ * counts) with partial K blocks in both GEMMs (H = 7 * 64 + 8,
+ * I = 65 * 64 + 8): 75 rows per expert (tail tiles only, with 256) and 300
+ * (a main tile and tails). Off Hopper no call takes it; with I below 4096
+ * none does either. */
+TEST(moe_cluster_tiles)
+{
+    need_gpu();
+    uint64_t rng = test_seed();
+    static const int tiles[] = {128, 192, 256};
+    const moek_moe_shape s = {16, 4, 456, 4168};
+    const moek_moe_shape narrow = {16, 4, 456, 328};
+    moek_cuda_moe_layer *n = small_layer(&narrow, MOEK_DTYPE_BF16,
+                                         test_rand(&rng));
+    const moek_cuda_tuning t256 = {256, false};
+    CK(moek_cuda_moe_layer_tune(n, &t256));
+    CHECK_EQ_INT(moek_cuda_moe_layer_uses_cluster(n, 1200), 0);
+    moek_cuda_moe_layer_free(n);
+    for (int i = 0; i < 6; i++) {
+        moe_case c = {s, i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
+                      (i / 2 + i) % 2 ? 1200 : 300, ROUTE_SOFTMAX, true, 0, 32,
+                      {tiles[i / 2], false}, false, false};
+        moek_cuda_moe_layer *l =
+            small_layer(&c.s, c.dt, test_rand(&rng));
+        CK(moek_cuda_moe_layer_tune(l, &c.tune));
+        CHECK_MSG(moek_cuda_moe_layer_uses_cluster(l, c.tokens) ==
+                  (device_cc() == 90 ? 1 : 0),
+              "tile %d, T=%d: cluster mode %d on cc %d", c.tune.token_tile,
+              c.tokens, moek_cuda_moe_layer_uses_cluster(l, c.tokens),
+              device_cc());
+        moek_cuda_moe_layer_free(l);
+        run_moe(&c, &rng);
+    }
+}
+
 /* set_tiles refuses bad tables (and keeps the old one), n = 0 clears, the
  * tile of a call follows the rule with the largest min_tokens <= T, a
  * forced tile wins; forwards with a table match the reference. */
@@ -1214,6 +1250,7 @@ int main(int argc, char **argv)
                          TEST_CASE_TIMEOUT(moe_decode_slots, 120),
                          TEST_CASE_TIMEOUT(moe_many_tokens_and_nan, 300),
                          TEST_CASE_TIMEOUT(moe_every_tile, 300),
+                         TEST_CASE_TIMEOUT(moe_cluster_tiles, 300),
                          TEST_CASE_TIMEOUT(moe_tile_table, 120),
                          TEST_CASE_TIMEOUT(moe_autotune, 120),
                          TEST_CASE_TIMEOUT(moe_graph_replay, 120),
