@@ -8,7 +8,15 @@
  *                   the median time. Also the device-to-device copy rate
  *                   (read + write counted), the figure BENCH.md's anchors
  *                   used, for comparison;
- *   matmul rate     cuBLAS bf16 8192^3 (fp32 accumulation) on random data.
+ *   matmul rate     cuBLAS bf16 8192^3 (fp32 accumulation) on random data,
+ *                   timed as the bench times a case: back to back for about
+ *                   400 ms, an event pair around each call, the median.
+ *                   Under that sustained load the H200 holds its software
+ *                   power cap (SM clock about 1575 MHz against 1980 idle),
+ *                   so the rate is lower than a burst of calls each waited
+ *                   for (the former method, kept as mm_burst_tflops):
+ *                   every case is timed under the same cap, so this is the
+ *                   ceiling it can reach (kernels/bench/RESULTS.md, run 10).
  *
  * C linkage; the bench program (bench_moe.c) is plain C.
  */
@@ -152,7 +160,37 @@ extern "C" void bench_ceilings(bench_ceil *out)
         if (it >= 3)
             t.push_back(ms);
     }
-    out->mm_tflops = 2.0 * N * N * (double)N / (median(t) * 1e-3) / 1e12;
+    const double flop = 2.0 * N * N * (double)N;
+    out->mm_burst_tflops = flop / (median(t) * 1e-3) / 1e12;
+
+    /* Sustained: calls back to back for about 400 ms, as bench_moe.c's
+     * time_graphs runs a case. */
+    const int iters = std::max(16, (int)(400.0 / median(t)));
+    std::vector<cudaEvent_t> ev(2 * iters);
+    for (cudaEvent_t &e : ev)
+        CK(cudaEventCreate(&e));
+    for (int it = 0; it < iters; it++) {
+        CK(cudaEventRecord(ev[2 * it]));
+        cublasStatus_t s = cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, N, N, N,
+                                        &one, A, CUDA_R_16BF, N, B, CUDA_R_16BF,
+                                        N, &zero, C, CUDA_R_16BF, N,
+                                        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        if (s != CUBLAS_STATUS_SUCCESS) {
+            fprintf(stderr, "cublasGemmEx failed (%d)\n", (int)s);
+            exit(1);
+        }
+        CK(cudaEventRecord(ev[2 * it + 1]));
+    }
+    CK(cudaDeviceSynchronize());
+    t.clear();
+    for (int it = 0; it < iters; it++) {
+        float ms;
+        CK(cudaEventElapsedTime(&ms, ev[2 * it], ev[2 * it + 1]));
+        t.push_back(ms);
+    }
+    for (cudaEvent_t &e : ev)
+        CK(cudaEventDestroy(e));
+    out->mm_tflops = flop / (median(t) * 1e-3) / 1e12;
     cublasDestroy(h);
     CK(cudaFree(A));
     CK(cudaFree(B));

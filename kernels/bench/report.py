@@ -14,8 +14,9 @@ def merge(ours_path, peers_path):
         for line in open(peers_path):
             if line.startswith("#") or not line.strip():
                 continue
-            m, t, tri, gro = line.split()[:4]
-            peers[(m, int(t))] = (float(tri), float(gro))
+            f = line.split()
+            loop = float(f[4]) if len(f) > 4 else -1.0
+            peers[(f[0], int(f[1]))] = (float(f[2]), float(f[3]), loop)
     except OSError as e:
         print(f"# no peer figures: {e}")
     head = ""
@@ -30,16 +31,16 @@ def merge(ours_path, peers_path):
                      float(hit), float(err)))
     print(f"# {head}")
     print("| case | T | tile | us | floor us | % of floor | Triton us "
-          "| grouped_mm us | best peer / ours | rel err |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| grouped_mm us | cuBLAS loop us | best peer / ours | rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for m, t, tile, us, fl, hit, err in rows:
-        tri, gro = peers.get((m, t), (-1.0, -1.0))
-        cands = [p for p in (tri, gro) if p > 0]
+        tri, gro, loop = peers.get((m, t), (-1.0, -1.0, -1.0))
+        cands = [p for p in (tri, gro, loop) if p > 0]
         ratio = f"{min(cands) / us:.2f}" if cands else "-"
         fmt = lambda v: f"{v:.1f}" if v > 0 else "-"  # noqa: E731
         print(f"| {m} | {t} | {tile} | {us:.1f} | {fl:.1f} | "
-              f"{100 * fl / us:.1f} | {fmt(tri)} | {fmt(gro)} | {ratio} "
-              f"| {err:.1e} |")
+              f"{100 * fl / us:.1f} | {fmt(tri)} | {fmt(gro)} | {fmt(loop)} "
+              f"| {ratio} | {err:.1e} |")
 
 
 
