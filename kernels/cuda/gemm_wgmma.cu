@@ -63,17 +63,21 @@ constexpr int A_BYTES = MOEK_WTILE * MOEK_KTILE * 2;
  * chain of dependent global loads. */
 constexpr int SB_GROUPS = 511;
 constexpr int SB_BYTES = (SB_GROUPS + 1) * 4;
+constexpr int EPI_ROWS = 128; /* token rows per pass of the staged epilogue */
 
 template <int BN> struct tile_cfg {
     static constexpr int B_BYTES = BN * MOEK_KTILE * 2;
     static constexpr int STAGE = A_BYTES + B_BYTES;
     /* COMBINE's (token, weight) per token row: 2 consumers x 2 items. */
     static constexpr int STG_BYTES = 2 * 2 * BN * 8;
+    /* SWIGLU's output staging (tiles of 128 rows and wider, where it costs
+     * no stage): per consumer, 128 token rows of its 32 features. */
+    static constexpr int EPI_BYTES = BN >= 128 ? 2 * EPI_ROWS * 64 : 0;
     static constexpr int FIT =
-        (SMEM_MAX - 2048 - STG_BYTES - SB_BYTES) / STAGE;
+        (SMEM_MAX - 2048 - STG_BYTES - SB_BYTES - EPI_BYTES) / STAGE;
     static constexpr int STAGES = FIT > 12 ? 12 : FIT;
-    static constexpr int SMEM =
-        STAGES * STAGE + 1024 + 2 * STAGES * 8 + STG_BYTES + SB_BYTES;
+    static constexpr int SMEM = STAGES * STAGE + 1024 + 2 * STAGES * 8 +
+                                STG_BYTES + SB_BYTES + EPI_BYTES;
     static_assert(STAGE % 1024 == 0, "stages must keep 1024-byte alignment");
     static_assert(SMEM <= SMEM_MAX, "shared memory");
 };
@@ -425,6 +429,77 @@ __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
     }
 }
 
+/* Four 8x8 b16 matrices from the mma fragment layout (thread l: row l / 4,
+ * columns 2 (l % 4) + {0, 1}), stored transposed: lanes 8m .. 8m + 7 give
+ * the addresses of rows 0..7 of matrix m's transpose. */
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0,
+                                                  uint32_t r1, uint32_t r2,
+                                                  uint32_t r3)
+{
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], "
+                 "{%1, %2, %3, %4};" ::"r"(addr),
+                 "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+}
+
+/*
+ * SWIGLU epilogue through shared memory (consumer warpgroup cw, tiles of 128
+ * rows and wider). Warp w holds SiLU(gate) * up of features f0 + 8 w .. + 7
+ * for every token column; written directly that is one 2-byte store per
+ * value, 64 per thread, and the stores kept the tensor pipe idle for 12% of
+ * mixtral T=4096 (RESULTS.md, run 11). Here each pass of up to 128 token
+ * columns goes to a [token][32 features] buffer with stmatrix (the
+ * transpose, 16-byte rows, chunks swizzled by (row / 2) % 4 so the eight
+ * rows of a matrix fall in distinct banks), then each thread writes one
+ * token's 64 bytes with four 16-byte stores. n_valid (I) and ldo (I) are
+ * multiples of 8 on CUDA (check_moe_shape), so a 16-byte chunk of features
+ * is either all valid or all past the end.
+ */
+template <typename T, int N>
+__device__ __forceinline__ void epi_swiglu_staged(const moek_gemm_args &a,
+                                                  const moek_item &it,
+                                                  const float *d, int cw,
+                                                  uint8_t *buf)
+{
+    const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
+    const int f0 = it.nt * (MOEK_WTILE / 2) + cw * 32;
+    const uint32_t base = smem_u32(buf);
+#pragma unroll
+    for (int p0 = 0; p0 < N; p0 += EPI_ROWS) {
+        const int pr = N - p0 < EPI_ROWS ? N - p0 : EPI_ROWS;
+#pragma unroll
+        for (int g = 0; g < pr / 32; g++) {
+            uint32_t r[4];
+#pragma unroll
+            for (int m = 0; m < 4; m++) {
+                const int j = (p0 + g * 32) / 8 + m;
+                r[m] = moek_dt<T>::pack2(moek_silu(d[j * 4 + 0]) * d[j * 4 + 2],
+                                         moek_silu(d[j * 4 + 1]) * d[j * 4 + 3]);
+            }
+            const int row = (g * 4 + (lane >> 3)) * 8 + (lane & 7);
+            stmatrix_x4_trans(base + row * 64 + ((warp ^ ((row >> 1) & 3)) << 4),
+                              r[0], r[1], r[2], r[3]);
+        }
+        asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
+        if (tid < pr) {
+            const int c = p0 + tid;
+            if (c < it.mlen) {
+                T *dst = reinterpret_cast<T *>(a.out) +
+                         (size_t)(it.pos + c) * a.ldo + f0;
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    if (f0 + k * 8 >= a.n_valid)
+                        break;
+                    const uint4 v = *reinterpret_cast<const uint4 *>(
+                        buf + tid * 64 + ((k ^ ((tid >> 1) & 3)) << 4));
+                    *reinterpret_cast<uint4 *>(dst + k * 8) = v;
+                }
+            }
+        }
+        asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
+    }
+}
+
 /* A consumer warp is done with stage s: in cluster mode the peer's producer
  * may refill it (its multicast writes here) only once both CTAs released it. */
 template <int CL>
@@ -445,7 +520,8 @@ template <typename T, int BN, int N, int CL>
 __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
                                         uint64_t *full, uint64_t *empty,
                                         int ncg, int split, int idx, int items,
-                                        bool tail, pipe_pos &pp, const int *sb)
+                                        bool tail, pipe_pos &pp, const int *sb,
+                                        uint8_t *epi_buf)
 {
     using C = tile_cfg<BN>;
     const int tid = threadIdx.x, cw = (tid >> 7) - 1;
@@ -486,6 +562,13 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
         wgmma_wait<0>();
         if (prev >= 0 && lane == 0)
             release<CL>(empty, prev);
+        if constexpr (C::EPI_BYTES > 0 && N % 32 == 0) {
+            if (a.epi == MOEK_EPI_SWIGLU) {
+                epi_swiglu_staged<T, N>(a, it, d, cw,
+                                        epi_buf + cw * EPI_ROWS * 64);
+                continue;
+            }
+        }
         const int R_lo = it.nt * MOEK_WTILE + cw * 64 + warp * 16 + (lane >> 2);
         const int c0 = 2 * (lane & 3);
         if (comb) /* this warpgroup's staged pairs are all written */
@@ -607,10 +690,11 @@ __global__ void __launch_bounds__(384, 1)
                                tails, true, pre, pp, sb);
         }
     } else {
+        uint8_t *epi_buf = reinterpret_cast<uint8_t *>(sb_mem) + SB_BYTES;
         consume<T, BN, BN, CL>(a, smem, full, empty, ncg, split, first, items,
-                               false, pp, sb);
+                               false, pp, sb, epi_buf);
         consume<T, BN, TN, CL>(a, smem, full, empty, ncg, split, tstart, tails,
-                               true, pp, sb);
+                               true, pp, sb, epi_buf);
     }
     /* The peer's last releases arrive on this CTA's barriers: stay until
      * both are done. */
