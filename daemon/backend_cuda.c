@@ -622,7 +622,6 @@ static int cuda_moe_tune(struct backend *b, const moek_moe_shape *shape, moek_dt
                          size_t errlen)
 {
     struct cuda_backend *cb = (struct cuda_backend *)b;
-    static const int kernel_tiles[MOEK_CUDA_TILE_CANDIDATES] = MOEK_CUDA_TOKEN_TILES;
     uint64_t elems, bytes;
     if (cb->broken) {
         snprintf(err, errlen, "the device is unusable after an earlier error");
@@ -646,12 +645,11 @@ static int cuda_moe_tune(struct backend *b, const moek_moe_shape *shape, moek_dt
     if (!rc)
         rc = moek_cuda_moe_layer_new_from_device(shape, dt, w, w, w, cb->device, &layer);
     moek_cuda_free(w);
-    int best[BACKEND_TUNE_MAX];
-    float us[BACKEND_TUNE_MAX * MOEK_CUDA_TILE_CANDIDATES];
     if (!rc) {
         for (int i = 0; i < n; i++)
             out->heuristic[i] = moek_cuda_moe_layer_token_tile(layer, tokens[i]);
-        rc = moek_cuda_moe_layer_autotune(layer, tokens, n, best, us);
+        /* out->us's columns are the kernels' tiles in their order (tiles.h) */
+        rc = moek_cuda_moe_layer_autotune(layer, tokens, n, out->best, &out->us[0][0]);
     }
     if (rc) {
         snprintf(err, errlen, "%s", rc == -ENOMEM ? "out of device memory"
@@ -662,14 +660,7 @@ static int cuda_moe_tune(struct backend *b, const moek_moe_shape *shape, moek_dt
     moek_cuda_moe_layer_free(layer);
     snprintf(out->device, sizeof(out->device), "%s", cb->model);
     out->n = n;
-    for (int i = 0; i < n; i++) {
-        out->tokens[i] = tokens[i];
-        out->best[i] = best[i];
-        for (int j = 0; j < TILES_N_OFFERED; j++)
-            for (int q = 0; q < MOEK_CUDA_TILE_CANDIDATES; q++)
-                if (kernel_tiles[q] == tiles_offered[j])
-                    out->us[i][j] = us[i * MOEK_CUDA_TILE_CANDIDATES + q];
-    }
+    memcpy(out->tokens, tokens, sizeof(int) * (size_t)n);
     return 0;
 }
 

@@ -24,7 +24,7 @@
 #define TILES_MAX_TOKENS (1 << 24)
 #define TILES_FIELDS 7
 
-const int tiles_offered[TILES_N_OFFERED] = {16, 32, 64, 128, 192, 256};
+const int tiles_offered[TILES_N_OFFERED] = MOEK_CUDA_TOKEN_TILES;
 
 bool tiles_tile_ok(int tile)
 {

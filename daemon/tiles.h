@@ -27,13 +27,15 @@
 #include <stdbool.h>
 #include <stddef.h>
 
+#include "kernels/cuda/moe_cuda.h" /* plain C: the tiles the kernels offer */
 #include "kernels/moe_kernels.h"
 
-#define TILES_MAX_RULES 32   /* MOEK_CUDA_MAX_TILE_RULES */
-#define TILES_DEVICE_MAX 96  /* a card's name, with its NUL */
-#define TILES_N_OFFERED 6
+#define TILES_MAX_RULES MOEK_CUDA_MAX_TILE_RULES
+#define TILES_DEVICE_MAX 96 /* a card's name, with its NUL */
+#define TILES_N_OFFERED MOEK_CUDA_TILE_CANDIDATES
 
-/* The token tiles the CUDA kernels offer, ascending (MOEK_CUDA_TOKEN_TILES). */
+/* The token tiles the CUDA kernels offer, ascending (MOEK_CUDA_TOKEN_TILES):
+ * also the order of backend_tune.us's columns. */
 extern const int tiles_offered[TILES_N_OFFERED];
 bool tiles_tile_ok(int tile);
 
