@@ -161,15 +161,23 @@ __global__ void finalize_kernel(const float4 *acc, uint2 *out, size_t n4)
 }
 
 /* Cluster mode's token operand of GEMM 1: row p of xs is row pos_token[p]
- * of x, one warp per row, rows of row16 16-byte chunks. */
+ * of x, one warp per row, rows of row16 16-byte chunks. Only the sorted
+ * positions of routed slots, [0, end of the last compact group): slots
+ * routed nowhere (given ids of -1, experts of other shards) have no
+ * position, and pos_token past the routed ones holds whatever an earlier
+ * call left there. */
 __global__ void permute_rows_kernel(const uint4 *x, uint4 *xs,
-                                    const int *pos_token, int slots, int row16)
+                                    const int *pos_token, const int *plan,
+                                    const int *cg_start, const int *cg_count,
+                                    int row16)
 {
     moek_pdl_wait();
     moek_pdl_trigger();
+    const int ncg = plan[MOEK_PLAN_NCG];
+    const int rows = ncg > 0 ? cg_start[ncg - 1] + cg_count[ncg - 1] : 0;
     const int lane = threadIdx.x & 31;
     const int nw = (int)(gridDim.x * blockDim.x) >> 5;
-    for (int p = (int)(blockIdx.x * blockDim.x + threadIdx.x) >> 5; p < slots;
+    for (int p = (int)(blockIdx.x * blockDim.x + threadIdx.x) >> 5; p < rows;
          p += nw) {
         const uint4 *src = x + (size_t)__ldg(pos_token + p) * row16;
         uint4 *dst = xs + (size_t)p * row16;
@@ -224,7 +232,19 @@ int moek_cuda_workspace_new(int device, size_t bytes, moek_cuda_workspace **out)
         delete w;
         return moek_cuda_fail(e, "cudaMalloc(workspace)");
     }
-
+#ifdef MOEK_WATCHDOG
+    /* Debug builds (the unit test's) poison a new workspace, so a kernel
+     * that uses what no kernel of the call wrote reads huge indices and
+     * fails instead of passing on zeros. */
+    e = cudaMemset(w->base, 0x7f, bytes ? bytes : 256);
+    if (e == cudaSuccess)
+        e = cudaDeviceSynchronize();
+    if (e != cudaSuccess) {
+        cudaFree(w->base);
+        delete w;
+        return moek_cuda_fail(e, "cudaMemset(workspace)");
+    }
+#endif
     *out = w;
     return 0;
 }
@@ -460,7 +480,9 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
                                                          : 4LL * L->sms);
         MOEK_CU(moek_launch(permute_rows_kernel, dim3(grid0), dim3(256), 0, st,
                             pdl, (const uint4 *)x, (uint4 *)w.xs,
-                            (const int *)w.pos_token, slots, row16));
+                            (const int *)w.pos_token, (const int *)w.plan,
+                            (const int *)w.cg_start, (const int *)w.cg_count,
+                            row16));
     }
 
     /* Grid bounds: GEMM 1 has at most (hit experts + T k / 64) token tiles

@@ -480,8 +480,8 @@ static moek_cuda_moe_layer *small_layer(const moek_moe_shape *s, moek_dtype dt,
  * that takes it, over a shape that qualifies (I >= 4096, even weight-tile
  * counts) with partial K blocks in both GEMMs (H = 7 * 64 + 8,
  * I = 65 * 64 + 8): 75 rows per expert (tail tiles only, with 256) and 300
- * (a main tile and tails). Off Hopper no call takes it; with I below 4096
- * none does either. */
+ * (a main tile and tails), and given routing with slots routed nowhere.
+ * Off Hopper no call takes it; with I below 4096 none does either. */
 TEST(moe_cluster_tiles)
 {
     need_gpu();
@@ -510,6 +510,12 @@ TEST(moe_cluster_tiles)
         moek_cuda_moe_layer_free(l);
         run_moe(&c, &rng);
     }
+    /* Given routing with a third of the slots routed nowhere: those slots
+     * have no sorted position, so the copy of x must stop at the routed
+     * ones (the debug build's workspace is poisoned past them). */
+    moe_case h = {s, MOEK_DTYPE_BF16, 1200, ROUTE_GIVEN, false, 0, 32,
+                  {256, false}, false, true};
+    run_moe(&h, &rng);
 }
 
 /* set_tiles refuses bad tables (and keeps the old one), n = 0 clears, the
