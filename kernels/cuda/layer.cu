@@ -206,10 +206,16 @@ cudaError_t run_gemm(moek_dtype dt, bool wgmma, const CUtensorMap *tm,
  * The layer qualifies at load (moek_cuda_moe_layer.cluster: tiled weights,
  * even weight-tile counts); a call takes it with a 128-row tile or wider.
  */
-bool moe_cluster(const moek_cuda_moe_layer *L, int bn)
+bool moe_cluster_layer(const moek_cuda_moe_layer *L)
 {
-    return L->cluster && L->cc == 90 && !L->tune.generic &&
-           moek_wgmma_cluster_ok(bn);
+    return L->cluster && L->cc == 90 && !L->tune.generic;
+}
+/* A call of T tokens with tile bn: at least a tile's worth of slots, so a
+ * TMA box of token rows never exceeds the tensor. */
+bool moe_cluster(const moek_cuda_moe_layer *L, int bn, int T)
+{
+    return moe_cluster_layer(L) && moek_wgmma_cluster_ok(bn) &&
+           (long long)T * L->shape.topk >= bn;
 }
 
 } // namespace
@@ -267,9 +273,11 @@ size_t moek_cuda_moe_workspace_size(const moek_cuda_moe_layer *layer,
 {
     if (!layer || max_tokens < 0)
         return 0;
+    /* Room for cluster mode's copy of x whenever the layer may take it, so
+     * a call of fewer tokens with a wide tile (a tile table's or a forced
+     * one) runs as it would in any other workspace. */
     return carve_moe(layer->shape, layer->dt, max_tokens,
-                     moe_cluster(layer, moe_tile(layer, max_tokens)), nullptr,
-                     nullptr);
+                     moe_cluster_layer(layer), nullptr, nullptr);
 }
 
 size_t moek_cuda_gemm_workspace_size(const moek_cuda_gemm_weights *w,
@@ -311,7 +319,8 @@ int moek_cuda_moe_layer_token_tile(const moek_cuda_moe_layer *layer, int tokens)
 int moek_cuda_moe_layer_uses_cluster(const moek_cuda_moe_layer *layer,
                                      int tokens)
 {
-    return layer && tokens > 0 && moe_cluster(layer, moe_tile(layer, tokens))
+    return layer && tokens > 0 &&
+                   moe_cluster(layer, moe_tile(layer, tokens), tokens)
                ? 1
                : 0;
 }
@@ -326,6 +335,10 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
         return 0;
     if (!x || !out)
         return moek_cuda_refuse(-EINVAL, "fused_moe: NULL x or out");
+    /* 16-byte loads of x's rows, 8-byte stores of out's. */
+    if (((uintptr_t)x & 15) || ((uintptr_t)out & 15))
+        return moek_cuda_refuse(-EINVAL,
+                                "fused_moe: x and out must be 16-byte aligned");
     if (ws->device != L->device)
         return moek_cuda_refuse(-EINVAL,
                                 "fused_moe: workspace on device %d, layer on %d",
@@ -350,9 +363,9 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
         return moek_cuda_refuse(-ENOTSUP, "fused_moe: %d tokens is too many",
                                 T);
     const int bn = moe_tile(L, T);
-    /* Cluster mode needs 16-byte rows of x and room for their copy; a
-     * workspace sized by moek_cuda_moe_workspace_size has it. */
-    bool cl = moe_cluster(L, bn) && ((uintptr_t)x & 15) == 0 &&
+    /* Cluster mode needs room for the copy of x; a workspace sized by
+     * moek_cuda_moe_workspace_size has it. */
+    bool cl = moe_cluster(L, bn, T) &&
               carve_moe(L->shape, L->dt, T, true, nullptr, nullptr) <= ws->bytes;
     const size_t need = carve_moe(L->shape, L->dt, T, cl, nullptr, nullptr);
     if (need > ws->bytes)

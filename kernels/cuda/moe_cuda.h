@@ -197,7 +197,7 @@ typedef struct moek_cuda_routing {
 /*
  * out[t] = sum_j w[t][j] * W2[e] (silu(W1[e] x[t]) * (W3[e] x[t])) for
  * T = tokens tokens; x_dev and out_dev [T, H] of the layer's dtype, on the
- * layer's device. Asynchronous on `stream` (NULL: the legacy default stream),
+ * layer's device, 16-byte aligned (-EINVAL otherwise). Asynchronous on `stream` (NULL: the legacy default stream),
  * no host synchronisation inside, capturable in a CUDA graph. Ordered after
  * earlier work on the stream; the workspace is busy until the stream passes
  * this call. tokens == 0 does nothing.
@@ -310,10 +310,12 @@ int moek_cuda_gemm_weights_tune(moek_cuda_gemm_weights *w,
 int moek_cuda_moe_layer_token_tile(const moek_cuda_moe_layer *layer,
                                    int tokens);
 
-/* 1 when a call of `tokens` tokens (input rows 16-byte aligned, workspace
- * from moek_cuda_moe_workspace_size) runs its GEMMs in cluster mode: CTA
- * pairs sharing each token tile through TMA multicast (prefill tiles of 128
- * rows and wider, on sm_90 with tiled weights); 0 when not. */
+/* 1 when a call of `tokens` tokens, in a workspace of at least
+ * moek_cuda_moe_workspace_size(layer, tokens), runs its GEMMs in cluster
+ * mode: CTA pairs sharing each token tile through TMA multicast (prefill
+ * tiles of 128 rows and wider, at least a tile's worth of slots, on sm_90
+ * with tiled weights, layers with I >= 4096 and even weight-tile counts);
+ * 0 when not. */
 int moek_cuda_moe_layer_uses_cluster(const moek_cuda_moe_layer *layer,
                                      int tokens);
 

@@ -100,17 +100,21 @@ int relayout(void *dst, bool tiled, int g0, const void *a, const void *b,
 int moek_make_tmap(CUtensorMap *m, void *base, moek_dtype dt, uint64_t rows,
                    uint64_t K, uint32_t box_rows)
 {
-    static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-    if (!encode) {
+    /* Looked up once, by whichever thread comes first (a function-local
+     * static is initialised exactly once): forwards make maps too. */
+    static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
         cudaDriverEntryPointQueryResult q;
         void *fn = nullptr;
-        MOEK_CU(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn,
-                                                 12000, cudaEnableDefault, &q));
-        if (q != cudaDriverEntryPointSuccess || !fn)
-            return moek_cuda_refuse(-ENOTSUP,
-                                    "the driver has no cuTensorMapEncodeTiled");
-        encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
-    }
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn,
+                                             12000, cudaEnableDefault,
+                                             &q) != cudaSuccess ||
+            q != cudaDriverEntryPointSuccess)
+            fn = nullptr;
+        return (PFN_cuTensorMapEncodeTiled_v12000)fn;
+    }();
+    if (!encode)
+        return moek_cuda_refuse(-ENOTSUP,
+                                "the driver has no cuTensorMapEncodeTiled");
     cuuint64_t dims[2] = {K, rows};
     cuuint64_t strides[1] = {K * 2};
     cuuint32_t box[2] = {MOEK_KTILE, box_rows};
@@ -243,7 +247,7 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
      * 4% faster), broke even for deepseek (2048) and lost 4% for qwen3
      * (768) (kernels/bench/RESULTS.md). */
     L->cluster = tl && !env_off("MOEK_CUDA_NO_CLUSTER") && I >= 4096 &&
-                 H % 8 == 0 && I % 8 == 0 &&
+                 H >= MOEK_KTILE && H % 8 == 0 && I % 8 == 0 &&
                  (2 * I + MOEK_WTILE - 1) / MOEK_WTILE % 2 == 0 &&
                  (L->h16 + MOEK_WTILE - 1) / MOEK_WTILE % 2 == 0;
     void *tmp = nullptr;

@@ -26,6 +26,7 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <stdlib.h>
 
 #define CK(call)                                                              \
     do {                                                                      \
@@ -480,8 +481,10 @@ static moek_cuda_moe_layer *small_layer(const moek_moe_shape *s, moek_dtype dt,
  * that takes it, over a shape that qualifies (I >= 4096, even weight-tile
  * counts) with partial K blocks in both GEMMs (H = 7 * 64 + 8,
  * I = 65 * 64 + 8): 75 rows per expert (tail tiles only, with 256) and 300
- * (a main tile and tails), and given routing with slots routed nowhere.
- * Off Hopper no call takes it; with I below 4096 none does either. */
+ * (a main tile and tails), and given routing with slots routed nowhere; 20
+ * slots under the widest tile take the plain path. Off Hopper (or with the
+ * switches that turn it off) no call takes it; with I below 4096 none does
+ * either. */
 TEST(moe_cluster_tiles)
 {
     need_gpu();
@@ -489,6 +492,12 @@ TEST(moe_cluster_tiles)
     static const int tiles[] = {128, 192, 256};
     const moek_moe_shape s = {16, 4, 456, 4168};
     const moek_moe_shape narrow = {16, 4, 456, 328};
+    /* The switches that keep layers off cluster mode (weights.cu). */
+    const char *off = getenv("MOEK_CUDA_NO_CLUSTER"),
+               *rm = getenv("MOEK_CUDA_ROW_MAJOR");
+    const bool switched_off =
+        (off && *off && *off != '0') || (rm && *rm && *rm != '0');
+    const int want = device_cc() == 90 && !switched_off ? 1 : 0;
     moek_cuda_moe_layer *n = small_layer(&narrow, MOEK_DTYPE_BF16,
                                          test_rand(&rng));
     const moek_cuda_tuning t256 = {256, false};
@@ -502,14 +511,22 @@ TEST(moe_cluster_tiles)
         moek_cuda_moe_layer *l =
             small_layer(&c.s, c.dt, test_rand(&rng));
         CK(moek_cuda_moe_layer_tune(l, &c.tune));
-        CHECK_MSG(moek_cuda_moe_layer_uses_cluster(l, c.tokens) ==
-                  (device_cc() == 90 ? 1 : 0),
-              "tile %d, T=%d: cluster mode %d on cc %d", c.tune.token_tile,
-              c.tokens, moek_cuda_moe_layer_uses_cluster(l, c.tokens),
-              device_cc());
+        CHECK_MSG(moek_cuda_moe_layer_uses_cluster(l, c.tokens) == want,
+                  "tile %d, T=%d: cluster mode %d on cc %d",
+                  c.tune.token_tile, c.tokens,
+                  moek_cuda_moe_layer_uses_cluster(l, c.tokens), device_cc());
         moek_cuda_moe_layer_free(l);
         run_moe(&c, &rng);
     }
+    /* 20 slots under a forced 256-row tile: fewer than a tile's worth, so
+     * no cluster mode (a TMA box would exceed the tensor), and correct. */
+    moe_case few = {s, MOEK_DTYPE_BF16, 5, ROUTE_SOFTMAX, true, 0, 0,
+                    {256, false}, false, false};
+    moek_cuda_moe_layer *fl = small_layer(&few.s, few.dt, test_rand(&rng));
+    CK(moek_cuda_moe_layer_tune(fl, &few.tune));
+    CHECK_EQ_INT(moek_cuda_moe_layer_uses_cluster(fl, few.tokens), 0);
+    moek_cuda_moe_layer_free(fl);
+    run_moe(&few, &rng);
     /* Given routing with a third of the slots routed nowhere: those slots
      * have no sorted position, so the copy of x must stop at the routed
      * ones (the debug build's workspace is poisoned past them). */
@@ -1195,6 +1212,12 @@ TEST(refuses_unsupported)
                             NULL, NULL, NULL, 0};
     CHECK_EQ_INT(moek_cuda_fused_moe(l, kws, kx, &kr, 4, kx, NULL), -EINVAL);
     CHECK_STR_CONTAINS(moek_cuda_last_error(), "fewer experts");
+    /* Rows that are not 16-byte aligned are refused, not read. */
+    CHECK_EQ_INT(moek_cuda_fused_moe(l, kws, (char *)kx + 2, &kr, 1, kx, NULL),
+                 -EINVAL);
+    CHECK_STR_CONTAINS(moek_cuda_last_error(), "16-byte aligned");
+    CHECK_EQ_INT(moek_cuda_fused_moe(l, kws, kx, &kr, 1, (char *)kx + 8, NULL),
+                 -EINVAL);
     moek_cuda_workspace_free(kws);
     moek_cuda_moe_layer_free(l);
     l = NULL;
