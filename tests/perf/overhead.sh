@@ -12,6 +12,7 @@
 #
 #   tests/perf/overhead.sh [CLIENTS...]        (default: 1 8 32)
 #   SECONDS_PER_RUN=3 BUILD=build MOED_ARGS="--no-batch" tests/perf/overhead.sh 32
+#   MOED_NICE=-10 tests/perf/overhead.sh 32    (the unit's priority; root)
 #
 # Output per client count: the bench's line, then per thread
 # "us/req" (CPU) and "wake/req" (voluntary switches), and the totals.
@@ -23,7 +24,7 @@ CLIENTS=${*:-1 8 32}
 dir=$(mktemp -d)
 trap 'kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; rm -rf "$dir"' EXIT
 # shellcheck disable=SC2086
-"$BUILD/moed" --backend cpu -t 1 -r "$dir/rt" -l warning ${MOED_ARGS:-} 2>"$dir/log" &
+nice -n "${MOED_NICE:-0}" "$BUILD/moed" --backend cpu -t 1 -r "$dir/rt" -l warning ${MOED_ARGS:-} 2>"$dir/log" &
 pid=$!
 i=0
 until [ -S "$dir/rt/moed.sock" ]; do
