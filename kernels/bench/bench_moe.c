@@ -30,7 +30,6 @@
 #include <cuda_runtime_api.h>
 #include <errno.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -65,52 +64,12 @@ static void *dmalloc(size_t n)
     return p;
 }
 
-/* ---- host copies of device-filled tensors, on all cores ------------------ */
-
-typedef struct fill_job {
-    void *dst;
-    moek_dtype dt;
-    uint64_t seed;
-    size_t first, n;
-    float scale;
-} fill_job;
-
-static void *fill_worker(void *arg)
-{
-    fill_job *j = arg;
-    const size_t chunk = 1 << 16;
-    float *f = xmalloc(chunk * sizeof(float));
-    for (size_t done = 0; done < j->n; done += chunk) {
-        size_t m = j->n - done < chunk ? j->n - done : chunk;
-        for (size_t i = 0; i < m; i++)
-            f[i] = moek_cuda_uniform_value(j->seed, j->first + done + i,
-                                           j->scale);
-        moek_from_f32(j->dt, f, (char *)j->dst + done * moek_dtype_size(j->dt),
-                      m);
-    }
-    free(f);
-    return NULL;
-}
-
+/* Host copy of elements [first, first + n) of a tensor filled on the
+ * device with moek_cuda_fill_uniform(seed, scale). */
 static void host_fill(void *dst, moek_dtype dt, uint64_t seed, size_t first,
                       size_t n, float scale)
 {
-    enum { NT = 16 };
-    pthread_t th[NT];
-    fill_job jobs[NT];
-    size_t per = (n + NT - 1) / NT;
-    int started = 0;
-    for (int i = 0; i < NT; i++) {
-        size_t b = per * i;
-        if (b >= n)
-            break;
-        jobs[i] = (fill_job){(char *)dst + b * moek_dtype_size(dt), dt, seed,
-                             first + b, (b + per > n ? n - b : per), scale};
-        pthread_create(&th[i], NULL, fill_worker, &jobs[i]);
-        started++;
-    }
-    for (int i = 0; i < started; i++)
-        pthread_join(th[i], NULL);
+    CK(moek_cuda_uniform_host(dst, dt, seed, first, n, scale));
 }
 
 /* ---- timing ------------------------------------------------------------- */

@@ -106,6 +106,11 @@ int moek_cuda_copy_rows_mapped(void *dev, void *const *host, const int *rows, in
 int moek_cuda_fill_uniform(void *dst_dev, moek_dtype dt, size_t n,
                            uint64_t seed, float scale, void *stream);
 float moek_cuda_uniform_value(uint64_t seed, uint64_t i, float scale);
+/* The host's copy of elements [first, first + n) of such a tensor, in dst
+ * (n elements of dt), on up to 16 threads: the references of tests and
+ * benchmarks. 0, or -EINVAL. */
+int moek_cuda_uniform_host(void *dst, moek_dtype dt, uint64_t seed,
+                           size_t first, size_t n, float scale);
 
 /* Pin / unpin host memory already mapped (e.g. a client region). */
 int moek_cuda_host_register(void *p, size_t bytes);

@@ -8,6 +8,10 @@
 #include <stdio.h>
 #include <string.h>
 
+#include <new>
+#include <thread>
+#include <vector>
+
 #include "cuda_common.cuh"
 
 static thread_local char g_err[256] = "no error";
@@ -292,6 +296,54 @@ __host__ __device__ static inline float uniform_value(uint64_t seed,
 float moek_cuda_uniform_value(uint64_t seed, uint64_t i, float scale)
 {
     return uniform_value(seed, i, scale);
+}
+
+namespace {
+/* Elements [first, first + n) into dst, through a float buffer. */
+void uniform_host_part(void *dst, moek_dtype dt, uint64_t seed, size_t first,
+                       size_t n, float scale)
+{
+    static const size_t chunk = 1 << 14;
+    float f[chunk];
+    for (size_t done = 0; done < n; done += chunk) {
+        const size_t m = n - done < chunk ? n - done : chunk;
+        for (size_t i = 0; i < m; i++)
+            f[i] = uniform_value(seed, first + done + i, scale);
+        moek_from_f32(dt, f, (char *)dst + done * moek_dtype_size(dt), m);
+    }
+}
+} // namespace
+
+int moek_cuda_uniform_host(void *dst, moek_dtype dt, uint64_t seed,
+                           size_t first, size_t n, float scale)
+{
+    if (!dst && n)
+        return -EINVAL;
+    const size_t es = moek_dtype_size(dt);
+    if (!es)
+        return -EINVAL;
+    unsigned nt = std::thread::hardware_concurrency();
+    nt = nt < 1 ? 1 : nt > 16 ? 16 : nt;
+    const size_t per = (n + nt - 1) / nt;
+    std::vector<std::thread> th;
+    try {
+        th.reserve(nt);
+        for (unsigned i = 1; i < nt && per * i < n; i++) {
+            const size_t b = per * i, m = b + per > n ? n - b : per;
+            th.emplace_back(uniform_host_part, (char *)dst + b * es, dt, seed,
+                            first + b, m, scale);
+        }
+    } catch (...) {
+        /* No more threads: the parts not started are done below, here. */
+    }
+    const size_t done = per * (th.size() + 1) < n ? per * (th.size() + 1) : n;
+    uniform_host_part(dst, dt, seed, first, per < n ? per : n, scale);
+    if (done < n)
+        uniform_host_part((char *)dst + done * es, dt, seed, first + done,
+                          n - done, scale);
+    for (std::thread &t : th)
+        t.join();
+    return 0;
 }
 
 template <typename T>

@@ -25,7 +25,6 @@
 #include "cuda/moe_cuda.h"
 
 #include <math.h>
-#include <pthread.h>
 #include <stdlib.h>
 
 #define CK(call)                                                              \
@@ -65,49 +64,11 @@ static void *dmalloc(size_t n)
 }
 
 /* Host copy of elements [first, first + n) of a tensor filled on the device
- * with moek_cuda_fill_uniform(seed, scale), in dtype dt; on 8 threads, since
- * the big layers' experts are large. */
-typedef struct fill_job {
-    void *dst;
-    moek_dtype dt;
-    uint64_t seed;
-    size_t first, n;
-    float scale;
-} fill_job;
-
-static void *fill_worker(void *arg)
-{
-    fill_job *j = arg;
-    const size_t chunk = 1 << 16;
-    float *f = xmalloc(chunk * sizeof(float));
-    for (size_t done = 0; done < j->n; done += chunk) {
-        size_t m = j->n - done < chunk ? j->n - done : chunk;
-        for (size_t i = 0; i < m; i++)
-            f[i] = moek_cuda_uniform_value(j->seed, j->first + done + i,
-                                           j->scale);
-        moek_from_f32(j->dt, f, (char *)j->dst + done * moek_dtype_size(j->dt),
-                      m);
-    }
-    free(f);
-    return NULL;
-}
-
+ * with moek_cuda_fill_uniform(seed, scale), in dtype dt. */
 static void host_fill(void *dst, moek_dtype dt, uint64_t seed, size_t first,
                       size_t n, float scale)
 {
-    enum { NT = 8 };
-    pthread_t th[NT];
-    fill_job jobs[NT];
-    size_t per = (n + NT - 1) / NT;
-    int started = 0;
-    for (int i = 0; i < NT && per * i < n; i++, started++) {
-        size_t b = per * i;
-        jobs[i] = (fill_job){(char *)dst + b * moek_dtype_size(dt), dt, seed,
-                             first + b, b + per > n ? n - b : per, scale};
-        CHECK(pthread_create(&th[i], NULL, fill_worker, &jobs[i]) == 0);
-    }
-    for (int i = 0; i < started; i++)
-        pthread_join(th[i], NULL);
+    CK(moek_cuda_uniform_host(dst, dt, seed, first, n, scale));
 }
 
 static double tolerance(moek_dtype dt)
@@ -360,6 +321,34 @@ static void run_moe_tiles(const moe_case *c, const tile_opts *to, uint64_t *rng)
 static void run_moe(const moe_case *c, uint64_t *rng)
 {
     run_moe_tiles(c, NULL, rng);
+}
+
+/* The host's copy of a device-filled tensor (no GPU needed): every slice,
+ * on however many threads, is the generator's values rounded to the dtype. */
+TEST(uniform_host_matches_the_generator)
+{
+    static const moek_dtype dts[] = {MOEK_DTYPE_FP32, MOEK_DTYPE_BF16,
+                                     MOEK_DTYPE_FP16};
+    static const size_t ns[] = {0, 1, 17, 100003};
+    for (size_t d = 0; d < ARRAY_LEN(dts); d++) {
+        for (size_t j = 0; j < ARRAY_LEN(ns); j++) {
+            const size_t n = ns[j], first = 12345 * j;
+            const size_t es = moek_dtype_size(dts[d]);
+            char *got = xmalloc(n * es + 1), *want = xmalloc(n * es + 1);
+            float *f = xmalloc(sizeof(float) * (n + 1));
+            CK(moek_cuda_uniform_host(got, dts[d], 77 + j, first, n, 0.5f));
+            for (size_t i = 0; i < n; i++)
+                f[i] = moek_cuda_uniform_value(77 + j, first + i, 0.5f);
+            moek_from_f32(dts[d], f, want, n);
+            CHECK_MSG(memcmp(got, want, n * es) == 0, "dtype %d, n %zu",
+                      (int)dts[d], n);
+            free(got);
+            free(want);
+            free(f);
+        }
+    }
+    CHECK_EQ_INT(moek_cuda_uniform_host(NULL, MOEK_DTYPE_BF16, 1, 0, 4, 1.0f),
+                 -EINVAL);
 }
 
 TEST(cuda_device)
@@ -1272,6 +1261,7 @@ int main(int argc, char **argv)
 {
     return test_main(argc, argv,
                      (struct test_case[]){
+                         TEST_CASE(uniform_host_matches_the_generator),
                          TEST_CASE(cuda_device),
                          TEST_CASE(refuses_unsupported),
                          TEST_CASE_TIMEOUT(rows_mapped, 60),
