@@ -79,6 +79,12 @@ static void session_send(struct server *s, struct session *se, Moe__SessionReply
                   (unsigned long long)se->id, (int)se->pid, strerror(errno));
 }
 
+/* One datagram on the reply socket, never waiting: 0 or -errno. */
+static int chan_send_bytes(const struct reply_chan *c, const void *buf, size_t n)
+{
+    return send(c->fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT) < 0 ? -errno : 0;
+}
+
 int reply_chan_send(struct reply_chan *c, void *reply)
 {
     uint8_t buf[SESSION_MSG_MAX];
@@ -86,7 +92,7 @@ int reply_chan_send(struct reply_chan *c, void *reply)
     if (n > sizeof(buf))
         return -EMSGSIZE;
     moe__reply__pack(reply, buf);
-    return send(c->fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT) < 0 ? -errno : 0;
+    return chan_send_bytes(c, buf, n);
 }
 
 int session_push_reply(struct session *se, void *reply)
@@ -185,8 +191,7 @@ static void reply_socket_flush(struct server *s, struct session *se)
 {
     while (se->outq) {
         struct out_msg *m = se->outq;
-        int rc = send(se->chan->fd, m->data, m->n, MSG_NOSIGNAL | MSG_DONTWAIT) < 0 ? -errno : 0;
-        if (reply_socket_sent(s, se, rc) <= 0)
+        if (reply_socket_sent(s, se, chan_send_bytes(se->chan, m->data, m->n)) <= 0)
             return;
         se->outq = m->next;
         se->n_out--;

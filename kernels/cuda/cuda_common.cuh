@@ -443,14 +443,14 @@ cudaError_t moek_launch_align_groups(const moek_align_args &aa,
 
 /* gemm_wgmma.cu / gemm_simt.cu */
 cudaError_t moek_gemm_wgmma_prepare(moek_dtype dt);
-/* cluster 2: pairs of CTAs share each token tile by TMA multicast; the
- * token rows a.b are then contiguous (a.b_rows unused) behind tmap_b (boxes
- * of MOEK_KTILE x MOEK_BBOX), the grid is even, the plan has no K split and
- * a.chunk and a.n_tiles are even. Tiles moek_wgmma_cluster_ok only. */
+/* tmap_b set: cluster mode, pairs of CTAs sharing each token tile by TMA
+ * multicast; the token rows a.b are then contiguous (a.b_rows unused)
+ * behind tmap_b (boxes of MOEK_KTILE x MOEK_BBOX), the grid is even, the
+ * plan has no K split and a.chunk and a.n_tiles are even. Tiles
+ * moek_wgmma_cluster_ok only. */
 cudaError_t moek_launch_gemm_wgmma(moek_dtype dt, const void *tmap,
                                    const void *tmap_b, const moek_gemm_args &a,
-                                   int grid, cudaStream_t stream, bool pdl,
-                                   int cluster);
+                                   int grid, cudaStream_t stream, bool pdl);
 bool moek_wgmma_cluster_ok(int bn);
 /* weights.cu: a 2-D map of [rows, K] elements, 128-byte swizzle, boxes of
  * MOEK_KTILE x box_rows. */

@@ -151,10 +151,8 @@ __device__ __forceinline__ void tma_load_2d(void *dst, const CUtensorMap *map,
                  : "memory");
 }
 
-/* Cluster mode (CL = 2): a pair of CTAs on adjacent weight tiles of one
- * token tile. Each loads half the token rows through TMA and multicasts them
- * into both CTAs' stages, so every token tile is read from L2 once per pair;
- * a stage is free when the consumers of both CTAs have released it. */
+/* A TMA box into the same offset of every CTA in mask, completing on each
+ * one's barrier at bar's offset (cluster mode, see the top). */
 __device__ __forceinline__ void tma_load_2d_mc(void *dst, const CUtensorMap *map,
                                                int c0, int c1, uint64_t *bar,
                                                uint16_t mask)
@@ -385,10 +383,10 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
     }
 }
 
-/* Producer of cluster mode, one phase, run by warp 0 (lane 0 issues): the weight tile
- * as in produce(), and this CTA's half of the N token rows (contiguous rows
- * of a.b from it.pos: the caller permuted them) in boxes of MOEK_BBOX rows,
- * multicast to both CTAs. Rows past the item's mlen belong to the next group
+/* Producer of cluster mode, one phase, run by warp 0 (lane 0 issues): the
+ * weight tile as in produce(), and this CTA's half of the N token rows
+ * (contiguous rows of a.b from it.pos: the caller permuted them) in boxes
+ * of MOEK_BBOX rows, multicast to both CTAs. Rows past the item's mlen belong to the next group
  * or lie past the tensor (zero): the epilogue skips those columns. */
 template <int BN, int N>
 __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
@@ -681,7 +679,6 @@ __global__ void __launch_bounds__(384, 1)
                                    first, items, false, pre, pp, sb, rank);
                 produce_mc<BN, TN>(a, &tmap, &tmap_b, smem, full, empty, ncg,
                                    tstart, tails, true, pre, pp, sb, rank);
-                __syncwarp();
             }
         } else {
             produce<T, BN, BN>(a, &tmap, smem, full, empty, ncg, split, first,
@@ -717,9 +714,9 @@ cudaError_t launch_bn(const void *tmap, const void *tmap_b,
 template <typename T>
 cudaError_t launch_t(const void *tmap, const void *tmap_b,
                      const moek_gemm_args &a, int grid, cudaStream_t stream,
-                     bool pdl, int cluster)
+                     bool pdl)
 {
-    if (cluster == 2) {
+    if (tmap_b) {
         switch (a.bn) {
         case 128: return launch_bn<T, 128, 2>(tmap, tmap_b, a, grid, stream, pdl);
         case 192: return launch_bn<T, 192, 2>(tmap, tmap_b, a, grid, stream, pdl);
@@ -782,11 +779,9 @@ bool moek_wgmma_cluster_ok(int bn)
 
 cudaError_t moek_launch_gemm_wgmma(moek_dtype dt, const void *tmap,
                                    const void *tmap_b, const moek_gemm_args &a,
-                                   int grid, cudaStream_t stream, bool pdl,
-                                   int cluster)
+                                   int grid, cudaStream_t stream, bool pdl)
 {
     return dt == MOEK_DTYPE_BF16
-               ? launch_t<__nv_bfloat16>(tmap, tmap_b, a, grid, stream, pdl,
-                                         cluster)
-               : launch_t<__half>(tmap, tmap_b, a, grid, stream, pdl, cluster);
+               ? launch_t<__nv_bfloat16>(tmap, tmap_b, a, grid, stream, pdl)
+               : launch_t<__half>(tmap, tmap_b, a, grid, stream, pdl);
 }

@@ -194,8 +194,7 @@ cudaError_t run_gemm(moek_dtype dt, bool wgmma, const CUtensorMap *tm,
         grid = 1;
     if (tm_b) /* cluster mode: an even grid */
         grid = grid < 2 ? 2 : grid & ~1;
-    return wgmma ? moek_launch_gemm_wgmma(dt, tm, tm_b ? tm_b : tm, a, grid,
-                                          st, pdl, tm_b ? 2 : 1)
+    return wgmma ? moek_launch_gemm_wgmma(dt, tm, tm_b, a, grid, st, pdl)
                  : moek_launch_gemm_simt(dt, a, grid, st, pdl);
 }
 
@@ -365,9 +364,12 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     const int bn = moe_tile(L, T);
     /* Cluster mode needs room for the copy of x; a workspace sized by
      * moek_cuda_moe_workspace_size has it. */
-    bool cl = moe_cluster(L, bn, T) &&
-              carve_moe(L->shape, L->dt, T, true, nullptr, nullptr) <= ws->bytes;
-    const size_t need = carve_moe(L->shape, L->dt, T, cl, nullptr, nullptr);
+    bool cl = moe_cluster(L, bn, T);
+    size_t need = carve_moe(L->shape, L->dt, T, cl, nullptr, nullptr);
+    if (cl && need > ws->bytes) {
+        cl = false;
+        need = carve_moe(L->shape, L->dt, T, false, nullptr, nullptr);
+    }
     if (need > ws->bytes)
         return moek_cuda_refuse(-ENOSPC,
                                 "fused_moe: %d tokens need %zu bytes of "
@@ -486,11 +488,9 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     aa.pos_token = w.pos_token;
     aa.pos_weight = w.pos_weight;
     MOEK_CU(moek_launch_route(ra, aa, w.counts, st, pdl));
-    if (cl) {
-        const int slots = T * k, row16 = H * 2 / 16;
-        long long warps = slots;
-        int grid0 = (int)((warps + 7) / 8 < 4LL * L->sms ? (warps + 7) / 8
-                                                         : 4LL * L->sms);
+    if (cl) { /* a warp per row (8 per block), at most 4 blocks per SM */
+        const int blocks = (T * k + 7) / 8, row16 = H * 2 / 16;
+        const int grid0 = blocks < 4 * L->sms ? blocks : 4 * L->sms;
         MOEK_CU(moek_launch(permute_rows_kernel, dim3(grid0), dim3(256), 0, st,
                             pdl, (const uint4 *)x, (uint4 *)w.xs,
                             (const int *)w.pos_token, (const int *)w.plan,

@@ -202,10 +202,11 @@ typedef struct moek_cuda_routing {
 /*
  * out[t] = sum_j w[t][j] * W2[e] (silu(W1[e] x[t]) * (W3[e] x[t])) for
  * T = tokens tokens; x_dev and out_dev [T, H] of the layer's dtype, on the
- * layer's device, 16-byte aligned (-EINVAL otherwise). Asynchronous on `stream` (NULL: the legacy default stream),
- * no host synchronisation inside, capturable in a CUDA graph. Ordered after
- * earlier work on the stream; the workspace is busy until the stream passes
- * this call. tokens == 0 does nothing.
+ * layer's device, 16-byte aligned (-EINVAL otherwise). Asynchronous on
+ * `stream` (NULL: the legacy default stream), no host synchronisation
+ * inside, capturable in a CUDA graph. Ordered after earlier work on the
+ * stream; the workspace is busy until the stream passes this call.
+ * tokens == 0 does nothing.
  */
 int moek_cuda_fused_moe(moek_cuda_moe_layer *layer, moek_cuda_workspace *ws,
                         const void *x_dev, const moek_cuda_routing *routing,

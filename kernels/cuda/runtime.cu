@@ -8,7 +8,6 @@
 #include <stdio.h>
 #include <string.h>
 
-#include <new>
 #include <thread>
 #include <vector>
 
@@ -326,21 +325,17 @@ int moek_cuda_uniform_host(void *dst, moek_dtype dt, uint64_t seed,
     nt = nt < 1 ? 1 : nt > 16 ? 16 : nt;
     const size_t per = (n + nt - 1) / nt;
     std::vector<std::thread> th;
-    try {
-        th.reserve(nt);
-        for (unsigned i = 1; i < nt && per * i < n; i++) {
-            const size_t b = per * i, m = b + per > n ? n - b : per;
+    for (unsigned i = 1; i < nt && per * i < n; i++) {
+        const size_t b = per * i, m = b + per > n ? n - b : per;
+        try {
             th.emplace_back(uniform_host_part, (char *)dst + b * es, dt, seed,
                             first + b, m, scale);
+        } catch (...) { /* no thread to be had: this part here */
+            uniform_host_part((char *)dst + b * es, dt, seed, first + b, m,
+                              scale);
         }
-    } catch (...) {
-        /* No more threads: the parts not started are done below, here. */
     }
-    const size_t done = per * (th.size() + 1) < n ? per * (th.size() + 1) : n;
     uniform_host_part(dst, dt, seed, first, per < n ? per : n, scale);
-    if (done < n)
-        uniform_host_part((char *)dst + done * es, dt, seed, first + done,
-                          n - done, scale);
     for (std::thread &t : th)
         t.join();
     return 0;

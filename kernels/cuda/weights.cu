@@ -95,51 +95,6 @@ int relayout(void *dst, bool tiled, int g0, const void *a, const void *b,
     return 0;
 }
 
-} // namespace
-
-int moek_make_tmap(CUtensorMap *m, void *base, moek_dtype dt, uint64_t rows,
-                   uint64_t K, uint32_t box_rows)
-{
-    /* Looked up once, by whichever thread comes first (a function-local
-     * static is initialised exactly once): forwards make maps too. */
-    static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-        cudaDriverEntryPointQueryResult q;
-        void *fn = nullptr;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn,
-                                             12000, cudaEnableDefault,
-                                             &q) != cudaSuccess ||
-            q != cudaDriverEntryPointSuccess)
-            fn = nullptr;
-        return (PFN_cuTensorMapEncodeTiled_v12000)fn;
-    }();
-    if (!encode)
-        return moek_cuda_refuse(-ENOTSUP,
-                                "the driver has no cuTensorMapEncodeTiled");
-    cuuint64_t dims[2] = {K, rows};
-    cuuint64_t strides[1] = {K * 2};
-    cuuint32_t box[2] = {MOEK_KTILE, box_rows};
-    cuuint32_t estr[2] = {1, 1};
-    CUresult r = encode(m,
-                        dt == MOEK_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                              : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                        2, base, dims, strides, box, estr,
-                        CU_TENSOR_MAP_INTERLEAVE_NONE,
-                        CU_TENSOR_MAP_SWIZZLE_128B,
-                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS)
-        return moek_cuda_refuse(-EIO, "cuTensorMapEncodeTiled failed (%d)",
-                                (int)r);
-    return 0;
-}
-
-namespace {
-
-int make_tmap(CUtensorMap *m, void *base, moek_dtype dt, uint64_t rows,
-              uint64_t K)
-{
-    return moek_make_tmap(m, base, dt, rows, K, MOEK_WTILE);
-}
 
 int device_setup(int device, int *sms, int *cc)
 {
@@ -301,8 +256,10 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
         r = moek_cuda_fail(e, "relayout");
         goto fail;
     }
-    if (!tl && ((r = make_tmap(&L->tm13, L->w13, dt, (uint64_t)E * 2 * I, H)) ||
-                (r = make_tmap(&L->tm2, L->w2p, dt, (uint64_t)E * L->h16, I))))
+    if (!tl && ((r = moek_make_tmap(&L->tm13, L->w13, dt, (uint64_t)E * 2 * I, H,
+                                    MOEK_WTILE)) ||
+                (r = moek_make_tmap(&L->tm2, L->w2p, dt, (uint64_t)E * L->h16, I,
+                                    MOEK_WTILE))))
         goto fail;
     if (L->cc == 90) {
         e = moek_gemm_wgmma_prepare(dt);
@@ -382,7 +339,8 @@ int gemm_weights_new(moek_dtype dt, int groups, int n, int k, const void *b,
         goto fail;
     }
     if (!W->tiled &&
-        (r = make_tmap(&W->tm, W->b, dt, (uint64_t)groups * W->n16, k)))
+        (r = moek_make_tmap(&W->tm, W->b, dt, (uint64_t)groups * W->n16, k,
+                            MOEK_WTILE)))
         goto fail;
     if (W->cc == 90) {
         e = moek_gemm_wgmma_prepare(dt);
@@ -401,6 +359,42 @@ fail:
 }
 
 } // namespace
+
+int moek_make_tmap(CUtensorMap *m, void *base, moek_dtype dt, uint64_t rows,
+                   uint64_t K, uint32_t box_rows)
+{
+    /* Looked up once, by whichever thread comes first (a function-local
+     * static is initialised exactly once): forwards make maps too. */
+    static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+        cudaDriverEntryPointQueryResult q;
+        void *fn = nullptr;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn,
+                                             12000, cudaEnableDefault,
+                                             &q) != cudaSuccess ||
+            q != cudaDriverEntryPointSuccess)
+            fn = nullptr;
+        return (PFN_cuTensorMapEncodeTiled_v12000)fn;
+    }();
+    if (!encode)
+        return moek_cuda_refuse(-ENOTSUP,
+                                "the driver has no cuTensorMapEncodeTiled");
+    cuuint64_t dims[2] = {K, rows};
+    cuuint64_t strides[1] = {K * 2};
+    cuuint32_t box[2] = {MOEK_KTILE, box_rows};
+    cuuint32_t estr[2] = {1, 1};
+    CUresult r = encode(m,
+                        dt == MOEK_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                              : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                        2, base, dims, strides, box, estr,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE,
+                        CU_TENSOR_MAP_SWIZZLE_128B,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+        return moek_cuda_refuse(-EIO, "cuTensorMapEncodeTiled failed (%d)",
+                                (int)r);
+    return 0;
+}
 
 int moek_cuda_moe_layer_new(const moek_moe_shape *shape, moek_dtype dt,
                             const void *w1, const void *w3, const void *w2,

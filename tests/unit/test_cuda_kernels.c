@@ -98,13 +98,17 @@ typedef struct moe_case {
     bool holes;       /* given routing: every third slot -1 (none) */
 } moe_case;
 
-/* A token-tile table for the layer of a case, and the tile a call of the
- * case's token count must use on sm_90 (0: any). */
+/* A token-tile table for the layer of a case (none: n_rules 0), the tile a
+ * call of the case's token count must use on sm_90 (0: any), and whether
+ * it runs in cluster mode. */
 typedef struct tile_opts {
     const moek_cuda_tile_rule *rules;
     int n_rules;
     int expect_tile;
+    int expect_cluster; /* CLUSTER_ON / _OFF: moek_cuda_moe_layer_uses_cluster
+                           for the call; 0: any */
 } tile_opts;
+enum { CLUSTER_ON = 1, CLUSTER_OFF = 2 };
 
 /* Run one fused MoE on the GPU and compare it with moek_ref_fused_moe. */
 static void run_moe_tiles(const moe_case *c, const tile_opts *to, uint64_t *rng)
@@ -133,6 +137,12 @@ static void run_moe_tiles(const moe_case *c, const tile_opts *to, uint64_t *rng)
         CK(moek_cuda_moe_layer_set_tiles(layer, to->rules, to->n_rules));
         if (to->expect_tile && device_cc() == 90)
             CHECK_EQ_INT(moek_cuda_moe_layer_token_tile(layer, T), to->expect_tile);
+        if (to->expect_cluster)
+            CHECK_MSG(moek_cuda_moe_layer_uses_cluster(layer, T) ==
+                          (to->expect_cluster == CLUSTER_ON),
+                      "tile %d, T=%d: cluster mode %d on cc %d",
+                      c->tune.token_tile, T,
+                      moek_cuda_moe_layer_uses_cluster(layer, T), device_cc());
     }
 
     void *x = dmalloc((size_t)T * H * es), *out = dmalloc((size_t)T * H * es);
@@ -486,7 +496,9 @@ TEST(moe_cluster_tiles)
                *rm = getenv("MOEK_CUDA_ROW_MAJOR");
     const bool switched_off =
         (off && *off && *off != '0') || (rm && *rm && *rm != '0');
-    const int want = device_cc() == 90 && !switched_off ? 1 : 0;
+    const bool want = device_cc() == 90 && !switched_off;
+    const tile_opts cl_on = {NULL, 0, 0, CLUSTER_ON},
+                    cl_off = {NULL, 0, 0, CLUSTER_OFF};
     moek_cuda_moe_layer *n = small_layer(&narrow, MOEK_DTYPE_BF16,
                                          test_rand(&rng));
     const moek_cuda_tuning t256 = {256, false};
@@ -497,25 +509,13 @@ TEST(moe_cluster_tiles)
         moe_case c = {s, i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
                       (i / 2 + i) % 2 ? 1200 : 300, ROUTE_SOFTMAX, true, 0, 32,
                       {tiles[i / 2], false}, false, false};
-        moek_cuda_moe_layer *l =
-            small_layer(&c.s, c.dt, test_rand(&rng));
-        CK(moek_cuda_moe_layer_tune(l, &c.tune));
-        CHECK_MSG(moek_cuda_moe_layer_uses_cluster(l, c.tokens) == want,
-                  "tile %d, T=%d: cluster mode %d on cc %d",
-                  c.tune.token_tile, c.tokens,
-                  moek_cuda_moe_layer_uses_cluster(l, c.tokens), device_cc());
-        moek_cuda_moe_layer_free(l);
-        run_moe(&c, &rng);
+        run_moe_tiles(&c, want ? &cl_on : &cl_off, &rng);
     }
     /* 20 slots under a forced 256-row tile: fewer than a tile's worth, so
      * no cluster mode (a TMA box would exceed the tensor), and correct. */
     moe_case few = {s, MOEK_DTYPE_BF16, 5, ROUTE_SOFTMAX, true, 0, 0,
                     {256, false}, false, false};
-    moek_cuda_moe_layer *fl = small_layer(&few.s, few.dt, test_rand(&rng));
-    CK(moek_cuda_moe_layer_tune(fl, &few.tune));
-    CHECK_EQ_INT(moek_cuda_moe_layer_uses_cluster(fl, few.tokens), 0);
-    moek_cuda_moe_layer_free(fl);
-    run_moe(&few, &rng);
+    run_moe_tiles(&few, &cl_off, &rng);
     /* Given routing with a third of the slots routed nowhere: those slots
      * have no sorted position, so the copy of x must stop at the routed
      * ones (the debug build's workspace is poisoned past them). */
@@ -615,7 +615,7 @@ TEST(moe_tile_table)
     for (size_t i = 0; i < ARRAY_LEN(runs); i++) {
         moe_case c = {{16, 4, 384, 320}, runs[i].dt, runs[i].tokens,
                       ROUTE_SOFTMAX, true, 0, 64, {0, false}, false, false};
-        tile_opts to = {runs[i].rules, runs[i].n, runs[i].expect};
+        tile_opts to = {runs[i].rules, runs[i].n, runs[i].expect, 0};
         run_moe_tiles(&c, &to, &rng);
     }
 }
