@@ -33,49 +33,58 @@
 #define MOEK_ALIGN_THREADS 1024
 #define MOEK_WTILE 128 /* weight rows per GEMM tile (two warpgroups of 64) */
 #define MOEK_KTILE 64  /* K per pipeline stage: one 128-byte swizzle row */
-#define MOEK_BBOX 32   /* token rows per TMA box in cluster mode */
+#define MOEK_BBOX 16   /* token rows per TMA box in cluster mode */
 
 /* Epilogues. */
 enum { MOEK_EPI_SWIGLU = 0, MOEK_EPI_COMBINE = 1, MOEK_EPI_STORE = 2 };
 
-/* plan[] written by the align kernels, read by the GEMMs. */
+/*
+ * Token tiles of a group of cnt rows, for a GEMM instance of tile bn: the
+ * fewest tiles of at most bn rows, np = ceil(cnt / bn), all of one width,
+ * the narrowest of the instance's "classes" bn, bn - 32, bn - 64, bn - 96
+ * (tiles of 128 rows and wider; one class, bn, below) that holds
+ * ceil(cnt / np) rows. The wgmma's N follows the tile's width, so a group
+ * pays for about the rows it has: with ~128 rows per group (deepseek-v3,
+ * T = 4096) a 192-row tile alone leaves a third of every MMA empty. A
+ * group's tiles stay next to each other in the item order, so the weight
+ * tiles they share are read from DRAM once (narrow tiles for the rest of a
+ * group, run after every whole tile, would read them again).
+ * A GEMM instance runs its classes one after another, each a loop with one
+ * wgmma shape (gemm_wgmma.cu), so the align kernels order the compact
+ * groups by class, then by group index.
+ */
+#define MOEK_CLASSES 4    /* tile widths of one instance, at most */
+#define MOEK_CLASS_STEP 32 /* rows between them */
+__host__ __device__ __forceinline__ constexpr int moek_classes(int bn)
+{
+    return bn >= 128 ? MOEK_CLASSES : 1;
+}
+__host__ __device__ __forceinline__ int moek_token_tiles(int cnt, int bn)
+{
+    return (cnt + bn - 1) / bn;
+}
+__host__ __device__ __forceinline__ int moek_tile_class(int cnt, int bn)
+{
+    const int np = moek_token_tiles(cnt, bn);
+    const int rows = np > 0 ? (cnt + np - 1) / np : bn;
+    const int c = (bn - rows) / MOEK_CLASS_STEP;
+    return c < moek_classes(bn) - 1 ? c : moek_classes(bn) - 1;
+}
+
+/* plan[] written by the align kernels, read by the GEMMs. ENDS: the item
+ * index where each tile class's items end (MOEK_CLASSES ints; classes an
+ * instance does not have end where the one before does), the last the
+ * GEMM's item count. */
 enum {
     MOEK_PLAN_NCG = 0,    /* compact groups */
-    MOEK_PLAN_SPLIT0 = 1, /* K splits of GEMM 0 */
-    MOEK_PLAN_ITEMS0 = 2, /* items of GEMM 0 on main token tiles */
-    MOEK_PLAN_TAIL0 = 3,  /* items of GEMM 0 on tail token tiles */
-    MOEK_PLAN_SPLIT1 = 4,
-    MOEK_PLAN_ITEMS1 = 5,
-    MOEK_PLAN_TAIL1 = 6,
-    MOEK_PLAN_INTS = 8,
+    MOEK_PLAN_ROWS = 1,   /* rows of every compact group together */
+    MOEK_PLAN_SPLIT0 = 2, /* K splits of GEMM 0 */
+    MOEK_PLAN_ENDS0 = 3,
+    MOEK_PLAN_SPLIT1 = MOEK_PLAN_ENDS0 + MOEK_CLASSES,
+    MOEK_PLAN_ENDS1 = MOEK_PLAN_SPLIT1 + 1,
+    MOEK_PLAN_INTS = 16,
 };
-
-/*
- * Token tiles of a group of cnt rows. Tiles of bn < 256 rows cover it all.
- * With the 256-row tile (prefill, hundreds of rows per group), whole tiles
- * come first and the rest goes to "tail" tiles of MOEK_TAIL_TILE rows, run by
- * the same GEMM launch in a second loop with a narrower wgmma, so a group's
- * last tile costs about what it holds; a rest above 3/4 of a tile takes one
- * more whole tile instead. Tails run after every main tile, when the group's
- * weights have left L2, so they pay off only where the tile is wide and the
- * layer compute-bound: with 128 or 192-row tiles they were measured slower
- * (RESULTS.md, run 3).
- */
-#define MOEK_TAIL_TILE 64
-__host__ __device__ __forceinline__ int moek_main_tiles(int cnt, int bn)
-{
-    if (bn < 256)
-        return (cnt + bn - 1) / bn;
-    const int full = cnt / bn, rem = cnt - full * bn;
-    return full + (rem * 4 > bn * 3 ? 1 : 0);
-}
-__host__ __device__ __forceinline__ int moek_tail_tiles(int cnt, int bn)
-{
-    if (bn < 256)
-        return 0;
-    const int rem = cnt - moek_main_tiles(cnt, bn) * bn;
-    return rem > 0 ? (rem + MOEK_TAIL_TILE - 1) / MOEK_TAIL_TILE : 0;
-}
+static_assert(MOEK_PLAN_ENDS1 + MOEK_CLASSES <= MOEK_PLAN_INTS, "plan");
 
 /* Per-GEMM shape description the align kernel needs to count items. */
 struct moek_gemm_dims {
@@ -90,8 +99,7 @@ struct moek_gemm_args {
     /* tile list */
     const int *plan;
     const int *cg_group, *cg_start, *cg_count;
-    const int *cg_before;      /* items before each group, main tiles */
-    const int *cg_before_tail; /* the same for tail tiles */
+    const int *cg_before; /* items before each compact group */
     int which;            /* 0 or 1: which plan split/items */
     int bn;               /* token rows per tile */
     int chunk;            /* weight tiles per raster chunk */
@@ -143,22 +151,21 @@ __host__ __device__ __forceinline__ size_t moek_wt_index(int g, int R, int k,
 struct moek_item {
     int g;    /* group (expert) */
     int pos;  /* first sorted row of the token tile */
-    int mlen; /* valid rows in the token tile, 1..bn */
+    int mlen; /* valid rows in the token tile, 1..its width */
     int nt;   /* weight tile */
     int kb0, kb1;
     bool once; /* the group has one token tile: its weights are read once */
 };
 
-/* Map work item `idx` (< items of its kind) to its tile; see the comment at
- * the top. sbefore: a shared-memory copy of cg_before (main items), or
- * NULL. */
+/* Map work item `idx` to its tile; see the comment at the top. sbefore: a
+ * shared-memory copy of cg_before, or NULL. */
 __device__ __forceinline__ moek_item moek_decode_item(const moek_gemm_args &a,
                                                       int ncg, int split,
-                                                      int idx, bool tail,
+                                                      int idx,
                                                       const int *sbefore = nullptr)
 {
     /* A generic pointer: shared memory or the global list. */
-    const int *before = tail ? a.cg_before_tail : sbefore ? sbefore : a.cg_before;
+    const int *before = sbefore ? sbefore : a.cg_before;
     int lo = 0, hi = ncg;
     while (hi - lo > 1) {
         int mid = (lo + hi) >> 1;
@@ -169,10 +176,8 @@ __device__ __forceinline__ moek_item moek_decode_item(const moek_gemm_args &a,
     }
     int l = idx - before[lo];
     int cnt = __ldg(a.cg_count + lo);
-    const int bn = tail ? MOEK_TAIL_TILE : a.bn;
-    const int nmain = moek_main_tiles(cnt, a.bn);
-    const int np = tail ? moek_tail_tiles(cnt, a.bn) : nmain;
-    const int base = tail ? nmain * a.bn : 0;
+    const int np = moek_token_tiles(cnt, a.bn);
+    const int bn = a.bn - moek_tile_class(cnt, a.bn) * MOEK_CLASS_STEP;
     int per_chunk = np * a.chunk * split;
     int ch = l / per_chunk;
     int r = l - ch * per_chunk;
@@ -183,11 +188,11 @@ __device__ __forceinline__ moek_item moek_decode_item(const moek_gemm_args &a,
     moek_item it;
     it.nt = ch * a.chunk + r2 / split;
     it.g = __ldg(a.cg_group + lo);
-    it.pos = __ldg(a.cg_start + lo) + base + p * bn;
-    it.mlen = min(bn, cnt - base - p * bn);
+    it.pos = __ldg(a.cg_start + lo) + p * bn;
+    it.mlen = min(bn, cnt - p * bn);
     it.kb0 = (int)((long long)s * a.kblocks / split);
     it.kb1 = (int)((long long)(s + 1) * a.kblocks / split);
-    it.once = nmain + moek_tail_tiles(cnt, a.bn) <= 1;
+    it.once = np <= 1;
     return it;
 }
 
@@ -426,7 +431,7 @@ struct moek_align_args {
     /* outputs */
     int *plan;
     int *cg_group, *cg_start, *cg_count;
-    int *cg_before; /* [2 GEMMs][main, tail][groups + 1] */
+    int *cg_before; /* [2 GEMMs][groups + 1] */
     /* slot scatter (MoE only) */
     const int *ids;
     const float *wts;

@@ -20,8 +20,7 @@ template <typename T>
 __global__ void __launch_bounds__(THREADS)
     gemm_simt_kernel(const moek_gemm_args a)
 {
-    /* bn is 16 here (see moek_launch_gemm_simt), so there are no tail
-     * tiles. */
+    /* bn is 16 here (see moek_launch_gemm_simt): one tile width. */
     constexpr int BN = 16;
     __shared__ float sW[MOEK_WTILE][KS + 1];
     __shared__ float sB[BN][KS + 1];
@@ -29,7 +28,8 @@ __global__ void __launch_bounds__(THREADS)
     moek_pdl_trigger();
     const int ncg = a.plan[MOEK_PLAN_NCG];
     const int split = a.plan[a.which ? MOEK_PLAN_SPLIT1 : MOEK_PLAN_SPLIT0];
-    const int items = a.plan[a.which ? MOEK_PLAN_ITEMS1 : MOEK_PLAN_ITEMS0];
+    const int items = a.plan[(a.which ? MOEK_PLAN_ENDS1 : MOEK_PLAN_ENDS0) +
+                             MOEK_CLASSES - 1];
     const T *w = reinterpret_cast<const T *>(a.w);
     const T *b = reinterpret_cast<const T *>(a.b);
     const int tid = threadIdx.x;
@@ -38,7 +38,7 @@ __global__ void __launch_bounds__(THREADS)
     const int blk0 = tid / (BN * 8); /* 0 or 1: first 16-row block */
 
     for (int idx = blockIdx.x; idx < items; idx += gridDim.x) {
-        const moek_item it = moek_decode_item(a, ncg, split, idx, false);
+        const moek_item it = moek_decode_item(a, ncg, split, idx);
         const long long wrow0 = (long long)it.g * a.rows_pad + it.nt * MOEK_WTILE;
         float acc[4][2] = {};
         for (int kb = it.kb0 * MOEK_KTILE;

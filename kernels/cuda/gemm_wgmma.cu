@@ -26,11 +26,12 @@
  *     vector atomic add, or a plain store. The producer runs ahead into the
  *     next item meanwhile.
  * Inside one instance:
- *   - two phases: the main token tiles of BN rows, then (BN = 256) the
- *     groups' remainders in tail tiles of 64 rows with an m64n64 wgmma
- *     (cuda_common.cuh, moek_tail_tiles). Each phase is its own loop with
- *     one wgmma shape: a wgmma chosen by a branch inside the K loop makes
- *     ptxas serialise every wgmma (C7520), measured 30-40% slower;
+ *   - token tiles of up to four widths (BN 128 and wider: BN, BN - 32,
+ *     BN - 64, BN - 96; cuda_common.cuh, moek_tile_class), so a group pays
+ *     for about the rows it has. Each width is its own loop with one wgmma
+ *     shape, run one after the other: a wgmma chosen by a branch inside
+ *     the K loop makes ptxas serialise every wgmma (C7520), measured
+ *     30-40% slower;
  *   - early_a (GEMM 2): the producer issues the first stages' weight tiles
  *     before waiting for the previous kernel (programmatic dependent
  *     launch), so GEMM 2 streams weights while GEMM 1 drains;
@@ -51,6 +52,8 @@
  */
 #include <cuda.h>
 
+#include <type_traits>
+
 #include "cuda_common.cuh"
 #include "wgmma_ops.cuh"
 
@@ -58,9 +61,9 @@ namespace {
 
 constexpr int SMEM_MAX = 232448; /* 227 KB: the opt-in limit on sm_90 */
 constexpr int A_BYTES = MOEK_WTILE * MOEK_KTILE * 2;
-/* The main items' cg_before in shared memory, for up to SB_GROUPS compact
- * groups: every item's binary search then reads shared memory instead of a
- * chain of dependent global loads. */
+/* cg_before in shared memory, for up to SB_GROUPS compact groups: every
+ * item's binary search then reads shared memory instead of a chain of
+ * dependent global loads. */
 constexpr int SB_GROUPS = 511;
 constexpr int SB_BYTES = (SB_GROUPS + 1) * 4;
 constexpr int EPI_ROWS = 128; /* token rows per pass of the staged epilogue */
@@ -310,12 +313,12 @@ template <int BN, int CL>
 __device__ __forceinline__ int preissue(const moek_gemm_args &a,
                                         const CUtensorMap *tmap, uint8_t *smem,
                                         uint64_t *full, int ncg, int split,
-                                        int idx, int items, bool tail, int pre,
+                                        int idx, int end, int pre,
                                         const int *sb)
 {
     using C = tile_cfg<BN>;
-    for (; idx < items && pre < C::STAGES; idx += gridDim.x) {
-        const moek_item it = moek_decode_item(a, ncg, split, idx, tail, sb);
+    for (; idx < end && pre < C::STAGES; idx += gridDim.x) {
+        const moek_item it = moek_decode_item(a, ncg, split, idx, sb);
         for (int kb = it.kb0; kb < it.kb1 && pre < C::STAGES; kb++, pre++) {
             if (threadIdx.x == 0) {
                 /* CL = 2: the stage's one arrival comes with its token rows
@@ -331,22 +334,21 @@ __device__ __forceinline__ int preissue(const moek_gemm_args &a,
     return pre;
 }
 
-/* Producer, one phase: items idx, idx + gridDim.x, ... < items of token
- * tiles of N rows (N = BN, or the tail tile). Thread t copies 16-byte chunk
- * (t & 7) of token rows (t >> 3) + 16 i. */
+/* Producer, one tile class: items idx, idx + gridDim.x, ... < end, token
+ * tiles of N rows. Thread t copies 16-byte chunk (t & 7) of token rows
+ * (t >> 3) + 16 i. */
 template <typename T, int BN, int N>
 __device__ __forceinline__ void produce(const moek_gemm_args &a,
                                         const CUtensorMap *tmap, uint8_t *smem,
                                         uint64_t *full, uint64_t *empty,
-                                        int ncg, int split, int idx, int items,
-                                        bool tail, int pre, pipe_pos &pp,
-                                        const int *sb)
+                                        int ncg, int split, int idx, int end,
+                                        int pre, pipe_pos &pp, const int *sb)
 {
     using C = tile_cfg<BN>;
     const T *b = reinterpret_cast<const T *>(a.b);
     const int tid = threadIdx.x, c8 = tid & 7, r0 = tid >> 3;
-    for (; idx < items; idx += gridDim.x) {
-        const moek_item it = moek_decode_item(a, ncg, split, idx, tail, sb);
+    for (; idx < end; idx += gridDim.x) {
+        const moek_item it = moek_decode_item(a, ncg, split, idx, sb);
         long long off[N / 16];
 #pragma unroll
         for (int i = 0; i < N / 16; i++) {
@@ -383,7 +385,7 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
     }
 }
 
-/* Producer of cluster mode, one phase, run by warp 0 (lane 0 issues): the
+/* Producer of cluster mode, one tile class, run by warp 0 (lane 0 issues): the
  * weight tile as in produce(), and this CTA's half of the N token rows
  * (contiguous rows of a.b from it.pos: the caller permuted them) in boxes
  * of MOEK_BBOX rows, multicast to both CTAs. Rows past the item's mlen belong to the next group
@@ -394,15 +396,14 @@ __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
                                            const CUtensorMap *tmap_b,
                                            uint8_t *smem, uint64_t *full,
                                            uint64_t *empty, int ncg, int idx,
-                                           int items, bool tail, int pre,
-                                           pipe_pos &pp, const int *sb,
-                                           uint32_t rank)
+                                           int end, int pre, pipe_pos &pp,
+                                           const int *sb, uint32_t rank)
 {
     using C = tile_cfg<BN>;
     constexpr int HALF = N / 2;
     static_assert(HALF % MOEK_BBOX == 0, "token tile halves of whole boxes");
-    for (; idx < items; idx += gridDim.x) {
-        const moek_item it = moek_decode_item(a, ncg, 1, idx, tail, sb);
+    for (; idx < end; idx += gridDim.x) {
+        const moek_item it = moek_decode_item(a, ncg, 1, idx, sb);
         for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
             uint8_t *sA = smem + pp.stage * C::STAGE;
             uint8_t *sB = sA + A_BYTES;
@@ -508,8 +509,8 @@ __device__ __forceinline__ void release(uint64_t *empty, int s)
         mbar_arrive_peer(&empty[s], cluster_rank() ^ 1);
 }
 
-/* Consumer warpgroup cw, one phase: weight rows 64 cw .. 64 cw + 63 of each
- * tile against its N token rows, then the epilogue. COMBINE: the item's
+/* Consumer warpgroup cw, one tile class: weight rows 64 cw .. 64 cw + 63 of
+ * each tile against its N token rows, then the epilogue. COMBINE: the item's
  * (token, routing weight) pairs are loaded into shared memory before its
  * K loop, so the epilogue's atomics do not each wait on two dependent global
  * loads (measured: qwen3 T=4096 down GEMM 473 -> 348 us without those
@@ -517,8 +518,8 @@ __device__ __forceinline__ void release(uint64_t *empty, int s)
 template <typename T, int BN, int N, int CL>
 __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
                                         uint64_t *full, uint64_t *empty,
-                                        int ncg, int split, int idx, int items,
-                                        bool tail, pipe_pos &pp, const int *sb,
+                                        int ncg, int split, int idx, int end,
+                                        pipe_pos &pp, const int *sb,
                                         uint8_t *epi_buf)
 {
     using C = tile_cfg<BN>;
@@ -527,8 +528,8 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
     float d[N / 2];
     const bool comb = a.epi == MOEK_EPI_COMBINE;
     int2 *stg_base = reinterpret_cast<int2 *>(empty + C::STAGES) + cw * 2 * BN;
-    for (; idx < items; idx += gridDim.x, pp.items++) {
-        const moek_item it = moek_decode_item(a, ncg, split, idx, tail, sb);
+    for (; idx < end; idx += gridDim.x, pp.items++) {
+        const moek_item it = moek_decode_item(a, ncg, split, idx, sb);
         int2 *stg = stg_base + (pp.items & 1) * BN;
         if (comb) {
             for (int c = tid & 127; c < it.mlen; c += 128)
@@ -583,6 +584,30 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
 }
 #endif
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* The first item of this CTA's sequence at or after `start`. */
+__device__ __forceinline__ int class_first(int start)
+{
+    const int g = (int)gridDim.x;
+    const int r = ((int)blockIdx.x - start) % g;
+    return start + (r < 0 ? r + g : r);
+}
+
+/* f(class) for each token-tile class of instance BN, the class a
+ * compile-time constant (std::integral_constant) so each gets its own
+ * wgmma shape. */
+template <int BN, typename F> __device__ __forceinline__ void each_class(F &&f)
+{
+    static_assert(MOEK_CLASSES == 4, "each_class spells out four classes");
+    f(std::integral_constant<int, 0>());
+    if constexpr (moek_classes(BN) > 1) {
+        f(std::integral_constant<int, 1>());
+        f(std::integral_constant<int, 2>());
+        f(std::integral_constant<int, 3>());
+    }
+}
+#endif
+
 template <typename T, int BN, int CL>
 __global__ void __launch_bounds__(384, 1)
     gemm_wgmma_kernel(const __grid_constant__ CUtensorMap tmap,
@@ -591,7 +616,7 @@ __global__ void __launch_bounds__(384, 1)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using C = tile_cfg<BN>;
-    constexpr int TN = BN >= 256 ? MOEK_TAIL_TILE : BN; /* tail tile */
+    constexpr int NC = moek_classes(BN);
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = reinterpret_cast<uint8_t *>(
         (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~(uintptr_t)1023);
@@ -631,15 +656,14 @@ __global__ void __launch_bounds__(384, 1)
 
     const int ncg = a.plan[MOEK_PLAN_NCG];
     const int split = a.plan[a.which ? MOEK_PLAN_SPLIT1 : MOEK_PLAN_SPLIT0];
-    const int items = a.plan[a.which ? MOEK_PLAN_ITEMS1 : MOEK_PLAN_ITEMS0];
-    const int tails =
-        BN >= 256 ? a.plan[a.which ? MOEK_PLAN_TAIL1 : MOEK_PLAN_TAIL0] : 0;
-    /* Item i of the CTA's sequence: main items blockIdx.x + j gridDim.x
-     * below `items`, then tail items continuing the same sequence. */
-    const int first = blockIdx.x;
-    const int tfirst = first + ((items - first + gridDim.x - 1) / gridDim.x) *
-                                   (int)gridDim.x - items;
-    const int tstart = items > first ? tfirst : first - items;
+    /* Class c's items are [cb[c], cb[c + 1]); the CTA's sequence blockIdx.x,
+     * blockIdx.x + gridDim.x, ... runs on through them. */
+    const int *ends = a.plan + (a.which ? MOEK_PLAN_ENDS1 : MOEK_PLAN_ENDS0);
+    int cb[NC + 1];
+    cb[0] = 0;
+#pragma unroll
+    for (int c = 0; c < NC; c++)
+        cb[c + 1] = ends[c];
 
     /* A few groups (decode) search in three steps or less: no copy, no
      * barrier in the prologue (measured: qwen3 T=1 33.5 us without, 35.0
@@ -664,10 +688,9 @@ __global__ void __launch_bounds__(384, 1)
     if (wg == 0) {
         int pre = 0;
         if (a.early_a) {
-            pre = preissue<BN, CL>(a, &tmap, smem, full, ncg, split, first,
-                                   items, false, 0, sb);
-            pre = preissue<BN, CL>(a, &tmap, smem, full, ncg, split, tstart,
-                                   tails, true, pre, sb);
+            for (int c = 0; c < NC; c++)
+                pre = preissue<BN, CL>(a, &tmap, smem, full, ncg, split,
+                                       class_first(cb[c]), cb[c + 1], pre, sb);
             moek_pdl_wait();
         }
         if constexpr (CL == 2) {
@@ -675,23 +698,29 @@ __global__ void __launch_bounds__(384, 1)
              * closing cluster barrier. */
             if (tid < 32) {
                 const uint32_t rank = cluster_rank();
-                produce_mc<BN, BN>(a, &tmap, &tmap_b, smem, full, empty, ncg,
-                                   first, items, false, pre, pp, sb, rank);
-                produce_mc<BN, TN>(a, &tmap, &tmap_b, smem, full, empty, ncg,
-                                   tstart, tails, true, pre, pp, sb, rank);
+                each_class<BN>([&](auto c) {
+                    constexpr int J = decltype(c)::value;
+                    produce_mc<BN, BN - J * MOEK_CLASS_STEP>(
+                        a, &tmap, &tmap_b, smem, full, empty, ncg,
+                        class_first(cb[J]), cb[J + 1], pre, pp, sb, rank);
+                });
             }
         } else {
-            produce<T, BN, BN>(a, &tmap, smem, full, empty, ncg, split, first,
-                               items, false, pre, pp, sb);
-            produce<T, BN, TN>(a, &tmap, smem, full, empty, ncg, split, tstart,
-                               tails, true, pre, pp, sb);
+            each_class<BN>([&](auto c) {
+                constexpr int J = decltype(c)::value;
+                produce<T, BN, BN - J * MOEK_CLASS_STEP>(
+                    a, &tmap, smem, full, empty, ncg, split,
+                    class_first(cb[J]), cb[J + 1], pre, pp, sb);
+            });
         }
     } else {
         uint8_t *epi_buf = reinterpret_cast<uint8_t *>(sb_mem) + SB_BYTES;
-        consume<T, BN, BN, CL>(a, smem, full, empty, ncg, split, first, items,
-                               false, pp, sb, epi_buf);
-        consume<T, BN, TN, CL>(a, smem, full, empty, ncg, split, tstart, tails,
-                               true, pp, sb, epi_buf);
+        each_class<BN>([&](auto c) {
+            constexpr int J = decltype(c)::value;
+            consume<T, BN, BN - J * MOEK_CLASS_STEP, CL>(
+                a, smem, full, empty, ncg, split, class_first(cb[J]),
+                cb[J + 1], pp, sb, epi_buf);
+        });
     }
     /* The peer's last releases arrive on this CTA's barriers: stay until
      * both are done. */

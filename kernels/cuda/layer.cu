@@ -29,9 +29,9 @@ namespace {
 /* Pick the token tile for `avg` expected rows per non-empty group. Up to
  * ~95 rows: the tile of 16, 32, 64 or 128 with the fewest
  * column-equivalents, counting 32 columns of fixed cost per tile and sizing
- * for avg + 1.5 sigma (counts are roughly Poisson). Around 100-190 rows: one
- * 192-row tile per group. More: 256-row tiles, the remainders in 64-row tail
- * tiles (moek_tail_tiles). The sweeps in RESULTS.md are the evidence; the
+ * for avg + 1.5 sigma (counts are roughly Poisson). Around 100-190 rows:
+ * tiles of up to 192 rows; more: up to 256 (each group's tiles as narrow as
+ * its rows allow, cuda_common.cuh). The sweeps in RESULTS.md are the evidence; the
  * tuner's sweeps at 64 rows per group (mixtral T=256, qwen3 T=1024,
  * deepseek T=2048) put 128 first, 30% ahead of the 32 that a choice among
  * 16, 32 and 64 made. A card's tile table (tune.cu) overrides this. */
@@ -108,7 +108,7 @@ size_t carve_moe(const moek_moe_shape &s, moek_dtype dt, int T, bool xs,
     x.cg_group = c.take<int>(sizeof(int) * s.experts);
     x.cg_start = c.take<int>(sizeof(int) * s.experts);
     x.cg_count = c.take<int>(sizeof(int) * s.experts);
-    x.cg_before = c.take<int>(sizeof(int) * 4 * (s.experts + 1));
+    x.cg_before = c.take<int>(sizeof(int) * 2 * (s.experts + 1));
     x.pos_token = c.take<int>(sizeof(int) * slots);
     x.pos_weight = c.take<float>(sizeof(float) * slots);
     x.acc = c.take<float>(sizeof(float) * (size_t)T * s.hidden);
@@ -131,7 +131,7 @@ size_t carve_gemm(int groups, char *base, gemm_ws *w)
     x.cg_group = c.take<int>(sizeof(int) * groups);
     x.cg_start = c.take<int>(sizeof(int) * groups);
     x.cg_count = c.take<int>(sizeof(int) * groups);
-    x.cg_before = c.take<int>(sizeof(int) * 4 * (groups + 1));
+    x.cg_before = c.take<int>(sizeof(int) * (groups + 1));
     if (w)
         *w = x;
     return c.off + 256;
@@ -162,19 +162,17 @@ __global__ void finalize_kernel(const float4 *acc, uint2 *out, size_t n4)
 
 /* Cluster mode's token operand of GEMM 1: row p of xs is row pos_token[p]
  * of x, one warp per row, rows of row16 16-byte chunks. Only the sorted
- * positions of routed slots, [0, end of the last compact group): slots
+ * positions of routed slots, [0, plan's MOEK_PLAN_ROWS): slots
  * routed nowhere (given ids of -1, experts of other shards) have no
  * position, and pos_token past the routed ones holds whatever an earlier
  * call left there. */
 __global__ void permute_rows_kernel(const uint4 *x, uint4 *xs,
                                     const int *pos_token, const int *plan,
-                                    const int *cg_start, const int *cg_count,
                                     int row16)
 {
     moek_pdl_wait();
     moek_pdl_trigger();
-    const int ncg = plan[MOEK_PLAN_NCG];
-    const int rows = ncg > 0 ? cg_start[ncg - 1] + cg_count[ncg - 1] : 0;
+    const int rows = plan[MOEK_PLAN_ROWS];
     const int lane = threadIdx.x & 31;
     const int nw = (int)(gridDim.x * blockDim.x) >> 5;
     for (int p = (int)(blockIdx.x * blockDim.x + threadIdx.x) >> 5; p < rows;
@@ -445,9 +443,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
         g->cg_count = w.cg_count;
     }
     g1.cg_before = w.cg_before;
-    g1.cg_before_tail = w.cg_before + (E + 1);
-    g2.cg_before = w.cg_before + 2 * (E + 1);
-    g2.cg_before_tail = w.cg_before + 3 * (E + 1);
+    g2.cg_before = w.cg_before + (E + 1);
 
     moek_route_args ra = {};
     ra.logits = logits ? routing->logits_dev : nullptr;
@@ -494,7 +490,6 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
         MOEK_CU(moek_launch(permute_rows_kernel, dim3(grid0), dim3(256), 0, st,
                             pdl, (const uint4 *)x, (uint4 *)w.xs,
                             (const int *)w.pos_token, (const int *)w.plan,
-                            (const int *)w.cg_start, (const int *)w.cg_count,
                             row16));
     }
 
@@ -587,7 +582,6 @@ int moek_cuda_grouped_gemm(moek_cuda_gemm_weights *W, moek_cuda_workspace *ws,
     g.cg_start = w.cg_start;
     g.cg_count = w.cg_count;
     g.cg_before = w.cg_before;
-    g.cg_before_tail = w.cg_before + (W->groups + 1);
     g.which = 0;
     g.bn = bn;
     g.w = W->b;

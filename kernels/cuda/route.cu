@@ -14,8 +14,9 @@
  *                   zeroes the token's row of the fp32 output accumulator.
  *   align_block     one block turns the per-group counts into the tile list
  *                   of cuda_common.cuh: prefix sums, the compact list of
- *                   non-empty groups, the K split of each GEMM, the items
- *                   before each group (main and tail token tiles), and
+ *                   non-empty groups (in order of token-tile class), the K
+ *                   split of each GEMM, the items before each group and
+ *                   where each class's items end, and
  *                   (MoE) the slot -> sorted position
  *                   scatter (token index and routing weight per position).
  *
@@ -294,24 +295,34 @@ __device__ void align_block(const moek_align_args &a, const int *counts,
         }
     }
     __syncthreads();
+    /* Compact groups in order of tile class, then group: each non-empty
+     * group counts 1 in its class's 16-bit field (groups <= 2048). */
     for (int j = 0; j < 2; j++) {
         int g = tid * 2 + j;
         if (g < G)
-            s_scan[g] = s_cnt[g] > 0;
+            s_scan[g] = s_cnt[g] > 0
+                            ? 1LL << (16 * moek_tile_class(s_cnt[g], a.bn))
+                            : 0;
     }
     __syncthreads();
-    int ncg = (int)block_exclusive_scan<long long>(s_scan, G, s_warp);
-    /* Write the compact groups; keep each one's tile counts. */
-    int cidx[2] = {-1, -1}, np[2] = {0, 0}, npt[2] = {0, 0};
+    const long long per_class =
+        block_exclusive_scan<long long>(s_scan, G, s_warp);
+    int cfirst[MOEK_CLASSES + 1]; /* first compact index of each class */
+    cfirst[0] = 0;
+    for (int c = 0; c < MOEK_CLASSES; c++)
+        cfirst[c + 1] = cfirst[c] + (int)((per_class >> (16 * c)) & 0xffff);
+    const int ncg = cfirst[MOEK_CLASSES];
+    /* Write the compact groups; keep each one's token tiles. */
+    int cidx[2] = {-1, -1}, np[2] = {0, 0};
     long long pairs_local = 0;
     for (int j = 0; j < 2; j++) {
         int g = tid * 2 + j;
         if (g < G && s_cnt[g] > 0) {
-            int c = (int)s_scan[g];
+            const int cls = moek_tile_class(s_cnt[g], a.bn);
+            int c = cfirst[cls] + (int)((s_scan[g] >> (16 * cls)) & 0xffff);
             cidx[j] = c;
-            np[j] = moek_main_tiles(s_cnt[g], a.bn);
-            npt[j] = moek_tail_tiles(s_cnt[g], a.bn);
-            pairs_local += np[j] + npt[j];
+            np[j] = moek_token_tiles(s_cnt[g], a.bn);
+            pairs_local += np[j];
             a.cg_group[c] = g;
             a.cg_start[c] = s_start[g];
             a.cg_count[c] = s_cnt[g];
@@ -338,31 +349,30 @@ __device__ void align_block(const moek_align_args &a, const int *counts,
     pairs = s_warp[0];
     __syncthreads();
 
-    if (tid == 0)
+    if (tid == 0) {
         a.plan[MOEK_PLAN_NCG] = ncg;
+        a.plan[MOEK_PLAN_ROWS] = (int)(total < limit ? total : limit);
+    }
     for (int d = 0; d < a.ngemm; d++) {
         const moek_gemm_dims dm = a.d[d];
         const int split = pick_split(dm, pairs, a.sms, a.split_min_kb);
-        for (int tail = 0; tail < 2; tail++) {
-            for (int j = 0; j < 2; j++)
-                if (cidx[j] >= 0)
-                    s_scan[cidx[j]] =
-                        (long long)(tail ? npt[j] : np[j]) * dm.n_tiles * split;
-            __syncthreads();
-            long long items =
-                block_exclusive_scan<long long>(s_scan, ncg, s_warp);
-            int *before = a.cg_before + (2 * d + tail) * (G + 1);
-            for (int c = tid; c < ncg; c += blockDim.x)
-                before[c] = (int)s_scan[c];
-            if (tid == 0) {
-                before[ncg] = (int)items;
-                a.plan[d ? MOEK_PLAN_SPLIT1 : MOEK_PLAN_SPLIT0] = split;
-                a.plan[d ? (tail ? MOEK_PLAN_TAIL1 : MOEK_PLAN_ITEMS1)
-                         : (tail ? MOEK_PLAN_TAIL0 : MOEK_PLAN_ITEMS0)] =
-                    (int)items;
-            }
-            __syncthreads();
+        for (int j = 0; j < 2; j++)
+            if (cidx[j] >= 0)
+                s_scan[cidx[j]] = (long long)np[j] * dm.n_tiles * split;
+        __syncthreads();
+        long long items = block_exclusive_scan<long long>(s_scan, ncg, s_warp);
+        int *before = a.cg_before + d * (G + 1);
+        for (int c = tid; c < ncg; c += blockDim.x)
+            before[c] = (int)s_scan[c];
+        if (tid == 0) {
+            before[ncg] = (int)items;
+            a.plan[d ? MOEK_PLAN_SPLIT1 : MOEK_PLAN_SPLIT0] = split;
+            int *ends = a.plan + (d ? MOEK_PLAN_ENDS1 : MOEK_PLAN_ENDS0);
+            for (int c = 0; c < MOEK_CLASSES; c++)
+                ends[c] = cfirst[c + 1] < ncg ? (int)s_scan[cfirst[c + 1]]
+                                              : (int)items;
         }
+        __syncthreads();
     }
     if (a.ids && scatter)
         scatter_slots(a, s_start, 0, a.slots);
@@ -440,52 +450,58 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
         start += o < e;
     }
     const bool first = e >= 0 && rank == 0; /* the expert's first slot */
-    const unsigned firsts = __ballot_sync(FULL, first);
-    const int ncg = __popc(firsts);
-    int ci = 0; /* compact index: distinct experts below e */
-    for (int j = 0; j < n; j++)
-        ci += ((firsts >> j) & 1) && s_id[j] < e;
+    /* Compact groups in order of (tile class, expert); key -1: no group. */
+    const int key = first ? moek_tile_class(cnt, aa.bn) * MOEK_MAX_EXPERTS + e
+                          : -1;
+    int ci = 0, ncg = 0;
+    for (int j = 0; j < 32; j++) {
+        const int kj = __shfl_sync(FULL, key, j);
+        ncg += kj >= 0;
+        ci += kj >= 0 && kj < key;
+    }
     if (e >= 0) {
         aa.pos_token[start + rank] = lane / k;
         aa.pos_weight[start + rank] = s_w[lane];
     }
-    int np = 0, npt = 0;
+    int np = 0;
     if (first) {
         aa.cg_group[ci] = e;
         aa.cg_start[ci] = start;
         aa.cg_count[ci] = cnt;
-        np = moek_main_tiles(cnt, aa.bn);
-        npt = moek_tail_tiles(cnt, aa.bn);
+        np = moek_token_tiles(cnt, aa.bn);
     }
-    long long pairs = np + npt;
+    long long pairs = np;
 #pragma unroll
     for (int o = 16; o; o >>= 1)
         pairs += __shfl_xor_sync(FULL, pairs, o);
-    if (lane == 0)
+    const unsigned routed = __ballot_sync(FULL, e >= 0);
+    if (lane == 0) {
         aa.plan[MOEK_PLAN_NCG] = ncg;
+        aa.plan[MOEK_PLAN_ROWS] = __popc(routed);
+    }
     for (int d = 0; d < aa.ngemm; d++) {
         const moek_gemm_dims dm = aa.d[d];
         const int split = pick_split(dm, pairs, aa.sms, aa.split_min_kb);
-        for (int tail = 0; tail < 2; tail++) {
-            const long long mine =
-                (long long)(tail ? npt : np) * dm.n_tiles * split;
-            long long before = 0, items = 0;
-            for (int j = 0; j < 32; j++) {
-                const long long v = __shfl_sync(FULL, mine, j);
-                const int ej = __shfl_sync(FULL, e, j);
-                items += v;
-                before += ej < e ? v : 0;
-            }
-            int *out = aa.cg_before + (2 * d + tail) * (aa.groups + 1);
-            if (first)
-                out[ci] = (int)before;
-            if (lane == 0) {
-                out[ncg] = (int)items;
-                aa.plan[d ? MOEK_PLAN_SPLIT1 : MOEK_PLAN_SPLIT0] = split;
-                aa.plan[d ? (tail ? MOEK_PLAN_TAIL1 : MOEK_PLAN_ITEMS1)
-                          : (tail ? MOEK_PLAN_TAIL0 : MOEK_PLAN_ITEMS0)] =
-                    (int)items;
-            }
+        const long long mine = (long long)np * dm.n_tiles * split;
+        long long before = 0, items = 0;
+        long long ends[MOEK_CLASSES] = {};
+        for (int j = 0; j < 32; j++) {
+            const long long v = __shfl_sync(FULL, mine, j);
+            const int kj = __shfl_sync(FULL, key, j);
+            items += v;
+            before += kj >= 0 && kj < key ? v : 0;
+            for (int c = 0; c < MOEK_CLASSES; c++)
+                ends[c] += kj >= 0 && kj / MOEK_MAX_EXPERTS <= c ? v : 0;
+        }
+        int *out = aa.cg_before + d * (aa.groups + 1);
+        if (first)
+            out[ci] = (int)before;
+        if (lane == 0) {
+            out[ncg] = (int)items;
+            aa.plan[d ? MOEK_PLAN_SPLIT1 : MOEK_PLAN_SPLIT0] = split;
+            int *pe = aa.plan + (d ? MOEK_PLAN_ENDS1 : MOEK_PLAN_ENDS0);
+            for (int c = 0; c < MOEK_CLASSES; c++)
+                pe[c] = (int)ends[c];
         }
     }
 }

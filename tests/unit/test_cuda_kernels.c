@@ -96,6 +96,8 @@ typedef struct moe_case {
     moek_cuda_tuning tune;
     bool nan_logit;   /* put a NaN into token 0's logits */
     bool holes;       /* given routing: every third slot -1 (none) */
+    const int *expert_rows; /* given routing: expert e gets expert_rows[e]
+                               of the T k slots (summing to T k), shuffled */
 } moe_case;
 
 /* A token-tile table for the layer of a case (none: n_rules 0), the tile a
@@ -109,6 +111,50 @@ typedef struct tile_opts {
                            for the call; 0: any */
 } tile_opts;
 enum { CLUSTER_ON = 1, CLUSTER_OFF = 2 };
+
+/* Given routing: expert e for rows[e] of the n slots, in random order. */
+static void given_rows(const int *rows, int E, int n, int32_t *ids, float *wts,
+                       uint64_t *rng)
+{
+    int q = 0;
+    for (int e = 0; e < E; e++)
+        for (int r = 0; r < rows[e] && q < n; r++)
+            ids[q++] = e;
+    CHECK_EQ_INT(q, n);
+    for (int i = n - 1; i > 0; i--) {
+        const int j = (int)(test_rand(rng) % (uint64_t)(i + 1));
+        const int32_t v = ids[i];
+        ids[i] = ids[j];
+        ids[j] = v;
+    }
+    for (int i = 0; i < n; i++)
+        wts[i] = (test_randf(rng) + 1.0f) * 0.5f;
+}
+
+/* Given routing: k experts per token from the case's used experts,
+ * distinct when there are k of them, every third slot -1 with holes. */
+static void given_random(const moe_case *c, int32_t *ids, float *wts,
+                         uint64_t *rng)
+{
+    const int E = c->s.experts, k = c->s.topk;
+    const int used = c->used_experts ? c->used_experts : E;
+    for (int t = 0; t < c->tokens; t++) {
+        for (int j = 0; j < k; j++) {
+            int e;
+            bool again;
+            do { /* distinct per token when there are enough experts */
+                e = (int)(test_rand(rng) % (uint64_t)used);
+                if (used < E)
+                    e = (int)((uint64_t)e * 7919 % (uint64_t)E);
+                again = false;
+                for (int q = 0; q < j && used >= k; q++)
+                    again |= ids[t * k + q] == e;
+            } while (again);
+            ids[t * k + j] = c->holes && (t * k + j) % 3 == 1 ? -1 : e;
+            wts[t * k + j] = (test_randf(rng) + 1.0f) * 0.5f;
+        }
+    }
+}
 
 /* Run one fused MoE on the GPU and compare it with moek_ref_fused_moe. */
 static void run_moe_tiles(const moe_case *c, const tile_opts *to, uint64_t *rng)
@@ -155,23 +201,10 @@ static void run_moe_tiles(const moe_case *c, const tile_opts *to, uint64_t *rng)
     float *logits = NULL;
     void *d_logits = NULL, *d_ids = NULL, *d_wts = NULL;
     if (c->route == ROUTE_GIVEN) {
-        int used = c->used_experts ? c->used_experts : E;
-        for (int t = 0; t < T; t++) {
-            for (int j = 0; j < k; j++) {
-                int e;
-                bool again;
-                do { /* distinct per token when there are enough experts */
-                    e = (int)(test_rand(rng) % (uint64_t)used);
-                    if (used < E)
-                        e = (int)((uint64_t)e * 7919 % (uint64_t)E);
-                    again = false;
-                    for (int q = 0; q < j && used >= k; q++)
-                        again |= ids[t * k + q] == e;
-                } while (again);
-                ids[t * k + j] = c->holes && (t * k + j) % 3 == 1 ? -1 : e;
-                wts[t * k + j] = (test_randf(rng) + 1.0f) * 0.5f;
-            }
-        }
+        if (c->expert_rows)
+            given_rows(c->expert_rows, E, T * k, ids, wts, rng);
+        else
+            given_random(c, ids, wts, rng);
         d_ids = dmalloc(sizeof(int32_t) * T * k);
         d_wts = dmalloc(sizeof(float) * T * k);
         CK(moek_cuda_copy_to_device(d_ids, ids, sizeof(int32_t) * T * k));
@@ -417,7 +450,7 @@ TEST(moe_decode_slots)
     for (int i = 0; i < 7; i++) {
         moe_case c = {{8, 8, 256, 192}, i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
                       tokens[i], ROUTE_GIVEN, false, 0, 0, {0, false}, false,
-                      true};
+                      true, NULL};
         c.s.topk = tokens[i] > 4 ? 2 : 8;
         run_moe(&c, &rng);
         c.holes = false;
@@ -432,13 +465,13 @@ TEST(moe_many_tokens_and_nan)
     need_gpu();
     uint64_t rng = test_seed();
     moe_case c = {{256, 8, 512, 64}, MOEK_DTYPE_BF16, 4096, ROUTE_SOFTMAX,
-                  true, 0, 256, {0, false}, false, false};
+                  true, 0, 256, {0, false}, false, false, NULL};
     run_moe(&c, &rng);
     c.route = ROUTE_SIGMOID;
     c.dt = MOEK_DTYPE_FP16;
     run_moe(&c, &rng);
     moe_case n = {{64, 4, 128, 64}, MOEK_DTYPE_BF16, 8, ROUTE_SOFTMAX, true,
-                  0, 0, {0, false}, true, false};
+                  0, 0, {0, false}, true, false, NULL};
     run_moe(&n, &rng);
     n.route = ROUTE_SIGMOID;
     run_moe(&n, &rng);
@@ -452,12 +485,52 @@ TEST(moe_every_tile)
     static const int tiles[] = {16, 32, 64, 128, 192, 256};
     for (int i = 0; i < 8; i++) {
         moe_case c = {{16, 4, 384, 320}, i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
-                      300, ROUTE_SOFTMAX, true, 0, 64, {0, false}, false, false};
+                      300, ROUTE_SOFTMAX, true, 0, 64, {0, false}, false, false, NULL};
         if (i < 6)
             c.tune.token_tile = tiles[i];
         else
             c.tune.generic = true;
         run_moe(&c, &rng);
+    }
+}
+
+/* Whether a layer that qualifies takes cluster mode here: on sm_90,
+ * unless a switch keeps layers off it (weights.cu). */
+static bool cluster_wanted(void)
+{
+    const char *off = getenv("MOEK_CUDA_NO_CLUSTER"),
+               *rm = getenv("MOEK_CUDA_ROW_MAJOR");
+    const bool switched_off =
+        (off && *off && *off != '0') || (rm && *rm && *rm != '0');
+    return device_cc() == 90 && !switched_off;
+}
+
+/* Token tiles of every width of the 128-, 192- and 256-row instances
+ * (moek_tile_class: a group's tiles are as narrow as its rows allow), with
+ * groups of one to five tiles and an empty one, on a plain shape (every
+ * token checked) and on one that takes cluster mode (I >= 4096). Each of
+ * the three instances gets a group of each of its four widths from these
+ * counts: 128: 32 (1 row), 64 (33), 96 (70, and 129 in two tiles), 128
+ * (100, and 520 in five); 192: 96 (1), 128 (100), 160 (150), 192 (180);
+ * 256: 160 (1), 192 (180, and 520 in three), 224 (200), 256 (230). */
+TEST(moe_tile_classes)
+{
+    need_gpu();
+    uint64_t rng = test_seed();
+    static const int rows[16] = {0,   1,   32,  33,  40,  60,  70,  100,
+                                 129, 150, 180, 200, 230, 257, 300, 520};
+    static const int tiles[] = {128, 192, 256};
+    const bool hopper = device_cc() == 90;
+    for (int i = 0; i < 6; i++) {
+        const bool wide = i >= 3;
+        moe_case c = {{16, 2, 456, wide ? 4168 : 328},
+                      i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16, 1151,
+                      ROUTE_GIVEN, false, 0, wide ? 96 : 0,
+                      {tiles[i % 3], false}, false, false, rows};
+        const tile_opts to = {NULL, 0, hopper ? tiles[i % 3] : 0,
+                              wide && cluster_wanted() ? CLUSTER_ON
+                                                       : CLUSTER_OFF};
+        run_moe_tiles(&c, &to, &rng);
     }
 }
 
@@ -479,8 +552,8 @@ static moek_cuda_moe_layer *small_layer(const moek_moe_shape *s, moek_dtype dt,
 /* Cluster mode (CTA pairs sharing token tiles by multicast) on each tile
  * that takes it, over a shape that qualifies (I >= 4096, even weight-tile
  * counts) with partial K blocks in both GEMMs (H = 7 * 64 + 8,
- * I = 65 * 64 + 8): 75 rows per expert (tail tiles only, with 256) and 300
- * (a main tile and tails), and given routing with slots routed nowhere; 20
+ * I = 65 * 64 + 8): 75 rows per expert (one narrow tile each) and 300
+ * (several tiles), and given routing with slots routed nowhere; 20
  * slots under the widest tile take the plain path. Off Hopper (or with the
  * switches that turn it off) no call takes it; with I below 4096 none does
  * either. */
@@ -491,12 +564,7 @@ TEST(moe_cluster_tiles)
     static const int tiles[] = {128, 192, 256};
     const moek_moe_shape s = {16, 4, 456, 4168};
     const moek_moe_shape narrow = {16, 4, 456, 328};
-    /* The switches that keep layers off cluster mode (weights.cu). */
-    const char *off = getenv("MOEK_CUDA_NO_CLUSTER"),
-               *rm = getenv("MOEK_CUDA_ROW_MAJOR");
-    const bool switched_off =
-        (off && *off && *off != '0') || (rm && *rm && *rm != '0');
-    const bool want = device_cc() == 90 && !switched_off;
+    const bool want = cluster_wanted();
     const tile_opts cl_on = {NULL, 0, 0, CLUSTER_ON},
                     cl_off = {NULL, 0, 0, CLUSTER_OFF};
     moek_cuda_moe_layer *n = small_layer(&narrow, MOEK_DTYPE_BF16,
@@ -508,19 +576,19 @@ TEST(moe_cluster_tiles)
     for (int i = 0; i < 6; i++) {
         moe_case c = {s, i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
                       (i / 2 + i) % 2 ? 1200 : 300, ROUTE_SOFTMAX, true, 0, 32,
-                      {tiles[i / 2], false}, false, false};
+                      {tiles[i / 2], false}, false, false, NULL};
         run_moe_tiles(&c, want ? &cl_on : &cl_off, &rng);
     }
     /* 20 slots under a forced 256-row tile: fewer than a tile's worth, so
      * no cluster mode (a TMA box would exceed the tensor), and correct. */
     moe_case few = {s, MOEK_DTYPE_BF16, 5, ROUTE_SOFTMAX, true, 0, 0,
-                    {256, false}, false, false};
+                    {256, false}, false, false, NULL};
     run_moe_tiles(&few, &cl_off, &rng);
     /* Given routing with a third of the slots routed nowhere: those slots
      * have no sorted position, so the copy of x must stop at the routed
      * ones (the debug build's workspace is poisoned past them). */
     moe_case h = {s, MOEK_DTYPE_BF16, 1200, ROUTE_GIVEN, false, 0, 32,
-                  {256, false}, false, true};
+                  {256, false}, false, true, NULL};
     run_moe(&h, &rng);
 }
 
@@ -614,7 +682,7 @@ TEST(moe_tile_table)
     };
     for (size_t i = 0; i < ARRAY_LEN(runs); i++) {
         moe_case c = {{16, 4, 384, 320}, runs[i].dt, runs[i].tokens,
-                      ROUTE_SOFTMAX, true, 0, 64, {0, false}, false, false};
+                      ROUTE_SOFTMAX, true, 0, 64, {0, false}, false, false, NULL};
         tile_opts to = {runs[i].rules, runs[i].n, runs[i].expect, 0};
         run_moe_tiles(&c, &to, &rng);
     }
@@ -724,11 +792,11 @@ TEST(moe_qwen3)
     static const int tokens[] = {1, 8, 64, 512, 4096};
     for (int i = 0; i < 5; i++) {
         moe_case c = {{128, 8, 2048, 768}, MOEK_DTYPE_BF16, tokens[i],
-                      ROUTE_SOFTMAX, true, 0, 8, {0, false}, false, false};
+                      ROUTE_SOFTMAX, true, 0, 8, {0, false}, false, false, NULL};
         run_moe(&c, &rng);
     }
     moe_case f = {{128, 8, 2048, 768}, MOEK_DTYPE_FP16, 100, ROUTE_GIVEN,
-                  false, 0, 8, {0, false}, false, false};
+                  false, 0, 8, {0, false}, false, false, NULL};
     run_moe(&f, &rng);
 }
 
@@ -737,7 +805,7 @@ TEST(moe_mixtral)
     need_gpu();
     uint64_t rng = test_seed();
     moe_case c = {{8, 2, 4096, 14336}, MOEK_DTYPE_BF16, 1, ROUTE_SOFTMAX,
-                  true, 0, 0, {0, false}, false, false};
+                  true, 0, 0, {0, false}, false, false, NULL};
     run_moe(&c, &rng);
     c.tokens = 3;
     run_moe(&c, &rng);
@@ -748,7 +816,7 @@ TEST(moe_deepseek)
     need_gpu();
     uint64_t rng = test_seed();
     moe_case c = {{256, 8, 7168, 2048}, MOEK_DTYPE_BF16, 1, ROUTE_SIGMOID,
-                  true, 0, 0, {0, false}, false, false};
+                  true, 0, 0, {0, false}, false, false, NULL};
     run_moe(&c, &rng);
     c.tokens = 3;
     c.route = ROUTE_SOFTMAX;
@@ -1270,6 +1338,7 @@ int main(int argc, char **argv)
                          TEST_CASE_TIMEOUT(moe_many_tokens_and_nan, 300),
                          TEST_CASE_TIMEOUT(moe_every_tile, 300),
                          TEST_CASE_TIMEOUT(moe_cluster_tiles, 300),
+                         TEST_CASE_TIMEOUT(moe_tile_classes, 300),
                          TEST_CASE_TIMEOUT(moe_tile_table, 120),
                          TEST_CASE_TIMEOUT(moe_autotune, 120),
                          TEST_CASE_TIMEOUT(moe_graph_replay, 120),
