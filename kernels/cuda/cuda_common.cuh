@@ -291,6 +291,23 @@ __device__ __forceinline__ void moek_epi_pair(const moek_gemm_args &a,
     }
 }
 
+/* COMBINE, four adjacent output features f .. f + 3 of token column c: one
+ * 16-byte fp32 atomic add of w * v into the token's row (sm_90; H is a
+ * multiple of 8, so the four are valid together). stg as in moek_epi_pair. */
+__device__ __forceinline__ void moek_combine4(const moek_gemm_args &a,
+                                              const moek_item &it, int f,
+                                              int c, float4 v, const int2 *stg)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (c >= it.mlen || f >= a.n_valid)
+        return;
+    const float w = __int_as_float(stg[c].y);
+    float *dst = reinterpret_cast<float *>(a.out) + (size_t)stg[c].x * a.ldo + f;
+    atomicAdd(reinterpret_cast<float4 *>(dst),
+              make_float4(w * v.x, w * v.y, w * v.z, w * v.w));
+#endif
+}
+
 /* Programmatic dependent launch: wait for the previous kernel in the stream
  * (a no-op when the launch had no programmatic dependency), and let the next
  * one start its prologue. */

@@ -22,8 +22,8 @@
  *   warpgroups 1, 2, consumers: wait "full", issue 4 wgmma m64nBNk16, keep
  *     one wgmma group in flight and release the previous stage on its
  *     "empty" mbarrier; after the item's last K block, the epilogue
- *     (moek_epi_pair) fuses SiLU(gate)*up, the routing weight with an fp32
- *     vector atomic add, or a plain store. The producer runs ahead into the
+ *     (moek_epi_pair) fuses SiLU(gate)*up, the routing weight with fp32
+ *     vector atomic adds, or a plain store. The producer runs ahead into the
  *     next item meanwhile.
  * Inside one instance:
  *   - token tiles of up to four widths (BN 128 and wider: BN, BN - 32,
@@ -570,15 +570,35 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
         }
         const int R_lo = it.nt * MOEK_WTILE + cw * 64 + warp * 16 + (lane >> 2);
         const int c0 = 2 * (lane & 3);
-        if (comb) /* this warpgroup's staged pairs are all written */
+        if (comb) {
+            /* This warpgroup's staged pairs are all written. Lanes l and
+             * l ^ 4 hold features 2r, 2r + 1 and 2r + 2, 2r + 3 (r = l / 4
+             * even) of token columns c0 and c0 + 1: they swap a column's
+             * pair, so each adds four adjacent features of one token. */
             asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
-        const int2 *es = comb ? stg : nullptr;
+            const bool odd = (lane >> 2) & 1;
+            const int f = (R_lo >> 4) * 16 + 2 * ((lane >> 2) & 6);
+#pragma unroll
+            for (int j = 0; j < N / 8; j++) {
+                /* By value: a pointer into d would put the accumulators in
+                 * local memory, where the asynchronous wgmma cannot write. */
+                const float q0 = d[j * 4], q1 = d[j * 4 + 1],
+                            q2 = d[j * 4 + 2], q3 = d[j * 4 + 3];
+                const float sx = __shfl_xor_sync(0xffffffffu, odd ? q0 : q1, 4);
+                const float sy = __shfl_xor_sync(0xffffffffu, odd ? q2 : q3, 4);
+                moek_combine4(a, it, f, j * 8 + c0 + odd,
+                              odd ? make_float4(sx, sy, q1, q3)
+                                  : make_float4(q0, q2, sx, sy),
+                              stg);
+            }
+            continue;
+        }
 #pragma unroll
         for (int j = 0; j < N / 8; j++) {
             moek_epi_pair<T>(a, it, R_lo, j * 8 + c0, d[j * 4 + 0],
-                             d[j * 4 + 2], es);
+                             d[j * 4 + 2], nullptr);
             moek_epi_pair<T>(a, it, R_lo, j * 8 + c0 + 1, d[j * 4 + 1],
-                             d[j * 4 + 3], es);
+                             d[j * 4 + 3], nullptr);
         }
     }
 }

@@ -120,16 +120,23 @@ bool env_off(const char *name)
 
 bool pdl_default(void) { return !env_off("MOEK_CUDA_NO_PDL"); }
 
+/* A positive integer setting from the environment, def when unset or not
+ * one in [1, max]. */
+int env_int(const char *name, int def, int max)
+{
+    const char *e = getenv(name);
+    if (!e || !*e)
+        return def;
+    char *end;
+    long v = strtol(e, &end, 10);
+    return *end || v < 1 || v > max ? def : (int)v;
+}
+
 /* MOEK_CUDA_SPLIT_MIN_KB=N: the K blocks an item of a split GEMM keeps at
  * least (default 8; 4 was the former rule). */
 int split_min_kb_default(void)
 {
-    const char *e = getenv("MOEK_CUDA_SPLIT_MIN_KB");
-    if (!e || !*e)
-        return 8;
-    char *end;
-    long v = strtol(e, &end, 10);
-    return *end || v < 1 || v > 1024 ? 8 : (int)v;
+    return env_int("MOEK_CUDA_SPLIT_MIN_KB", 8, 1024);
 }
 
 int check_dtype(moek_dtype dt)
@@ -200,8 +207,10 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
      * TMA maps (16-byte row pitch). Its copy of x costs H per slot and its
      * gain grows with I: on the H200 it paid for mixtral (I = 14336, T=4096
      * 4% faster), broke even for deepseek (2048) and lost 4% for qwen3
-     * (768) (kernels/bench/RESULTS.md). */
-    L->cluster = tl && !env_off("MOEK_CUDA_NO_CLUSTER") && I >= 4096 &&
+     * (768) (kernels/bench/RESULTS.md). MOEK_CUDA_CLUSTER_MIN_I=N moves
+     * the bound, for measuring. */
+    L->cluster = tl && !env_off("MOEK_CUDA_NO_CLUSTER") &&
+                 I >= env_int("MOEK_CUDA_CLUSTER_MIN_I", 4096, 1 << 30) &&
                  H >= MOEK_KTILE && H % 8 == 0 && I % 8 == 0 &&
                  (2 * I + MOEK_WTILE - 1) / MOEK_WTILE % 2 == 0 &&
                  (L->h16 + MOEK_WTILE - 1) / MOEK_WTILE % 2 == 0;
