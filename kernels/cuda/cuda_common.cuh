@@ -65,6 +65,8 @@ __host__ __device__ __forceinline__ int moek_token_tiles(int cnt, int bn)
 }
 __host__ __device__ __forceinline__ int moek_tile_class(int cnt, int bn)
 {
+    if (moek_classes(bn) == 1)
+        return 0;
     const int np = moek_token_tiles(cnt, bn);
     const int rows = np > 0 ? (cnt + np - 1) / np : bn;
     const int c = (bn - rows) / MOEK_CLASS_STEP;

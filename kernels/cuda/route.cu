@@ -450,30 +450,45 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
         start += o < e;
     }
     const bool first = e >= 0 && rank == 0; /* the expert's first slot */
-    /* Compact groups in order of (tile class, expert); key -1: no group. */
-    const int key = first ? moek_tile_class(cnt, aa.bn) * MOEK_MAX_EXPERTS + e
-                          : -1;
-    int ci = 0, ncg = 0;
-    for (int j = 0; j < 32; j++) {
+    /* Compact groups in order of (tile class, expert); key -1: no group.
+     * A group's items are its token tiles times a factor every group of
+     * the GEMM shares (weight tiles x K splits), so the tile list needs
+     * only the token tiles before each group and per class. */
+    const int cls = first ? moek_tile_class(cnt, aa.bn) : 0;
+    const int key = first ? cls * MOEK_MAX_EXPERTS + e : -1;
+    const int np = first ? moek_token_tiles(cnt, aa.bn) : 0;
+    const int ncg = __popc(__ballot_sync(FULL, first));
+    int ci = 0, tiles_before = 0;
+    for (int j = 0; j < n; j++) {
         const int kj = __shfl_sync(FULL, key, j);
-        ncg += kj >= 0;
-        ci += kj >= 0 && kj < key;
+        const int nj = __shfl_sync(FULL, np, j);
+        const bool below = kj >= 0 && kj < key;
+        ci += below;
+        tiles_before += below ? nj : 0;
     }
     if (e >= 0) {
         aa.pos_token[start + rank] = lane / k;
         aa.pos_weight[start + rank] = s_w[lane];
     }
-    int np = 0;
     if (first) {
         aa.cg_group[ci] = e;
         aa.cg_start[ci] = start;
         aa.cg_count[ci] = cnt;
-        np = moek_token_tiles(cnt, aa.bn);
     }
-    long long pairs = np;
+    int pairs = np;
 #pragma unroll
     for (int o = 16; o; o >>= 1)
         pairs += __shfl_xor_sync(FULL, pairs, o);
+    int ends[MOEK_CLASSES]; /* token tiles of the classes up to c */
+    for (int c = 0; c < MOEK_CLASSES; c++) {
+        ends[c] = pairs;
+        if (moek_classes(aa.bn) > 1 && c < MOEK_CLASSES - 1) {
+            ends[c] = cls <= c ? np : 0;
+#pragma unroll
+            for (int o = 16; o; o >>= 1)
+                ends[c] += __shfl_xor_sync(FULL, ends[c], o);
+        }
+    }
     const unsigned routed = __ballot_sync(FULL, e >= 0);
     if (lane == 0) {
         aa.plan[MOEK_PLAN_NCG] = ncg;
@@ -482,26 +497,16 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
     for (int d = 0; d < aa.ngemm; d++) {
         const moek_gemm_dims dm = aa.d[d];
         const int split = pick_split(dm, pairs, aa.sms, aa.split_min_kb);
-        const long long mine = (long long)np * dm.n_tiles * split;
-        long long before = 0, items = 0;
-        long long ends[MOEK_CLASSES] = {};
-        for (int j = 0; j < 32; j++) {
-            const long long v = __shfl_sync(FULL, mine, j);
-            const int kj = __shfl_sync(FULL, key, j);
-            items += v;
-            before += kj >= 0 && kj < key ? v : 0;
-            for (int c = 0; c < MOEK_CLASSES; c++)
-                ends[c] += kj >= 0 && kj / MOEK_MAX_EXPERTS <= c ? v : 0;
-        }
+        const int per_tile = dm.n_tiles * split;
         int *out = aa.cg_before + d * (aa.groups + 1);
         if (first)
-            out[ci] = (int)before;
+            out[ci] = tiles_before * per_tile;
         if (lane == 0) {
-            out[ncg] = (int)items;
+            out[ncg] = pairs * per_tile;
             aa.plan[d ? MOEK_PLAN_SPLIT1 : MOEK_PLAN_SPLIT0] = split;
             int *pe = aa.plan + (d ? MOEK_PLAN_ENDS1 : MOEK_PLAN_ENDS0);
             for (int c = 0; c < MOEK_CLASSES; c++)
-                pe[c] = (int)ends[c];
+                pe[c] = ends[c] * per_tile;
         }
     }
 }
