@@ -6,7 +6,7 @@
  * The tile list. Routing (route.cu) counts the rows of each group (expert,
  * or GEMM group), keeps only the non-empty ones ("compact groups", cg) and,
  * for each GEMM that will run, the number of work items before each compact
- * group. An item is (compact group, token tile of BN rows, weight tile of 128
+ * group. An item is (compact group, token tile of up to BN rows, weight tile of 128
  * rows, K split). A persistent GEMM grid walks items i = blockIdx.x,
  * blockIdx.x + gridDim.x, ...; decode_item() maps i to the tile. Items of one
  * group are ordered chunk of weight tiles -> token tile -> weight tile ->
@@ -61,14 +61,14 @@ __host__ __device__ __forceinline__ constexpr int moek_classes(int bn)
 }
 __host__ __device__ __forceinline__ int moek_token_tiles(int cnt, int bn)
 {
-    return (cnt + bn - 1) / bn;
+    return cnt / bn + (cnt % bn != 0); /* cnt may be near INT_MAX */
 }
 __host__ __device__ __forceinline__ int moek_tile_class(int cnt, int bn)
 {
     if (moek_classes(bn) == 1)
         return 0;
     const int np = moek_token_tiles(cnt, bn);
-    const int rows = np > 0 ? (cnt + np - 1) / np : bn;
+    const int rows = np > 0 ? cnt / np + (cnt % np != 0) : bn;
     const int c = (bn - rows) / MOEK_CLASS_STEP;
     return c < moek_classes(bn) - 1 ? c : moek_classes(bn) - 1;
 }
@@ -103,7 +103,7 @@ struct moek_gemm_args {
     const int *cg_group, *cg_start, *cg_count;
     const int *cg_before; /* items before each compact group */
     int which;            /* 0 or 1: which plan split/items */
-    int bn;               /* token rows per tile */
+    int bn;               /* token rows of the widest tile */
     int chunk;            /* weight tiles per raster chunk */
     /* weights [groups * rows_pad, K], K-major */
     const void *w;
@@ -307,6 +307,8 @@ __device__ __forceinline__ void moek_combine4(const moek_gemm_args &a,
     float *dst = reinterpret_cast<float *>(a.out) + (size_t)stg[c].x * a.ldo + f;
     atomicAdd(reinterpret_cast<float4 *>(dst),
               make_float4(w * v.x, w * v.y, w * v.z, w * v.w));
+#elif defined(__CUDA_ARCH__)
+    __trap(); /* only the sm_90 kernel calls this */
 #endif
 }
 

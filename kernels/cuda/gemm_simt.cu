@@ -2,9 +2,9 @@
  * gemm_simt.cu: the portable GEMM, for GPUs that are not sm_90 (and, forced
  * through moek_cuda_*_tune, as a second opinion in the tests).
  *
- * It walks the same work items (cuda_common.cuh) and ends in the same
- * epilogue (moek_epi_pair) as gemm_wgmma.cu, so routing, layouts and
- * epilogues are shared and only the inner product differs: plain fp32 FMAs
+ * It walks the same work items (cuda_common.cuh) and ends in the epilogue
+ * gemm_wgmma.cu uses for narrow tiles (moek_epi_pair), so routing, layouts
+ * and epilogues are shared and only the inner product differs: plain fp32 FMAs
  * over 32-wide K slices staged in shared memory. One block of 256 threads
  * per item; thread t owns token column t % BN and the row pairs (R, R + 8) of
  * 128 / (2 * 256 / BN) 16-row blocks. Correct everywhere, fast nowhere.

@@ -14,16 +14,17 @@
  *     weight tile (16 KB, stored pre-swizzled and contiguous: weights.cu;
  *     or a 128-byte swizzled TMA load from row-major weights; an L2
  *     evict-first hint when the weights serve one token tile), and gathers
- *     the BN token rows with cp.async
+ *     the item's N <= BN token rows with cp.async
  *     into the same swizzled layout (rows of x picked through the sorted
  *     slot -> token map, so the activations are never copied to a sorted
  *     buffer); both complete on the stage's "full" mbarrier (1 expect-tx
  *     arrival + 128 cp.async no-increment arrivals).
- *   warpgroups 1, 2, consumers: wait "full", issue 4 wgmma m64nBNk16, keep
+ *   warpgroups 1, 2, consumers: wait "full", issue 4 wgmma m64nNk16, keep
  *     one wgmma group in flight and release the previous stage on its
  *     "empty" mbarrier; after the item's last K block, the epilogue
- *     (moek_epi_pair) fuses SiLU(gate)*up, the routing weight with fp32
- *     vector atomic adds, or a plain store. The producer runs ahead into the
+ *     fuses SiLU(gate)*up (epi_swiglu_staged, or moek_epi_pair for narrow
+ *     tiles), the routing weight with 16-byte fp32 atomic adds
+ *     (moek_combine4), or a plain store (moek_epi_pair). The producer runs ahead into the
  *     next item meanwhile.
  * Inside one instance:
  *   - token tiles of up to four widths (BN 128 and wider: BN, BN - 32,
@@ -292,7 +293,7 @@ template <int N> __device__ __forceinline__ void wgmma_wait()
 #endif
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-/* Pipeline position shared by the phases of one role. */
+/* Pipeline position shared by the tile classes of one role. */
 struct pipe_pos {
     int stage, used;
     uint32_t phase;

@@ -207,8 +207,9 @@ bool moe_cluster_layer(const moek_cuda_moe_layer *L)
 {
     return L->cluster && L->cc == 90 && !L->tune.generic;
 }
-/* A call of T tokens with tile bn: at least a tile's worth of slots, so a
- * TMA box of token rows never exceeds the tensor. */
+/* A call of T tokens with tile bn: at least a tile's worth of slots (a
+ * pair needs at least two tiles' worth of work to pay for the copy of x;
+ * a TMA box, MOEK_BBOX rows, must also fit in the tensor). */
 bool moe_cluster(const moek_cuda_moe_layer *L, int bn, int T)
 {
     return moe_cluster_layer(L) && moek_wgmma_cluster_ok(bn) &&
@@ -493,10 +494,11 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
                             row16));
     }
 
-    /* Grid bounds: GEMM 1 has at most (hit experts + T k / 64) token tiles
-     * times its weight tiles; GEMM 2 may split, so it takes every SM. */
+    /* Grid bounds: GEMM 1 has at most (hit experts + T k / bn) token tiles
+     * (ceil(rows / bn) per group) times its weight tiles; GEMM 2 may split,
+     * so it takes every SM. */
     const long long pairs_max = (long long)(T * k < E ? T * k : E) +
-                                (long long)T * k / (bn < 64 ? bn : 64);
+                                (long long)T * k / bn;
     const long long items1 = pairs_max * g1.n_tiles;
     const int grid1 = (int)(items1 < L->sms ? items1 : L->sms);
     /* GEMM 2's early weight loads pay when GEMM 1 fills every SM; when it
@@ -617,7 +619,7 @@ int moek_cuda_grouped_gemm(moek_cuda_gemm_weights *W, moek_cuda_workspace *ws,
     const bool pdl = W->pdl && st != nullptr;
     MOEK_CU(moek_launch_align_groups(aa, st, pdl));
     long long pairs = (long long)(total_m < W->groups ? total_m : W->groups) +
-                      total_m / (bn < 64 ? bn : 64);
+                      total_m / bn;
     long long items = pairs * g.n_tiles;
     int grid = (int)(items < W->sms ? items : W->sms);
     MOEK_CU(run_gemm(W->dt, wgmma, &W->tm, g, grid, st, pdl));

@@ -479,16 +479,12 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
 #pragma unroll
     for (int o = 16; o; o >>= 1)
         pairs += __shfl_xor_sync(FULL, pairs, o);
-    int ends[MOEK_CLASSES]; /* token tiles of the classes up to c */
-    for (int c = 0; c < MOEK_CLASSES; c++) {
-        ends[c] = pairs;
-        if (moek_classes(aa.bn) > 1 && c < MOEK_CLASSES - 1) {
-            ends[c] = cls <= c ? np : 0;
-#pragma unroll
-            for (int o = 16; o; o >>= 1)
-                ends[c] += __shfl_xor_sync(FULL, ends[c], o);
-        }
-    }
+    /* Token tiles of the classes up to c. A group here has at most 32
+     * rows, so with several widths (tiles of 128 rows and more) every group
+     * takes the narrowest, the last class. */
+    int ends[MOEK_CLASSES];
+    for (int c = 0; c < MOEK_CLASSES; c++)
+        ends[c] = c < moek_classes(aa.bn) - 1 ? 0 : pairs;
     const unsigned routed = __ballot_sync(FULL, e >= 0);
     if (lane == 0) {
         aa.plan[MOEK_PLAN_NCG] = ncg;

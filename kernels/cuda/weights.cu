@@ -111,7 +111,8 @@ int device_setup(int device, int *sms, int *cc)
  * small-batch kernel, MOEK_CUDA_ROW_MAJOR=1 keeps the weights row-major
  * (read through TMA maps), MOEK_CUDA_NO_L2_HINT=1 drops the weight loads'
  * L2 evict-first hint, MOEK_CUDA_NO_CLUSTER=1 keeps prefill tiles off
- * cluster mode (layer.cu). Read once, when a layer or weight set is made. */
+ * cluster mode (layer.cu), MOEK_CUDA_CLUSTER_MIN_I=N moves its bound on I.
+ * Read once, when a layer or weight set is made. */
 bool env_off(const char *name)
 {
     const char *e = getenv(name);

@@ -494,21 +494,31 @@ TEST(moe_every_tile)
     }
 }
 
-/* Whether a layer that qualifies takes cluster mode here: on sm_90,
- * unless a switch keeps layers off it (weights.cu). */
-static bool cluster_wanted(void)
+/* Whether a layer of intermediate size I that qualifies otherwise takes
+ * cluster mode here: on sm_90, I at least the bound (4096, or
+ * MOEK_CUDA_CLUSTER_MIN_I), unless a switch keeps layers off it
+ * (weights.cu). */
+static bool cluster_wanted(int I)
 {
     const char *off = getenv("MOEK_CUDA_NO_CLUSTER"),
-               *rm = getenv("MOEK_CUDA_ROW_MAJOR");
+               *rm = getenv("MOEK_CUDA_ROW_MAJOR"),
+               *mi = getenv("MOEK_CUDA_CLUSTER_MIN_I");
     const bool switched_off =
         (off && *off && *off != '0') || (rm && *rm && *rm != '0');
-    return device_cc() == 90 && !switched_off;
+    long bound = 4096;
+    if (mi && *mi) {
+        char *end;
+        long v = strtol(mi, &end, 10);
+        if (!*end && v >= 1 && v <= (1L << 30))
+            bound = v;
+    }
+    return device_cc() == 90 && !switched_off && I >= bound;
 }
 
 /* Token tiles of every width of the 128-, 192- and 256-row instances
  * (moek_tile_class: a group's tiles are as narrow as its rows allow), with
- * groups of one to five tiles and an empty one, on a plain shape (every
- * token checked) and on one that takes cluster mode (I >= 4096). Each of
+ * groups of one to five tiles and an empty one, every token checked, on a
+ * plain shape and on one that takes cluster mode (I >= 4096). Each of
  * the three instances gets a group of each of its four widths from these
  * counts: 128: 32 (1 row), 64 (33), 96 (70, and 129 in two tiles), 128
  * (100, and 520 in five); 192: 96 (1), 128 (100), 160 (150), 192 (180);
@@ -525,11 +535,11 @@ TEST(moe_tile_classes)
         const bool wide = i >= 3;
         moe_case c = {{16, 2, 456, wide ? 4168 : 328},
                       i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16, 1151,
-                      ROUTE_GIVEN, false, 0, wide ? 96 : 0,
+                      ROUTE_GIVEN, false, 0, 0,
                       {tiles[i % 3], false}, false, false, rows};
         const tile_opts to = {NULL, 0, hopper ? tiles[i % 3] : 0,
-                              wide && cluster_wanted() ? CLUSTER_ON
-                                                       : CLUSTER_OFF};
+                              cluster_wanted(c.s.intermediate) ? CLUSTER_ON
+                                                               : CLUSTER_OFF};
         run_moe_tiles(&c, &to, &rng);
     }
 }
@@ -564,14 +574,15 @@ TEST(moe_cluster_tiles)
     static const int tiles[] = {128, 192, 256};
     const moek_moe_shape s = {16, 4, 456, 4168};
     const moek_moe_shape narrow = {16, 4, 456, 328};
-    const bool want = cluster_wanted();
+    const bool want = cluster_wanted(s.intermediate);
     const tile_opts cl_on = {NULL, 0, 0, CLUSTER_ON},
                     cl_off = {NULL, 0, 0, CLUSTER_OFF};
     moek_cuda_moe_layer *n = small_layer(&narrow, MOEK_DTYPE_BF16,
                                          test_rand(&rng));
     const moek_cuda_tuning t256 = {256, false};
     CK(moek_cuda_moe_layer_tune(n, &t256));
-    CHECK_EQ_INT(moek_cuda_moe_layer_uses_cluster(n, 1200), 0);
+    CHECK_EQ_INT(moek_cuda_moe_layer_uses_cluster(n, 1200),
+                 cluster_wanted(narrow.intermediate));
     moek_cuda_moe_layer_free(n);
     for (int i = 0; i < 6; i++) {
         moe_case c = {s, i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
@@ -580,7 +591,7 @@ TEST(moe_cluster_tiles)
         run_moe_tiles(&c, want ? &cl_on : &cl_off, &rng);
     }
     /* 20 slots under a forced 256-row tile: fewer than a tile's worth, so
-     * no cluster mode (a TMA box would exceed the tensor), and correct. */
+     * no cluster mode (layer.cu, moe_cluster), and correct. */
     moe_case few = {s, MOEK_DTYPE_BF16, 5, ROUTE_SOFTMAX, true, 0, 0,
                     {256, false}, false, false, NULL};
     run_moe_tiles(&few, &cl_off, &rng);
