@@ -6,8 +6,8 @@
  * The tile list. Routing (route.cu) counts the rows of each group (expert,
  * or GEMM group), keeps only the non-empty ones ("compact groups", cg) and,
  * for each GEMM that will run, the number of work items before each compact
- * group. An item is (compact group, token tile of up to BN rows, weight tile of 128
- * rows, K split). A persistent GEMM grid walks items i = blockIdx.x,
+ * group. An item is (compact group, token tile of up to BN rows, weight
+ * tile of 128 rows, K split). A persistent GEMM grid walks items i = blockIdx.x,
  * blockIdx.x + gridDim.x, ...; decode_item() maps i to the tile. Items of one
  * group are ordered chunk of weight tiles -> token tile -> weight tile ->
  * split, so the CTAs running at one time share weight tiles (read from DRAM
@@ -63,11 +63,12 @@ __host__ __device__ __forceinline__ int moek_token_tiles(int cnt, int bn)
 {
     return cnt / bn + (cnt % bn != 0); /* cnt may be near INT_MAX */
 }
-__host__ __device__ __forceinline__ int moek_tile_class(int cnt, int bn)
+/* np: moek_token_tiles(cnt, bn), which every caller has at hand. */
+__host__ __device__ __forceinline__ int moek_tile_class(int cnt, int np,
+                                                        int bn)
 {
     if (moek_classes(bn) == 1)
         return 0;
-    const int np = moek_token_tiles(cnt, bn);
     const int rows = np > 0 ? cnt / np + (cnt % np != 0) : bn;
     const int c = (bn - rows) / MOEK_CLASS_STEP;
     return c < moek_classes(bn) - 1 ? c : moek_classes(bn) - 1;
@@ -179,7 +180,7 @@ __device__ __forceinline__ moek_item moek_decode_item(const moek_gemm_args &a,
     int l = idx - before[lo];
     int cnt = __ldg(a.cg_count + lo);
     const int np = moek_token_tiles(cnt, a.bn);
-    const int bn = a.bn - moek_tile_class(cnt, a.bn) * MOEK_CLASS_STEP;
+    const int bn = a.bn - moek_tile_class(cnt, np, a.bn) * MOEK_CLASS_STEP;
     int per_chunk = np * a.chunk * split;
     int ch = l / per_chunk;
     int r = l - ch * per_chunk;
@@ -257,8 +258,7 @@ __device__ __forceinline__ float moek_silu(float v)
 template <typename T>
 __device__ __forceinline__ void moek_epi_pair(const moek_gemm_args &a,
                                               const moek_item &it, int R_lo,
-                                              int c, float lo, float hi,
-                                              const int2 *stg = nullptr)
+                                              int c, float lo, float hi)
 {
     if (c >= it.mlen)
         return;
@@ -276,9 +276,8 @@ __device__ __forceinline__ void moek_epi_pair(const moek_gemm_args &a,
     if (f >= a.n_valid)
         return;
     if (a.epi == MOEK_EPI_COMBINE) {
-        /* stg: the tile's (token, weight) pairs staged in shared memory. */
-        const int tok = stg ? stg[c].x : a.pos_token[pos];
-        const float w = stg ? __int_as_float(stg[c].y) : a.pos_weight[pos];
+        const int tok = a.pos_token[pos];
+        const float w = a.pos_weight[pos];
         float *dst = reinterpret_cast<float *>(a.out) + (size_t)tok * a.ldo + f;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         atomicAdd(reinterpret_cast<float2 *>(dst), make_float2(w * lo, w * hi));
@@ -295,7 +294,8 @@ __device__ __forceinline__ void moek_epi_pair(const moek_gemm_args &a,
 
 /* COMBINE, four adjacent output features f .. f + 3 of token column c: one
  * 16-byte fp32 atomic add of w * v into the token's row (sm_90; H is a
- * multiple of 8, so the four are valid together). stg as in moek_epi_pair. */
+ * multiple of 8, so the four are valid together). stg: the tile's (token,
+ * routing weight) pairs, staged in shared memory by column. */
 __device__ __forceinline__ void moek_combine4(const moek_gemm_args &a,
                                               const moek_item &it, int f,
                                               int c, float4 v, const int2 *stg)

@@ -24,8 +24,8 @@
  *     "empty" mbarrier; after the item's last K block, the epilogue
  *     fuses SiLU(gate)*up (epi_swiglu_staged, or moek_epi_pair for narrow
  *     tiles), the routing weight with 16-byte fp32 atomic adds
- *     (moek_combine4), or a plain store (moek_epi_pair). The producer runs ahead into the
- *     next item meanwhile.
+ *     (moek_combine4), or a plain store (moek_epi_pair). The producer runs
+ *     ahead into the next item meanwhile.
  * Inside one instance:
  *   - token tiles of up to four widths (BN 128 and wider: BN, BN - 32,
  *     BN - 64, BN - 96; cuda_common.cuh, moek_tile_class), so a group pays
@@ -389,8 +389,9 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
 /* Producer of cluster mode, one tile class, run by warp 0 (lane 0 issues): the
  * weight tile as in produce(), and this CTA's half of the N token rows
  * (contiguous rows of a.b from it.pos: the caller permuted them) in boxes
- * of MOEK_BBOX rows, multicast to both CTAs. Rows past the item's mlen belong to the next group
- * or lie past the tensor (zero): the epilogue skips those columns. */
+ * of MOEK_BBOX rows, multicast to both CTAs. Rows past the item's mlen
+ * belong to another group or lie past the tensor (zero): the epilogue
+ * skips those columns. */
 template <int BN, int N>
 __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
                                            const CUtensorMap *tmap,
@@ -597,9 +598,9 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
 #pragma unroll
         for (int j = 0; j < N / 8; j++) {
             moek_epi_pair<T>(a, it, R_lo, j * 8 + c0, d[j * 4 + 0],
-                             d[j * 4 + 2], nullptr);
+                             d[j * 4 + 2]);
             moek_epi_pair<T>(a, it, R_lo, j * 8 + c0 + 1, d[j * 4 + 1],
-                             d[j * 4 + 3], nullptr);
+                             d[j * 4 + 3]);
         }
     }
 }

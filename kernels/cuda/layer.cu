@@ -31,8 +31,8 @@ namespace {
  * column-equivalents, counting 32 columns of fixed cost per tile and sizing
  * for avg + 1.5 sigma (counts are roughly Poisson). Around 100-190 rows:
  * tiles of up to 192 rows; more: up to 256 (each group's tiles as narrow as
- * its rows allow, cuda_common.cuh). The sweeps in RESULTS.md are the evidence; the
- * tuner's sweeps at 64 rows per group (mixtral T=256, qwen3 T=1024,
+ * its rows allow, cuda_common.cuh). The sweeps in RESULTS.md are the
+ * evidence; the tuner's sweeps at 64 rows per group (mixtral T=256, qwen3 T=1024,
  * deepseek T=2048) put 128 first, 30% ahead of the 32 that a choice among
  * 16, 32 and 64 made. A card's tile table (tune.cu) overrides this. */
 int pick_tile(double avg)

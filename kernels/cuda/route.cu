@@ -297,12 +297,15 @@ __device__ void align_block(const moek_align_args &a, const int *counts,
     __syncthreads();
     /* Compact groups in order of tile class, then group: each non-empty
      * group counts 1 in its class's 16-bit field (groups <= 2048). */
+    int np[2] = {0, 0}, cls[2] = {0, 0};
     for (int j = 0; j < 2; j++) {
         int g = tid * 2 + j;
+        if (g < G && s_cnt[g] > 0) {
+            np[j] = moek_token_tiles(s_cnt[g], a.bn);
+            cls[j] = moek_tile_class(s_cnt[g], np[j], a.bn);
+        }
         if (g < G)
-            s_scan[g] = s_cnt[g] > 0
-                            ? 1LL << (16 * moek_tile_class(s_cnt[g], a.bn))
-                            : 0;
+            s_scan[g] = s_cnt[g] > 0 ? 1LL << (16 * cls[j]) : 0;
     }
     __syncthreads();
     const long long per_class =
@@ -312,16 +315,15 @@ __device__ void align_block(const moek_align_args &a, const int *counts,
     for (int c = 0; c < MOEK_CLASSES; c++)
         cfirst[c + 1] = cfirst[c] + (int)((per_class >> (16 * c)) & 0xffff);
     const int ncg = cfirst[MOEK_CLASSES];
-    /* Write the compact groups; keep each one's token tiles. */
-    int cidx[2] = {-1, -1}, np[2] = {0, 0};
+    /* Write the compact groups. */
+    int cidx[2] = {-1, -1};
     long long pairs_local = 0;
     for (int j = 0; j < 2; j++) {
         int g = tid * 2 + j;
         if (g < G && s_cnt[g] > 0) {
-            const int cls = moek_tile_class(s_cnt[g], a.bn);
-            int c = cfirst[cls] + (int)((s_scan[g] >> (16 * cls)) & 0xffff);
+            const int c = cfirst[cls[j]] +
+                          (int)((s_scan[g] >> (16 * cls[j])) & 0xffff);
             cidx[j] = c;
-            np[j] = moek_token_tiles(s_cnt[g], a.bn);
             pairs_local += np[j];
             a.cg_group[c] = g;
             a.cg_start[c] = s_start[g];
@@ -450,12 +452,14 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
         start += o < e;
     }
     const bool first = e >= 0 && rank == 0; /* the expert's first slot */
-    /* Compact groups in order of (tile class, expert); key -1: no group.
-     * A group's items are its token tiles times a factor every group of
-     * the GEMM shares (weight tiles x K splits), so the tile list needs
-     * only the token tiles before each group and per class. */
-    const int cls = first ? moek_tile_class(cnt, aa.bn) : 0;
-    const int key = first ? cls * MOEK_MAX_EXPERTS + e : -1;
+    /* Compact groups in order of (tile class, expert), as align_block
+     * orders them. A group here has at most 32 rows, so with several
+     * widths (tiles of 128 rows and more) every group takes the narrowest,
+     * the last class: the order is the experts'. A group's items are its
+     * token tiles times a factor every group of the GEMM shares (weight
+     * tiles x K splits), so the tile list needs only the token tiles before
+     * each group and per class. key -1: no group. */
+    const int key = first ? e : -1;
     const int np = first ? moek_token_tiles(cnt, aa.bn) : 0;
     const int ncg = __popc(__ballot_sync(FULL, first));
     int ci = 0, tiles_before = 0;
@@ -479,9 +483,7 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
 #pragma unroll
     for (int o = 16; o; o >>= 1)
         pairs += __shfl_xor_sync(FULL, pairs, o);
-    /* Token tiles of the classes up to c. A group here has at most 32
-     * rows, so with several widths (tiles of 128 rows and more) every group
-     * takes the narrowest, the last class. */
+    /* Token tiles of the classes up to c: all in the last one. */
     int ends[MOEK_CLASSES];
     for (int c = 0; c < MOEK_CLASSES; c++)
         ends[c] = c < moek_classes(aa.bn) - 1 ? 0 : pairs;

@@ -95,7 +95,6 @@ int relayout(void *dst, bool tiled, int g0, const void *a, const void *b,
     return 0;
 }
 
-
 int device_setup(int device, int *sms, int *cc)
 {
     int r = moek_cuda_device_info(device, cc, sms, nullptr);
