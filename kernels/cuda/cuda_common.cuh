@@ -130,6 +130,10 @@ struct moek_gemm_args {
     /* the tiles of groups with one token tile (weights read once) are
      * loaded with an L2 evict-first hint */
     int l2_hint;
+    /* GEMM 1 of a MoE forward zeroes GEMM 2's fp32 accumulator as it
+     * starts (moek_zero_acc): zero_n4 float4s at zero, or none. */
+    float4 *zero;
+    size_t zero_n4;
 };
 
 /* Tiled weights: every 128-row x 64-column block of a group's weights is
@@ -312,6 +316,20 @@ __device__ __forceinline__ void moek_combine4(const moek_gemm_args &a,
 #endif
 }
 
+/* GEMM 1's share of zeroing GEMM 2's accumulator (a.zero): thread t of nt
+ * per CTA, after the wait for the previous kernel (whose predecessors may
+ * still read acc: the last forward's finalize). The stores go out while
+ * the first stages load; spread over every CTA they cost GEMM 1 a few
+ * microseconds at most, where one routing block took 7 us for 512 KB. */
+__device__ __forceinline__ void moek_zero_acc(const moek_gemm_args &a, int t,
+                                              int nt)
+{
+    const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+    const size_t step = (size_t)gridDim.x * nt;
+    for (size_t i = (size_t)blockIdx.x * nt + t; i < a.zero_n4; i += step)
+        a.zero[i] = z;
+}
+
 /* Programmatic dependent launch: wait for the previous kernel in the stream
  * (a no-op when the launch had no programmatic dependency), and let the next
  * one start its prologue. */
@@ -429,14 +447,13 @@ struct moek_route_args {
     int scoring, renorm;
     const int *ids_in;   /* given: [T, k] */
     const float *w_in;
-    int tokens, experts, topk, hidden; /* experts: of the routing (E) */
+    int tokens, experts, topk; /* experts: of the routing (E) */
     const int *remap;    /* [E] the layer's expert of each routed expert, -1
                             for none (a shard of a layer), or NULL */
     int *ids;     /* computed or remapped: [T, k], the layer's experts */
     float *wts;
     int *rank;    /* [T, k] rank of the slot inside its expert */
     int *counts;  /* [E] (multi-block path; zeroed before) */
-    float *acc;   /* [T, H] fp32, zeroed here */
 };
 struct moek_align_args {
     const int *counts;      /* per group, or NULL when m_sizes is used */

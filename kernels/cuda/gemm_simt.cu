@@ -26,6 +26,7 @@ __global__ void __launch_bounds__(THREADS)
     __shared__ float sB[BN][KS + 1];
     moek_pdl_wait();
     moek_pdl_trigger();
+    moek_zero_acc(a, threadIdx.x, THREADS);
     const int ncg = a.plan[MOEK_PLAN_NCG];
     const int split = a.plan[a.which ? MOEK_PLAN_SPLIT1 : MOEK_PLAN_SPLIT0];
     const int items = a.plan[(a.which ? MOEK_PLAN_ENDS1 : MOEK_PLAN_ENDS0) +

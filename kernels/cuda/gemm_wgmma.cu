@@ -736,6 +736,12 @@ __global__ void __launch_bounds__(384, 1)
             });
         }
     } else {
+        /* GEMM 1 zeroes GEMM 2's accumulator (it waited above); GEMM 2's
+         * consumers, whose COMBINE adds into it, wait for GEMM 1 too, not
+         * only through the producer's token loads. */
+        moek_zero_acc(a, tid - 128, 256);
+        if (a.early_a)
+            moek_pdl_wait();
         uint8_t *epi_buf = reinterpret_cast<uint8_t *>(sb_mem) + SB_BYTES;
         each_class<BN>([&](auto c) {
             constexpr int J = decltype(c)::value;

@@ -10,8 +10,7 @@
  *                   lower index and NaN ranks below every number), optional
  *                   renormalisation; or it takes the given ids and weights.
  *                   It also counts the slot into its expert (the returned
- *                   atomic value is the slot's rank inside the expert) and
- *                   zeroes the token's row of the fp32 output accumulator.
+ *                   atomic value is the slot's rank inside the expert).
  *   align_block     one block turns the per-group counts into the tile list
  *                   of cuda_common.cuh: prefix sums, the compact list of
  *                   non-empty groups (in order of token-tile class), the K
@@ -19,13 +18,16 @@
  *                   where each class's items end, and
  *                   (MoE) the slot -> sorted position
  *                   scatter (token index and routing weight per position).
+ *   align_warp      the same tile list from a small batch's MoE counts, by
+ *                   one warp with warp scans and no block barrier.
  *
  * Kernels (variants by token count, picked in moek_launch_route):
  *   route_align_tiny   T k <= 32: a warp per token routes, then one warp
  *                      builds the tile list with a lane per slot (ballots
  *                      and shuffles, no block scans): a decode step's whole
  *                      bookkeeping in one launch and one barrier.
- *   route_align_small  T <= 64: one block does both, counts in shared memory.
+ *   route_align_small  T <= 64: one block does both, counts in shared memory,
+ *                      the tile list by one warp (align_warp).
  *   route_kernel + align_kernel
  *                      larger T: a warp per token over many blocks (counts in
  *                      global memory, zeroed by a memset node before), then
@@ -53,6 +55,15 @@ __device__ __forceinline__ unsigned long long route_key(float s, int e)
     return ((unsigned long long)u << 32) | (unsigned int)~(unsigned int)e;
 }
 
+/* The score whose key has high word u (route_key; +0 for -0, and NaN for
+ * the NaN scores, which all have u = 0). */
+__device__ __forceinline__ float route_score(unsigned int u)
+{
+    if (u == 0)
+        return __uint_as_float(0x7fffffffu);
+    return __uint_as_float((u & 0x80000000u) ? u & 0x7fffffffu : ~u);
+}
+
 /* Route token t: lane j < k returns the j-th pick (layer's expert id, or
  * -1 for none) in *id and its weight in *w; the picks are stored in a.ids /
  * a.wts when computed or remapped. */
@@ -61,10 +72,6 @@ __device__ void route_pick(const moek_route_args &a, int t, int lane, int *id,
                            float *w)
 {
     const int k = a.topk, E = a.experts;
-    float4 *accrow = reinterpret_cast<float4 *>(a.acc + (size_t)t * a.hidden);
-    for (int i = lane; i < a.hidden / 4; i += 32)
-        accrow[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-
     int my_id = -1;
     float my_w = 0.f;
     if (a.logits == nullptr) {
@@ -116,30 +123,25 @@ __device__ void route_pick(const moek_route_args &a, int t, int lane, int *id,
             int e = lane + 32 * i;
             key[i] = e < E ? route_key(v[i], e) : 0ull;
         }
+        /* Pick j is the largest key below pick j-1: keys are distinct (the
+         * expert is in the low word), so nothing is struck out, and the
+         * keys stay in registers. A warp's largest 64-bit key is two 32-bit
+         * reductions: of the high words, then of the low words of the
+         * lanes that hold that high word. */
+        unsigned long long last = ~0ull;
         for (int j = 0; j < k; j++) {
             unsigned long long best = 0;
 #pragma unroll
             for (int i = 0; i < VPL; i++)
-                best = key[i] > best ? key[i] : best;
-#pragma unroll
-            for (int o = 16; o; o >>= 1) {
-                unsigned long long other = __shfl_xor_sync(FULL, best, o);
-                best = other > best ? other : best;
-            }
-            int e = (int)~(unsigned int)(best & 0xffffffffu);
-            float sc = 0.f;
-#pragma unroll
-            for (int i = 0; i < VPL; i++) {
-                if (i == (e >> 5)) {
-                    sc = v[i];
-                    if (lane == (e & 31))
-                        key[i] = 0;
-                }
-            }
-            sc = __shfl_sync(FULL, sc, e & 31);
+                best = key[i] < last && key[i] > best ? key[i] : best;
+            const unsigned hi = (unsigned)(best >> 32);
+            const unsigned top = __reduce_max_sync(FULL, hi);
+            const unsigned lo =
+                __reduce_max_sync(FULL, hi == top ? (unsigned)best : 0u);
+            last = (unsigned long long)top << 32 | lo;
             if (lane == j) {
-                my_id = e;
-                my_w = sc;
+                my_id = (int)~lo;
+                my_w = route_score(top);
             }
         }
         if (a.renorm) {
@@ -397,21 +399,166 @@ __device__ void scatter_part(const moek_align_args &a, const int *counts,
     scatter_slots(a, s_st, s0, min(a.slots, s0 + per));
 }
 
+/* Field c (16 bits) of packed per-class sums. */
+__device__ __forceinline__ int class_field(unsigned long long v, int c)
+{
+    return (int)((v >> (16 * c)) & 0xffff);
+}
+
+/* Warp sum of packed 16-bit fields, as two 32-bit reductions (no field
+ * overflows: align_warp's callers keep every class's sum below 2^16). */
+__device__ __forceinline__ unsigned long long warp_sum_packed(
+    unsigned long long v)
+{
+    const unsigned lo = __reduce_add_sync(FULL, (unsigned)v);
+    const unsigned hi = __reduce_add_sync(FULL, (unsigned)(v >> 32));
+    return (unsigned long long)hi << 32 | lo;
+}
+
+/* Inclusive warp scan. */
+template <typename V> __device__ __forceinline__ V warp_scan(V x, int lane)
+{
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const V y = __shfl_up_sync(FULL, x, o);
+        if (lane >= o)
+            x += y;
+    }
+    return x;
+}
+
+/* align_block's tile list for MoE counts, built by one warp with warp
+ * scans over 32 groups at a time: no block barrier. start[g] gets each
+ * group's first sorted position, for the scatter. Groups are ordered by
+ * (tile class, group) through sums packed 16 bits per class: the caller
+ * has fewer than 2^16 token tiles in all (at most slots / bn + groups;
+ * route_align_small: 64 * MOEK_MAX_TOPK + MOEK_MAX_EXPERTS). */
+__device__ void align_warp(const moek_align_args &a, const int *counts,
+                           int *start)
+{
+    const int lane = threadIdx.x & 31, G = a.groups;
+    /* Pass 1: starts, and per class the groups and token tiles. */
+    int run = 0;
+    unsigned long long ng = 0, nt = 0;
+    for (int g0 = 0; g0 < G; g0 += 32) {
+        const int g = g0 + lane;
+        const int c = g < G ? counts[g] : 0;
+        const int incl = warp_scan(c, lane);
+        if (g < G)
+            start[g] = run + incl - c;
+        run += __shfl_sync(FULL, incl, 31);
+        const int np = c > 0 ? moek_token_tiles(c, a.bn) : 0;
+        const int cls = c > 0 ? moek_tile_class(c, np, a.bn) : 0;
+        ng += warp_sum_packed(c > 0 ? 1ull << (16 * cls) : 0);
+        nt += warp_sum_packed((unsigned long long)np << (16 * cls));
+    }
+    /* Per class: the first compact index and token tile; in all: groups
+     * and token tiles. */
+    int cfirst[MOEK_CLASSES + 1], tfirst[MOEK_CLASSES + 1];
+    cfirst[0] = tfirst[0] = 0;
+#pragma unroll
+    for (int c = 0; c < MOEK_CLASSES; c++) {
+        cfirst[c + 1] = cfirst[c] + class_field(ng, c);
+        tfirst[c + 1] = tfirst[c] + class_field(nt, c);
+    }
+    const int ncg = cfirst[MOEK_CLASSES], pairs = tfirst[MOEK_CLASSES];
+    int split[2], per_tile[2];
+#pragma unroll
+    for (int d = 0; d < 2; d++) {
+        split[d] = d < a.ngemm ? pick_split(a.d[d], pairs, a.sms,
+                                            a.split_min_kb)
+                               : 0;
+        per_tile[d] = d < a.ngemm ? a.d[d].n_tiles * split[d] : 0;
+    }
+    /* Pass 2: each non-empty group's compact index and items before it. */
+    unsigned long long pg = 0, pt = 0; /* packed sums of earlier chunks */
+    for (int g0 = 0; g0 < G; g0 += 32) {
+        const int g = g0 + lane;
+        const int c = g < G ? counts[g] : 0;
+        const int np = c > 0 ? moek_token_tiles(c, a.bn) : 0;
+        const int cls = c > 0 ? moek_tile_class(c, np, a.bn) : 0;
+        const unsigned long long kg = c > 0 ? 1ull << (16 * cls) : 0;
+        const unsigned long long kt = (unsigned long long)np << (16 * cls);
+        const unsigned long long eg = pg + warp_scan(kg, lane) - kg;
+        const unsigned long long et = pt + warp_scan(kt, lane) - kt;
+        pg += warp_sum_packed(kg);
+        pt += warp_sum_packed(kt);
+        if (c > 0) {
+            int cf = 0, tf = 0;
+#pragma unroll
+            for (int q = 0; q < MOEK_CLASSES; q++) {
+                cf = q == cls ? cfirst[q] : cf;
+                tf = q == cls ? tfirst[q] : tf;
+            }
+            const int ci = cf + class_field(eg, cls);
+            const int tiles_before = tf + class_field(et, cls);
+            a.cg_group[ci] = g;
+            a.cg_start[ci] = start[g];
+            a.cg_count[ci] = c;
+#pragma unroll
+            for (int d = 0; d < 2; d++)
+                if (d < a.ngemm)
+                    a.cg_before[d * (G + 1) + ci] = tiles_before * per_tile[d];
+        }
+    }
+    if (lane == 0) {
+        a.plan[MOEK_PLAN_NCG] = ncg;
+        a.plan[MOEK_PLAN_ROWS] = run;
+#pragma unroll
+        for (int d = 0; d < 2; d++) {
+            if (d >= a.ngemm)
+                break;
+            a.cg_before[d * (G + 1) + ncg] = pairs * per_tile[d];
+            a.plan[d ? MOEK_PLAN_SPLIT1 : MOEK_PLAN_SPLIT0] = split[d];
+            int *ends = a.plan + (d ? MOEK_PLAN_ENDS1 : MOEK_PLAN_ENDS0);
+#pragma unroll
+            for (int c = 0; c < MOEK_CLASSES; c++)
+                ends[c] = tfirst[c + 1] * per_tile[d];
+        }
+    }
+}
+
+/* T <= 64: one block. A warp per token routes into shared memory (counts,
+ * and each slot's expert, rank and weight), warp 0 builds the tile list
+ * (align_warp), and the block scatters the slots: two block barriers. */
 template <int VPL>
 __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
     route_align_small(moek_route_args ra, moek_align_args aa)
 {
     __shared__ int s_counts[MOEK_MAX_EXPERTS];
+    __shared__ int s_start[MOEK_MAX_EXPERTS];
+    __shared__ int s_id[SMALL_T * MOEK_MAX_TOPK];
+    __shared__ int s_rank[SMALL_T * MOEK_MAX_TOPK];
+    __shared__ float s_w[SMALL_T * MOEK_MAX_TOPK];
     moek_pdl_wait();
     moek_pdl_trigger();
     for (int e = threadIdx.x; e < aa.groups; e += blockDim.x)
         s_counts[e] = 0;
     __syncthreads();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int t = warp; t < ra.tokens; t += blockDim.x >> 5)
-        route_one<VPL>(ra, t, lane, s_counts);
+    const int k = ra.topk;
+    for (int t = warp; t < ra.tokens; t += blockDim.x >> 5) {
+        int id;
+        float w;
+        route_pick<VPL>(ra, t, lane, &id, &w);
+        if (lane < k) {
+            s_id[t * k + lane] = id;
+            s_rank[t * k + lane] = id >= 0 ? atomicAdd(&s_counts[id], 1) : -1;
+            s_w[t * k + lane] = w;
+        }
+    }
     __syncthreads();
-    align_block(aa, s_counts, true);
+    if (warp == 0)
+        align_warp(aa, s_counts, s_start);
+    __syncthreads();
+    for (int s = threadIdx.x; s < aa.slots; s += blockDim.x) {
+        const int r = s_rank[s];
+        if (r < 0)
+            continue;
+        const int pos = s_start[s_id[s]] + r;
+        aa.pos_token[pos] = s / k;
+        aa.pos_weight[pos] = s_w[s];
+    }
 }
 
 /* T k <= 32 (decode): a warp per token routes into shared memory, then one
@@ -559,13 +706,8 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
         return moek_launch(k, dim3(1), dim3(32 * ra.tokens), 0, stream, pdl,
                            ra, aa);
     }
-    if (ra.tokens <= SMALL_T) {
-        /* As few warps as the work needs: a warp per token, two groups per
-         * thread. The kernel is a chain of block barriers, and a barrier
-         * of fewer warps is cheaper. */
+    if (ra.tokens <= SMALL_T) { /* a warp per token */
         int threads = 32 * ra.tokens;
-        threads = threads > (aa.groups + 1) / 2 ? threads : (aa.groups + 1) / 2;
-        threads = (threads + 31) / 32 * 32;
         threads = threads > MOEK_ALIGN_THREADS ? MOEK_ALIGN_THREADS : threads;
         void (*k)(moek_route_args, moek_align_args) =
             BY_VPL(route_align_small, vpl);

@@ -542,6 +542,17 @@ TEST(moe_tile_classes)
                                                                : CLUSTER_OFF};
         run_moe_tiles(&c, &to, &rng);
     }
+    /* A batch of 64 tokens (one block routes and aligns, the tile list by
+     * one warp: route_align_small) on each instance: on the 128-row one,
+     * groups of three widths (1 row: 32, 40: 64, 87: 96). */
+    static const int small_rows[16] = {0, 1, 0, 40, 0, 87};
+    for (int i = 0; i < 3; i++) {
+        moe_case c = {{16, 2, 456, 328}, MOEK_DTYPE_BF16, 64, ROUTE_GIVEN,
+                      false, 0, 0, {tiles[i], false}, false, false,
+                      small_rows};
+        const tile_opts to = {NULL, 0, hopper ? tiles[i] : 0, CLUSTER_OFF};
+        run_moe_tiles(&c, &to, &rng);
+    }
 }
 
 /* ---- token-tile table and autotuning ------------------------------------ */
