@@ -319,8 +319,10 @@ __device__ __forceinline__ void moek_combine4(const moek_gemm_args &a,
 /* GEMM 1's share of zeroing GEMM 2's accumulator (a.zero): thread t of nt
  * per CTA, after the wait for the previous kernel (whose predecessors may
  * still read acc: the last forward's finalize). The stores go out while
- * the first stages load; spread over every CTA they cost GEMM 1 a few
- * microseconds at most, where one routing block took 7 us for 512 KB. */
+ * the first stages load. At small T they are a few KB per CTA, where one
+ * routing block took 7 us for 512 KB; at mixtral T=4096 (64 MB, about
+ * 20 us of stores before the first MMA) the forward read the same within
+ * noise (kernels/bench/RESULTS.md, run 14). */
 __device__ __forceinline__ void moek_zero_acc(const moek_gemm_args &a, int t,
                                               int nt)
 {
@@ -452,7 +454,9 @@ struct moek_route_args {
                             for none (a shard of a layer), or NULL */
     int *ids;     /* computed or remapped: [T, k], the layer's experts */
     float *wts;
-    int *rank;    /* [T, k] rank of the slot inside its expert */
+    int *rank;    /* [T, k] rank of the slot inside its expert (the
+                     multi-block path; the one-block kernels keep it in
+                     shared memory) */
     int *counts;  /* [E] (multi-block path; zeroed before) */
 };
 struct moek_align_args {

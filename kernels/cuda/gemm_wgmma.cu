@@ -671,7 +671,8 @@ __global__ void __launch_bounds__(384, 1)
         cluster_sync();
     /* The tile list comes from the align kernel. With early_a it finished
      * before the previous kernel (which waited for it) let this one launch,
-     * so only the producer's token rows need the wait below. */
+     * so only what GEMM 1 writes needs the waits below: the producer's
+     * token rows, and the accumulator the consumers add into. */
     if (!a.early_a)
         moek_pdl_wait();
     moek_pdl_trigger();
@@ -736,12 +737,12 @@ __global__ void __launch_bounds__(384, 1)
             });
         }
     } else {
-        /* GEMM 1 zeroes GEMM 2's accumulator (it waited above); GEMM 2's
-         * consumers, whose COMBINE adds into it, wait for GEMM 1 too, not
-         * only through the producer's token loads. */
-        moek_zero_acc(a, tid - 128, 256);
+        /* GEMM 2's consumers, whose COMBINE adds into the accumulator GEMM 1
+         * zeroes, wait for GEMM 1 themselves, not only through the
+         * producer's token loads; GEMM 1 (never early_a) waited above. */
         if (a.early_a)
             moek_pdl_wait();
+        moek_zero_acc(a, tid - 128, 256);
         uint8_t *epi_buf = reinterpret_cast<uint8_t *>(sb_mem) + SB_BYTES;
         each_class<BN>([&](auto c) {
             constexpr int J = decltype(c)::value;

@@ -150,10 +150,11 @@ int raster_chunk(int K, int n_tiles)
 }
 
 /* out = acc rounded to T. Each thread has four loads in flight before it
- * stores (one at a time, mixtral T=4096's 96 MB moved at 3.1 TB/s). */
+ * stores (one at a time, mixtral T=4096's 96 MB moved at 3.1 TB/s). acc
+ * is not __restrict__: GEMM 2 writes it while this kernel, launched early
+ * (PDL), waits, so its loads must not be non-coherent ones. */
 template <typename T>
-__global__ void finalize_kernel(const float4 *__restrict__ acc,
-                                uint2 *__restrict__ out, size_t n4)
+__global__ void finalize_kernel(const float4 *acc, uint2 *out, size_t n4)
 {
     moek_pdl_wait();
     moek_pdl_trigger();

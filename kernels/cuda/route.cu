@@ -26,8 +26,10 @@
  *                      builds the tile list with a lane per slot (ballots
  *                      and shuffles, no block scans): a decode step's whole
  *                      bookkeeping in one launch and one barrier.
- *   route_align_small  T <= 64: one block does both, counts in shared memory,
- *                      the tile list by one warp (align_warp).
+ *   route_align_small  T <= 64: one block does both (a cluster of two past
+ *                      32 tokens, so a warp routes one token), counts in
+ *                      shared memory, the tile list by one warp
+ *                      (align_warp).
  *   route_kernel + align_kernel
  *                      larger T: a warp per token over many blocks (counts in
  *                      global memory, zeroed by a memset node before), then
@@ -35,6 +37,7 @@
  *                      scatter the slots, 2048 each.
  *   align_kernel alone builds a grouped GEMM's tile list from m_sizes.
  */
+#include <cooperative_groups.h>
 #include <math.h>
 
 #include "cuda_common.cuh"
@@ -518,10 +521,12 @@ __device__ void align_warp(const moek_align_args &a, const int *counts,
     }
 }
 
-/* T <= 64: one block. A warp per token routes into shared memory (counts,
- * and each slot's expert, rank and weight), warp 0 builds the tile list
- * (align_warp), and the block scatters the slots: two block barriers. */
-template <int VPL>
+/* T <= 64: one block, or (NC = 2, more than 32 tokens) a cluster of two so
+ * that every warp routes one token. A warp per token routes into CTA 0's
+ * shared memory (counts, and each slot's expert, rank and weight; CTA 1
+ * through distributed shared memory), warp 0 of CTA 0 builds the tile list
+ * (align_warp), and CTA 0 scatters the slots. */
+template <int VPL, int NC>
 __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
     route_align_small(moek_route_args ra, moek_align_args aa)
 {
@@ -530,24 +535,47 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
     __shared__ int s_id[SMALL_T * MOEK_MAX_TOPK];
     __shared__ int s_rank[SMALL_T * MOEK_MAX_TOPK];
     __shared__ float s_w[SMALL_T * MOEK_MAX_TOPK];
+    namespace cg = cooperative_groups;
+    int rank = 0, *counts = s_counts, *ids = s_id, *ranks = s_rank;
+    float *wts = s_w;
+    if constexpr (NC > 1) {
+        cg::cluster_group cl = cg::this_cluster();
+        rank = (int)cl.block_rank();
+        counts = cl.map_shared_rank(s_counts, 0);
+        ids = cl.map_shared_rank(s_id, 0);
+        ranks = cl.map_shared_rank(s_rank, 0);
+        wts = cl.map_shared_rank(s_w, 0);
+    }
     moek_pdl_wait();
     moek_pdl_trigger();
-    for (int e = threadIdx.x; e < aa.groups; e += blockDim.x)
-        s_counts[e] = 0;
-    __syncthreads();
+    if (rank == 0)
+        for (int e = threadIdx.x; e < aa.groups; e += blockDim.x)
+            s_counts[e] = 0;
+    if constexpr (NC > 1)
+        cg::this_cluster().sync();
+    else
+        __syncthreads();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int k = ra.topk;
-    for (int t = warp; t < ra.tokens; t += blockDim.x >> 5) {
+    const int k = ra.topk, nw = blockDim.x >> 5;
+    for (int t = rank * nw + warp; t < ra.tokens; t += NC * nw) {
         int id;
         float w;
         route_pick<VPL>(ra, t, lane, &id, &w);
         if (lane < k) {
-            s_id[t * k + lane] = id;
-            s_rank[t * k + lane] = id >= 0 ? atomicAdd(&s_counts[id], 1) : -1;
-            s_w[t * k + lane] = w;
+            ids[t * k + lane] = id;
+            ranks[t * k + lane] = id >= 0 ? atomicAdd(&counts[id], 1) : -1;
+            wts[t * k + lane] = w;
         }
     }
-    __syncthreads();
+    if constexpr (NC > 1) {
+        /* CTA 1's stores and adds are visible to CTA 0 past the barrier;
+         * then CTA 1 is done (nothing reads its shared memory). */
+        cg::this_cluster().sync();
+        if (rank != 0)
+            return;
+    } else {
+        __syncthreads();
+    }
     if (warp == 0)
         align_warp(aa, s_counts, s_start);
     __syncthreads();
@@ -687,6 +715,12 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
      : (vpl) == 4 ? kernel<4>                                                 \
      : (vpl) == 8 ? kernel<8>                                                 \
                   : kernel<16>)
+#define BY_VPL_NC(kernel, vpl, nc)                                            \
+    ((vpl) == 1   ? kernel<1, nc>                                             \
+     : (vpl) == 2 ? kernel<2, nc>                                             \
+     : (vpl) == 4 ? kernel<4, nc>                                             \
+     : (vpl) == 8 ? kernel<8, nc>                                             \
+                  : kernel<16, nc>)
 
 cudaError_t moek_launch_route(const moek_route_args &ra,
                               const moek_align_args &aa, int *counts_dev,
@@ -706,12 +740,16 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
         return moek_launch(k, dim3(1), dim3(32 * ra.tokens), 0, stream, pdl,
                            ra, aa);
     }
-    if (ra.tokens <= SMALL_T) { /* a warp per token */
-        int threads = 32 * ra.tokens;
-        threads = threads > MOEK_ALIGN_THREADS ? MOEK_ALIGN_THREADS : threads;
+    if (ra.tokens <= SMALL_T) { /* a warp per token, over two CTAs past 32 */
+        static_assert(SMALL_T <= 2 * (MOEK_ALIGN_THREADS / 32),
+                      "two CTAs hold a warp per token");
+        const int nc = ra.tokens > MOEK_ALIGN_THREADS / 32 ? 2 : 1;
+        const int threads = 32 * ((ra.tokens + nc - 1) / nc);
         void (*k)(moek_route_args, moek_align_args) =
-            BY_VPL(route_align_small, vpl);
-        return moek_launch(k, dim3(1), dim3(threads), 0, stream, pdl, ra, aa);
+            nc == 2 ? BY_VPL_NC(route_align_small, vpl, 2)
+                    : BY_VPL_NC(route_align_small, vpl, 1);
+        return moek_launch_cl(k, dim3(nc), dim3(threads), 0, stream, pdl, nc,
+                              ra, aa);
     }
     cudaError_t e = cudaMemsetAsync(counts_dev, 0,
                                     sizeof(int) * (size_t)aa.groups, stream);

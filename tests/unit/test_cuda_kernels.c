@@ -553,6 +553,15 @@ TEST(moe_tile_classes)
         const tile_opts to = {NULL, 0, hopper ? tiles[i] : 0, CLUSTER_OFF};
         run_moe_tiles(&c, &to, &rng);
     }
+    /* 64 tokens over 64 experts (two of align_warp's 32-group steps) in all
+     * four widths of the 128-row tile: 1 row (32), 33 (64), 65 (96), 97
+     * (128), and 60. */
+    static const int wide_rows[64] = {[3] = 1,   [10] = 60, [20] = 33,
+                                      [40] = 65, [60] = 97};
+    moe_case w = {{64, 4, 456, 328}, MOEK_DTYPE_BF16, 64, ROUTE_GIVEN, false,
+                  0, 0, {128, false}, false, false, wide_rows};
+    const tile_opts tw = {NULL, 0, hopper ? 128 : 0, CLUSTER_OFF};
+    run_moe_tiles(&w, &tw, &rng);
 }
 
 /* ---- token-tile table and autotuning ------------------------------------ */
@@ -612,6 +621,11 @@ TEST(moe_cluster_tiles)
     moe_case h = {s, MOEK_DTYPE_BF16, 1200, ROUTE_GIVEN, false, 0, 32,
                   {256, false}, false, true, NULL};
     run_moe(&h, &rng);
+    /* The same at 64 tokens, whose routed row count (plan ROWS, which
+     * bounds the copy of x) comes from the one-block kernel. */
+    moe_case h64 = {s, MOEK_DTYPE_BF16, 64, ROUTE_GIVEN, false, 0, 0,
+                    {128, false}, false, true, NULL};
+    run_moe_tiles(&h64, want ? &cl_on : &cl_off, &rng);
 }
 
 /* set_tiles refuses bad tables (and keeps the old one), n = 0 clears, the
