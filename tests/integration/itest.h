@@ -241,7 +241,7 @@ static inline double itest_tolerance(moe_dtype dt)
 /* Fill n elements of dtype dt with uniform values in [-scale, scale). */
 static inline void itest_fill(uint64_t *seed, moe_dtype dt, void *dst, size_t n, float scale)
 {
-    float *tmp = malloc(n * sizeof(float) + 4);
+    float *tmp = calloc(n + 1, sizeof(float));
     CHECK(tmp != NULL);
     for (size_t i = 0; i < n; i++)
         tmp[i] = test_randf(seed) * scale;
