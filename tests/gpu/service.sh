@@ -42,7 +42,10 @@ echo "### correctness through the daemon (demo layers, CUDA backend)"
 start_daemon /tmp/moed-demo --demo || exit 1
 M="$B/moectl -r /tmp/moed-demo"
 $M info
-for t in 1 3 16 100 700; do $M forward --layer demo --tokens $t --check; done
+# Each routing path of the demo layer (k = 2): T k <= 32 one warp (1, 3,
+# 16), T <= 32 one block (20), T <= 64 two CTAs (48), more: several (100,
+# 700).
+for t in 1 3 16 20 48 100 700; do $M forward --layer demo --tokens $t --check; done
 for m in 1 50 333; do $M gemm --layer demo-gemm --rows $m --check; done
 kill $!; wait
 fi
