@@ -158,6 +158,10 @@ __global__ void finalize_kernel(const float4 *acc, uint2 *out, size_t n4)
 {
     moek_pdl_wait();
     moek_pdl_trigger();
+    const auto store = [out](size_t j, float4 v) {
+        out[j] = make_uint2(moek_dt<T>::pack2(v.x, v.y),
+                            moek_dt<T>::pack2(v.z, v.w));
+    };
     const size_t step = (size_t)gridDim.x * blockDim.x;
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     for (; i + 3 * step < n4; i += 4 * step) {
@@ -167,14 +171,10 @@ __global__ void finalize_kernel(const float4 *acc, uint2 *out, size_t n4)
             v[u] = acc[i + u * step];
 #pragma unroll
         for (int u = 0; u < 4; u++)
-            out[i + u * step] = make_uint2(moek_dt<T>::pack2(v[u].x, v[u].y),
-                                           moek_dt<T>::pack2(v[u].z, v[u].w));
+            store(i + u * step, v[u]);
     }
-    for (; i < n4; i += step) {
-        const float4 v = acc[i];
-        out[i] = make_uint2(moek_dt<T>::pack2(v.x, v.y),
-                            moek_dt<T>::pack2(v.z, v.w));
-    }
+    for (; i < n4; i += step)
+        store(i, acc[i]);
 }
 
 /* Cluster mode's token operand of GEMM 1: row p of xs is row pos_token[p]
@@ -428,8 +428,6 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     g1.out = w.inter;
     g1.ldo = I;
     g1.which = 0;
-    g1.zero = (float4 *)w.acc;
-    g1.zero_n4 = (size_t)T * H / 4;
     CUtensorMap tb1, tb2;
     if (cl) {
         const int r1 = moek_make_tmap(&tb1, w.xs, L->dt, (uint64_t)T * k, H,
@@ -441,8 +439,8 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
         g1.chunk = g1.chunk < 2 ? 2 : g1.chunk & ~1;
     }
     moek_gemm_args g2 = g1;
-    g2.zero = nullptr;
-    g2.zero_n4 = 0;
+    g1.zero = (float4 *)w.acc; /* GEMM 1 only */
+    g1.zero_n4 = (size_t)T * H / 4;
     g2.early_a = L->early;
     g2.w = L->w2p;
     g2.rows_pad = L->h16;

@@ -40,6 +40,8 @@
 #include <cooperative_groups.h>
 #include <math.h>
 
+#include <type_traits>
+
 #include "cuda_common.cuh"
 
 #define FULL 0xffffffffu
@@ -521,6 +523,15 @@ __device__ void align_warp(const moek_align_args &a, const int *counts,
     }
 }
 
+/* A barrier of the CTA, or (NC = 2) of both CTAs of its cluster. */
+template <int NC> __device__ __forceinline__ void cta_or_cluster_sync()
+{
+    if constexpr (NC > 1)
+        cooperative_groups::this_cluster().sync();
+    else
+        __syncthreads();
+}
+
 /* T <= 64: one block, or (NC = 2, more than 32 tokens) a cluster of two so
  * that every warp routes one token. A warp per token routes into CTA 0's
  * shared memory (counts, and each slot's expert, rank and weight; CTA 1
@@ -551,10 +562,7 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
     if (rank == 0)
         for (int e = threadIdx.x; e < aa.groups; e += blockDim.x)
             s_counts[e] = 0;
-    if constexpr (NC > 1)
-        cg::this_cluster().sync();
-    else
-        __syncthreads();
+    cta_or_cluster_sync<NC>();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int k = ra.topk, nw = blockDim.x >> 5;
     for (int t = rank * nw + warp; t < ra.tokens; t += NC * nw) {
@@ -567,15 +575,11 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
             wts[t * k + lane] = w;
         }
     }
-    if constexpr (NC > 1) {
-        /* CTA 1's stores and adds are visible to CTA 0 past the barrier;
-         * then CTA 1 is done (nothing reads its shared memory). */
-        cg::this_cluster().sync();
-        if (rank != 0)
-            return;
-    } else {
-        __syncthreads();
-    }
+    /* CTA 1's stores and adds are visible to CTA 0 past the barrier; then
+     * CTA 1 is done (nothing reads its shared memory). */
+    cta_or_cluster_sync<NC>();
+    if (rank != 0)
+        return;
     if (warp == 0)
         align_warp(aa, s_counts, s_start);
     __syncthreads();
@@ -708,19 +712,17 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
         scatter_part(aa, aa.counts, blockIdx.x - 1, gridDim.x - 1);
 }
 
-/* The instance of a routing kernel for vpl router logits per lane. */
-#define BY_VPL(kernel, vpl)                                                   \
-    ((vpl) == 1   ? kernel<1>                                                 \
-     : (vpl) == 2 ? kernel<2>                                                 \
-     : (vpl) == 4 ? kernel<4>                                                 \
-     : (vpl) == 8 ? kernel<8>                                                 \
-                  : kernel<16>)
-#define BY_VPL_NC(kernel, vpl, nc)                                            \
-    ((vpl) == 1   ? kernel<1, nc>                                             \
-     : (vpl) == 2 ? kernel<2, nc>                                             \
-     : (vpl) == 4 ? kernel<4, nc>                                             \
-     : (vpl) == 8 ? kernel<8, nc>                                             \
-                  : kernel<16, nc>)
+/* The instance of a routing kernel for vpl router logits per lane:
+ * pick(v), v the power of two vpl is as a std::integral_constant. */
+template <typename F> static auto by_vpl(int vpl, F pick)
+{
+    using std::integral_constant;
+    return vpl == 1   ? pick(integral_constant<int, 1>())
+           : vpl == 2 ? pick(integral_constant<int, 2>())
+           : vpl == 4 ? pick(integral_constant<int, 4>())
+           : vpl == 8 ? pick(integral_constant<int, 8>())
+                      : pick(integral_constant<int, 16>());
+}
 
 cudaError_t moek_launch_route(const moek_route_args &ra,
                               const moek_align_args &aa, int *counts_dev,
@@ -735,8 +737,8 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
                                         : 16;
     static_assert(MOEK_MAX_EXPERTS == 16 * 32, "VPL covers MOEK_MAX_EXPERTS");
     if (aa.tiny && ra.tokens * ra.topk <= 32) {
-        void (*k)(moek_route_args, moek_align_args) =
-            BY_VPL(route_align_tiny, vpl);
+        void (*k)(moek_route_args, moek_align_args) = by_vpl(
+            vpl, [](auto v) { return route_align_tiny<decltype(v)::value>; });
         return moek_launch(k, dim3(1), dim3(32 * ra.tokens), 0, stream, pdl,
                            ra, aa);
     }
@@ -746,8 +748,11 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
         const int nc = ra.tokens > MOEK_ALIGN_THREADS / 32 ? 2 : 1;
         const int threads = 32 * ((ra.tokens + nc - 1) / nc);
         void (*k)(moek_route_args, moek_align_args) =
-            nc == 2 ? BY_VPL_NC(route_align_small, vpl, 2)
-                    : BY_VPL_NC(route_align_small, vpl, 1);
+            by_vpl(vpl, [nc](auto v) {
+                constexpr int V = decltype(v)::value;
+                return nc == 2 ? route_align_small<V, 2>
+                               : route_align_small<V, 1>;
+            });
         return moek_launch_cl(k, dim3(nc), dim3(threads), 0, stream, pdl, nc,
                               ra, aa);
     }
@@ -757,7 +762,8 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
         return e;
     moek_route_args r2 = ra;
     r2.counts = counts_dev;
-    void (*rk)(moek_route_args) = BY_VPL(route_kernel, vpl);
+    void (*rk)(moek_route_args) = by_vpl(
+        vpl, [](auto v) { return route_kernel<decltype(v)::value>; });
     e = moek_launch(rk, dim3((ra.tokens + 7) / 8), dim3(256), 0,
                     stream, pdl, r2);
     if (e != cudaSuccess)
