@@ -33,7 +33,6 @@
 #define MOEK_ALIGN_THREADS 1024
 #define MOEK_WTILE 128 /* weight rows per GEMM tile (two warpgroups of 64) */
 #define MOEK_KTILE 64  /* K per pipeline stage: one 128-byte swizzle row */
-#define MOEK_BBOX 16   /* token rows per TMA box in cluster mode */
 
 /* Epilogues. */
 enum { MOEK_EPI_SWIGLU = 0, MOEK_EPI_COMBINE = 1, MOEK_EPI_STORE = 2 };
@@ -419,7 +418,8 @@ struct moek_cuda_moe_layer {
     bool tiny;  /* decode batches take route_align_tiny */
     bool tiled; /* w13 and w2p in tiles (moek_wt_index) */
     bool l2_hint; /* their loads evict first from L2 */
-    bool cluster; /* prefill tiles may run in CTA pairs (layer.cu) */
+    bool cluster;  /* prefill tiles may run in CTA pairs (layer.cu) */
+    bool cluster2; /* GEMM 2's alone may (its token rows need no copy) */
     int split_min_kb;
     /* The token-tile table (moek_cuda_moe_layer_set_tiles): n_rules rules,
      * min_tokens ascending. */
@@ -490,14 +490,25 @@ cudaError_t moek_launch_align_groups(const moek_align_args &aa,
 
 /* gemm_wgmma.cu / gemm_simt.cu */
 cudaError_t moek_gemm_wgmma_prepare(moek_dtype dt);
-/* tmap_b set: cluster mode, pairs of CTAs sharing each token tile by TMA
+/* Cluster mode's maps of the token rows: one per tile class c of the
+ * instance, boxes of MOEK_KTILE x (class width / 2) rows, so each CTA of a
+ * pair loads its half of a stage's token tile with one TMA (measured:
+ * boxes of 16 rows, eight loads a stage, kept mixtral T=4096 3% slower). */
+struct moek_tmaps {
+    CUtensorMap m[MOEK_CLASSES];
+};
+/* The maps of [rows, K] token rows at base for the classes of instance bn
+ * (moek_wgmma_cluster_ok). */
+int moek_make_tmaps(moek_tmaps *t, void *base, moek_dtype dt, uint64_t rows,
+                    uint64_t K, int bn);
+/* tmaps_b set: cluster mode, pairs of CTAs sharing each token tile by TMA
  * multicast; the token rows a.b are then contiguous (a.b_rows unused)
- * behind tmap_b (boxes of MOEK_KTILE x MOEK_BBOX), the grid is even, the
- * plan has no K split and a.chunk and a.n_tiles are even. Tiles
- * moek_wgmma_cluster_ok only. */
+ * behind tmaps_b, the grid is even, the plan has no K split and a.chunk
+ * and a.n_tiles are even. Tiles moek_wgmma_cluster_ok only. */
 cudaError_t moek_launch_gemm_wgmma(moek_dtype dt, const void *tmap,
-                                   const void *tmap_b, const moek_gemm_args &a,
-                                   int grid, cudaStream_t stream, bool pdl);
+                                   const moek_tmaps *tmaps_b,
+                                   const moek_gemm_args &a, int grid,
+                                   cudaStream_t stream, bool pdl);
 bool moek_wgmma_cluster_ok(int bn);
 /* weights.cu: a 2-D map of [rows, K] elements, 128-byte swizzle, boxes of
  * MOEK_KTILE x box_rows. */

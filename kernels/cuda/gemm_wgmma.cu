@@ -39,8 +39,8 @@
  *   - cluster mode (CL = 2, prefill tiles of 128 rows and wider): CTAs 2c
  *     and 2c + 1 run weight tiles nt and nt + 1 of the same token tile; one
  *     producer warp per CTA loads its weight tile and half of the token rows
- *     through a TMA map, multicast into both CTAs, so each token tile is
- *     read from L2 once per pair. The token rows must then be contiguous:
+ *     (one TMA box: a map per tile width), multicast into both CTAs, so each
+ *     token tile is read from L2 once per pair. The token rows must then be contiguous:
  *     GEMM 1 reads a copy of x in slot order (layer.cu). A stage is free when
  *     the consumers of both CTAs have released it.
  * Stages: as many as fit in 227 KB (12 for BN = 16, 4 for BN = 256), so
@@ -388,10 +388,10 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
 
 /* Producer of cluster mode, one tile class, run by warp 0 (lane 0 issues): the
  * weight tile as in produce(), and this CTA's half of the N token rows
- * (contiguous rows of a.b from it.pos: the caller permuted them) in boxes
- * of MOEK_BBOX rows, multicast to both CTAs. Rows past the item's mlen
- * belong to another group or lie past the tensor (zero): the epilogue
- * skips those columns. */
+ * (contiguous rows of a.b from it.pos: the caller permuted them) as one
+ * box of N / 2 rows (tmap_b, the class's map), multicast to both CTAs.
+ * Rows past the item's mlen belong to another group or lie past the
+ * tensor (zero): the epilogue skips those columns. */
 template <int BN, int N>
 __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
                                            const CUtensorMap *tmap,
@@ -403,7 +403,7 @@ __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
 {
     using C = tile_cfg<BN>;
     constexpr int HALF = N / 2;
-    static_assert(HALF % MOEK_BBOX == 0, "token tile halves of whole boxes");
+    static_assert(HALF % 8 == 0, "token tile halves of whole swizzle atoms");
     for (; idx < end; idx += gridDim.x) {
         const moek_item it = moek_decode_item(a, ncg, 1, idx, sb);
         for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
@@ -418,12 +418,9 @@ __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
                 } else {
                     mbar_expect_tx(&full[pp.stage], N * 128);
                 }
-#pragma unroll
-                for (int j = 0; j < HALF / MOEK_BBOX; j++) {
-                    const int r = (int)rank * HALF + j * MOEK_BBOX;
-                    tma_load_2d_mc(sB + r * 128, tmap_b, kb * MOEK_KTILE,
-                                   it.pos + r, &full[pp.stage], 3);
-                }
+                const int r = (int)rank * HALF;
+                tma_load_2d_mc(sB + r * 128, tmap_b, kb * MOEK_KTILE,
+                               it.pos + r, &full[pp.stage], 3);
             }
             __syncwarp();
         }
@@ -630,10 +627,15 @@ template <int BN, typename F> __device__ __forceinline__ void each_class(F &&f)
 }
 #endif
 
+/* Cluster mode's token-row maps, one per class (moek_tmaps); a single
+ * unused map otherwise, so decode launches carry no more than they use. */
+template <int CL>
+using tmaps_b_t = std::conditional_t<CL == 2, moek_tmaps, CUtensorMap>;
+
 template <typename T, int BN, int CL>
 __global__ void __launch_bounds__(384, 1)
     gemm_wgmma_kernel(const __grid_constant__ CUtensorMap tmap,
-                      const __grid_constant__ CUtensorMap tmap_b,
+                      const __grid_constant__ tmaps_b_t<CL> tmaps_b,
                       const moek_gemm_args a)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -659,10 +661,11 @@ __global__ void __launch_bounds__(384, 1)
             asm volatile("prefetch.tensormap [%0];" ::"l"(
                              reinterpret_cast<uint64_t>(&tmap))
                          : "memory");
-        if (CL == 2)
-            asm volatile("prefetch.tensormap [%0];" ::"l"(
-                             reinterpret_cast<uint64_t>(&tmap_b))
-                         : "memory");
+        if constexpr (CL == 2)
+            for (int c = 0; c < NC; c++)
+                asm volatile("prefetch.tensormap [%0];" ::"l"(
+                                 reinterpret_cast<uint64_t>(&tmaps_b.m[c]))
+                             : "memory");
     }
     __syncthreads();
     /* The peer multicasts into this CTA's stages and arrives on its
@@ -724,7 +727,7 @@ __global__ void __launch_bounds__(384, 1)
                 each_class<BN>([&](auto c) {
                     constexpr int J = decltype(c)::value;
                     produce_mc<BN, BN - J * MOEK_CLASS_STEP>(
-                        a, &tmap, &tmap_b, smem, full, empty, ncg,
+                        a, &tmap, &tmaps_b.m[J], smem, full, empty, ncg,
                         class_first(cb[J]), cb[J + 1], pre, pp, sb, rank);
                 });
             }
@@ -759,36 +762,37 @@ __global__ void __launch_bounds__(384, 1)
 }
 
 template <typename T, int BN, int CL>
-cudaError_t launch_bn(const void *tmap, const void *tmap_b,
+cudaError_t launch_bn(const void *tmap, const tmaps_b_t<CL> &tmaps_b,
                       const moek_gemm_args &a, int grid, cudaStream_t stream,
                       bool pdl)
 {
     return moek_launch_cl(gemm_wgmma_kernel<T, BN, CL>, dim3(grid), dim3(384),
                           (size_t)tile_cfg<BN>::SMEM, stream, pdl, CL,
                           *reinterpret_cast<const CUtensorMap *>(tmap),
-                          *reinterpret_cast<const CUtensorMap *>(tmap_b), a);
+                          tmaps_b, a);
 }
 
 template <typename T>
-cudaError_t launch_t(const void *tmap, const void *tmap_b,
+cudaError_t launch_t(const void *tmap, const moek_tmaps *tb,
                      const moek_gemm_args &a, int grid, cudaStream_t stream,
                      bool pdl)
 {
-    if (tmap_b) {
+    if (tb) {
         switch (a.bn) {
-        case 128: return launch_bn<T, 128, 2>(tmap, tmap_b, a, grid, stream, pdl);
-        case 192: return launch_bn<T, 192, 2>(tmap, tmap_b, a, grid, stream, pdl);
-        case 256: return launch_bn<T, 256, 2>(tmap, tmap_b, a, grid, stream, pdl);
+        case 128: return launch_bn<T, 128, 2>(tmap, *tb, a, grid, stream, pdl);
+        case 192: return launch_bn<T, 192, 2>(tmap, *tb, a, grid, stream, pdl);
+        case 256: return launch_bn<T, 256, 2>(tmap, *tb, a, grid, stream, pdl);
         default: return cudaErrorInvalidValue;
         }
     }
+    const CUtensorMap &m = *reinterpret_cast<const CUtensorMap *>(tmap);
     switch (a.bn) {
-    case 16: return launch_bn<T, 16, 1>(tmap, tmap, a, grid, stream, pdl);
-    case 32: return launch_bn<T, 32, 1>(tmap, tmap, a, grid, stream, pdl);
-    case 64: return launch_bn<T, 64, 1>(tmap, tmap, a, grid, stream, pdl);
-    case 128: return launch_bn<T, 128, 1>(tmap, tmap, a, grid, stream, pdl);
-    case 192: return launch_bn<T, 192, 1>(tmap, tmap, a, grid, stream, pdl);
-    case 256: return launch_bn<T, 256, 1>(tmap, tmap, a, grid, stream, pdl);
+    case 16: return launch_bn<T, 16, 1>(tmap, m, a, grid, stream, pdl);
+    case 32: return launch_bn<T, 32, 1>(tmap, m, a, grid, stream, pdl);
+    case 64: return launch_bn<T, 64, 1>(tmap, m, a, grid, stream, pdl);
+    case 128: return launch_bn<T, 128, 1>(tmap, m, a, grid, stream, pdl);
+    case 192: return launch_bn<T, 192, 1>(tmap, m, a, grid, stream, pdl);
+    case 256: return launch_bn<T, 256, 1>(tmap, m, a, grid, stream, pdl);
     default: return cudaErrorInvalidValue;
     }
 }
@@ -836,10 +840,11 @@ bool moek_wgmma_cluster_ok(int bn)
 }
 
 cudaError_t moek_launch_gemm_wgmma(moek_dtype dt, const void *tmap,
-                                   const void *tmap_b, const moek_gemm_args &a,
-                                   int grid, cudaStream_t stream, bool pdl)
+                                   const moek_tmaps *tmaps_b,
+                                   const moek_gemm_args &a, int grid,
+                                   cudaStream_t stream, bool pdl)
 {
     return dt == MOEK_DTYPE_BF16
-               ? launch_t<__nv_bfloat16>(tmap, tmap_b, a, grid, stream, pdl)
-               : launch_t<__half>(tmap, tmap_b, a, grid, stream, pdl);
+               ? launch_t<__nv_bfloat16>(tmap, tmaps_b, a, grid, stream, pdl)
+               : launch_t<__half>(tmap, tmaps_b, a, grid, stream, pdl);
 }

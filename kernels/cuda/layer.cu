@@ -214,7 +214,7 @@ __global__ void permute_rows_kernel(const uint4 *__restrict__ x,
 
 cudaError_t run_gemm(moek_dtype dt, bool wgmma, const CUtensorMap *tm,
                      const moek_gemm_args &a, int grid, cudaStream_t st,
-                     bool pdl, const CUtensorMap *tm_b = nullptr)
+                     bool pdl, const moek_tmaps *tm_b = nullptr)
 {
     if (grid < 1)
         grid = 1;
@@ -229,19 +229,26 @@ cudaError_t run_gemm(moek_dtype dt, bool wgmma, const CUtensorMap *tm,
  * multicast, which halves the token rows read from L2 per weight tile, and
  * GEMM 1 reads them from a copy of x in slot order (TMA cannot gather).
  * The layer qualifies at load (moek_cuda_moe_layer.cluster: tiled weights,
- * even weight-tile counts); a call takes it with a 128-row tile or wider.
+ * even weight-tile counts, I large enough to pay for the copy; .cluster2:
+ * the same for GEMM 2 alone, whose token rows are GEMM 1's output in slot
+ * order); a call takes it with a 128-row tile or wider.
  */
 bool moe_cluster_layer(const moek_cuda_moe_layer *L)
 {
     return L->cluster && L->cc == 90 && !L->tune.generic;
 }
-/* A call of T tokens with tile bn: at least a tile's worth of slots (a
- * pair needs at least two tiles' worth of work to pay for the copy of x;
- * a TMA box, MOEK_BBOX rows, must also fit in the tensor). */
-bool moe_cluster(const moek_cuda_moe_layer *L, int bn, int T)
+/* The mode of a call of T tokens with tile bn (moek_cluster_mode): at
+ * least a tile's worth of slots (a pair needs at least two tiles' worth of
+ * work to pay for the copy of x; a TMA box, half a tile's rows, must also
+ * fit in the tensor). */
+int moe_cluster(const moek_cuda_moe_layer *L, int bn, int T)
 {
-    return moe_cluster_layer(L) && moek_wgmma_cluster_ok(bn) &&
-           (long long)T * L->shape.topk >= bn;
+    if (L->cc != 90 || L->tune.generic || !moek_wgmma_cluster_ok(bn) ||
+        (long long)T * L->shape.topk < bn)
+        return MOEK_CLUSTER_NONE;
+    return L->cluster    ? MOEK_CLUSTER_BOTH
+           : L->cluster2 ? MOEK_CLUSTER_GEMM2
+                         : MOEK_CLUSTER_NONE;
 }
 
 } // namespace
@@ -345,10 +352,9 @@ int moek_cuda_moe_layer_token_tile(const moek_cuda_moe_layer *layer, int tokens)
 int moek_cuda_moe_layer_uses_cluster(const moek_cuda_moe_layer *layer,
                                      int tokens)
 {
-    return layer && tokens > 0 &&
-                   moe_cluster(layer, moe_tile(layer, tokens), tokens)
-               ? 1
-               : 0;
+    return layer && tokens > 0
+               ? moe_cluster(layer, moe_tile(layer, tokens), tokens)
+               : MOEK_CLUSTER_NONE;
 }
 
 int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
@@ -391,7 +397,8 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     const int bn = moe_tile(L, T);
     /* Cluster mode needs room for the copy of x; a workspace sized by
      * moek_cuda_moe_workspace_size has it. */
-    bool cl = moe_cluster(L, bn, T);
+    const int mode = moe_cluster(L, bn, T);
+    bool cl = mode == MOEK_CLUSTER_BOTH;
     size_t need = carve_moe(L->shape, L->dt, T, cl, nullptr, nullptr);
     if (cl && need > ws->bytes) {
         cl = false;
@@ -428,16 +435,18 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     g1.out = w.inter;
     g1.ldo = I;
     g1.which = 0;
-    CUtensorMap tb1, tb2;
+    moek_tmaps tb1, tb2;
     if (cl) {
-        const int r1 = moek_make_tmap(&tb1, w.xs, L->dt, (uint64_t)T * k, H,
-                                      MOEK_BBOX);
+        const int r1 = moek_make_tmaps(&tb1, w.xs, L->dt, (uint64_t)T * k, H,
+                                       bn);
         if (r1)
             return r1;
         g1.b = w.xs;
         g1.b_rows = nullptr;
         g1.chunk = g1.chunk < 2 ? 2 : g1.chunk & ~1;
     }
+    /* GEMM 2 stays in pairs when the copy of x does not fit. */
+    const bool cl2 = mode != MOEK_CLUSTER_NONE;
     moek_gemm_args g2 = g1;
     g1.zero = (float4 *)w.acc; /* GEMM 1 only */
     g1.zero_n4 = (size_t)T * H / 4;
@@ -458,9 +467,9 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     g2.pos_token = w.pos_token;
     g2.pos_weight = w.pos_weight;
     g2.which = 1;
-    if (cl) {
-        const int r2 = moek_make_tmap(&tb2, w.inter, L->dt, (uint64_t)T * k,
-                                      I, MOEK_BBOX);
+    if (cl2) {
+        const int r2 = moek_make_tmaps(&tb2, w.inter, L->dt, (uint64_t)T * k,
+                                       I, bn);
         if (r2)
             return r2;
         g2.chunk = g2.chunk < 2 ? 2 : g2.chunk & ~1;
@@ -498,7 +507,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     aa.split_min_kb = L->split_min_kb;
     aa.tiny = L->tiny;
     aa.d[0] = {g1.n_tiles, g1.kblocks, 0};
-    aa.d[1] = {g2.n_tiles, g2.kblocks, cl ? 0 : 1};
+    aa.d[1] = {g2.n_tiles, g2.kblocks, cl2 ? 0 : 1};
     aa.ngemm = 2;
     aa.plan = w.plan;
     aa.cg_group = w.cg_group;
@@ -537,7 +546,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     MOEK_CU(run_gemm(L->dt, wgmma, &L->tm13, g1, grid1, st, pdl,
                      cl ? &tb1 : nullptr));
     MOEK_CU(run_gemm(L->dt, wgmma, &L->tm2, g2, L->sms, st, pdl,
-                     cl ? &tb2 : nullptr));
+                     cl2 ? &tb2 : nullptr));
 
     const size_t n4 = (size_t)T * H / 4;
     long long blocks = (long long)((n4 + 255) / 256);

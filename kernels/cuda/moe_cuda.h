@@ -316,12 +316,19 @@ int moek_cuda_gemm_weights_tune(moek_cuda_gemm_weights *w,
 int moek_cuda_moe_layer_token_tile(const moek_cuda_moe_layer *layer,
                                    int tokens);
 
-/* 1 when a call of `tokens` tokens, in a workspace of at least
- * moek_cuda_moe_workspace_size(layer, tokens), runs its GEMMs in cluster
- * mode: CTA pairs sharing each token tile through TMA multicast (prefill
+/* How a call of `tokens` tokens, in a workspace of at least
+ * moek_cuda_moe_workspace_size(layer, tokens), runs its GEMMs: in cluster
+ * mode, CTA pairs sharing each token tile through TMA multicast (prefill
  * tiles of 128 rows and wider, at least a tile's worth of slots, on sm_90
- * with tiled weights, layers with I >= 4096 and even weight-tile counts);
- * 0 when not. */
+ * with tiled weights and even weight-tile counts). MOEK_CLUSTER_BOTH: both
+ * GEMMs (layers with I >= 2048, where GEMM 1's copy of x pays);
+ * MOEK_CLUSTER_GEMM2: GEMM 2 alone (smaller I); MOEK_CLUSTER_NONE: no
+ * pairs. */
+enum moek_cluster_mode {
+    MOEK_CLUSTER_NONE = 0,
+    MOEK_CLUSTER_BOTH = 1,
+    MOEK_CLUSTER_GEMM2 = 2,
+};
 int moek_cuda_moe_layer_uses_cluster(const moek_cuda_moe_layer *layer,
                                      int tokens);
 

@@ -432,6 +432,22 @@ template <typename V> __device__ __forceinline__ V warp_scan(V x, int lane)
     return x;
 }
 
+/* The plan's tail for GEMM d, written by one thread: its K split, its item
+ * count (past the last compact group's items before) and, per tile class
+ * c, where the class's items end: class_end[c] token tiles (those of
+ * classes 0..c) times per_tile items each. */
+__device__ __forceinline__ void plan_tail(const moek_align_args &a, int d,
+                                          int ncg, int split, int per_tile,
+                                          int pairs, const int *class_end)
+{
+    a.cg_before[d * (a.groups + 1) + ncg] = pairs * per_tile;
+    a.plan[d ? MOEK_PLAN_SPLIT1 : MOEK_PLAN_SPLIT0] = split;
+    int *ends = a.plan + (d ? MOEK_PLAN_ENDS1 : MOEK_PLAN_ENDS0);
+#pragma unroll
+    for (int c = 0; c < MOEK_CLASSES; c++)
+        ends[c] = class_end[c] * per_tile;
+}
+
 /* align_block's tile list for MoE counts, built by one warp with warp
  * scans over 32 groups at a time: no block barrier. start[g] gets each
  * group's first sorted position, for the scatter. Groups are ordered by
@@ -510,16 +526,9 @@ __device__ void align_warp(const moek_align_args &a, const int *counts,
         a.plan[MOEK_PLAN_NCG] = ncg;
         a.plan[MOEK_PLAN_ROWS] = run;
 #pragma unroll
-        for (int d = 0; d < 2; d++) {
-            if (d >= a.ngemm)
-                break;
-            a.cg_before[d * (G + 1) + ncg] = pairs * per_tile[d];
-            a.plan[d ? MOEK_PLAN_SPLIT1 : MOEK_PLAN_SPLIT0] = split[d];
-            int *ends = a.plan + (d ? MOEK_PLAN_ENDS1 : MOEK_PLAN_ENDS0);
-#pragma unroll
-            for (int c = 0; c < MOEK_CLASSES; c++)
-                ends[c] = tfirst[c + 1] * per_tile[d];
-        }
+        for (int d = 0; d < 2; d++)
+            if (d < a.ngemm)
+                plan_tail(a, d, ncg, split[d], per_tile[d], pairs, tfirst + 1);
     }
 }
 
@@ -678,13 +687,8 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
         int *out = aa.cg_before + d * (aa.groups + 1);
         if (first)
             out[ci] = tiles_before * per_tile;
-        if (lane == 0) {
-            out[ncg] = pairs * per_tile;
-            aa.plan[d ? MOEK_PLAN_SPLIT1 : MOEK_PLAN_SPLIT0] = split;
-            int *pe = aa.plan + (d ? MOEK_PLAN_ENDS1 : MOEK_PLAN_ENDS0);
-            for (int c = 0; c < MOEK_CLASSES; c++)
-                pe[c] = ends[c] * per_tile;
-        }
+        if (lane == 0)
+            plan_tail(aa, d, ncg, split, per_tile, pairs, ends);
     }
 }
 

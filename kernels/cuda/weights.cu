@@ -204,16 +204,22 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
     L->h16 = (H + 15) / 16 * 16;
     const bool tl = L->tiled;
     /* Cluster mode pairs adjacent weight tiles and reads token rows through
-     * TMA maps (16-byte row pitch). Its copy of x costs H per slot and its
-     * gain grows with I: on the H200 it paid for mixtral (I = 14336, T=4096
-     * 4% faster), broke even for deepseek (2048) and lost 4% for qwen3
-     * (768) (kernels/bench/RESULTS.md). MOEK_CUDA_CLUSTER_MIN_I=N moves
-     * the bound, for measuring. */
-    L->cluster = tl && !env_off("MOEK_CUDA_NO_CLUSTER") &&
-                 I >= env_int("MOEK_CUDA_CLUSTER_MIN_I", 4096, 1 << 30) &&
-                 H >= MOEK_KTILE && H % 8 == 0 && I % 8 == 0 &&
-                 (2 * I + MOEK_WTILE - 1) / MOEK_WTILE % 2 == 0 &&
-                 (L->h16 + MOEK_WTILE - 1) / MOEK_WTILE % 2 == 0;
+     * TMA maps (16-byte row pitch). GEMM 1's token rows then come from a
+     * copy of x, which costs H per slot; its gain grows with I: on the H200
+     * it paid for mixtral (I = 14336) and deepseek (2048, T=4096 5.5%
+     * faster) and lost 1% for qwen3 (768). GEMM 2's token rows, GEMM 1's
+     * output, are in slot order already: below the bound on I, GEMM 2
+     * alone runs in pairs (qwen3 T=4096 1.2% faster) (kernels/bench/
+     * RESULTS.md, run 16). MOEK_CUDA_CLUSTER_MIN_I=N moves the bound, for
+     * measuring. */
+    const bool pairs2 = tl && !env_off("MOEK_CUDA_NO_CLUSTER") &&
+                        I >= MOEK_KTILE && I % 8 == 0 &&
+                        (L->h16 + MOEK_WTILE - 1) / MOEK_WTILE % 2 == 0;
+    L->cluster = pairs2 &&
+                 I >= env_int("MOEK_CUDA_CLUSTER_MIN_I", 2048, 1 << 30) &&
+                 H >= MOEK_KTILE && H % 8 == 0 &&
+                 (2 * I + MOEK_WTILE - 1) / MOEK_WTILE % 2 == 0;
+    L->cluster2 = pairs2 && !L->cluster;
     void *tmp = nullptr;
     cudaError_t e = weight_alloc(&L->w13, tl, E, 2 * I, H);
     if (e == cudaSuccess)
@@ -402,6 +408,19 @@ int moek_make_tmap(CUtensorMap *m, void *base, moek_dtype dt, uint64_t rows,
     if (r != CUDA_SUCCESS)
         return moek_cuda_refuse(-EIO, "cuTensorMapEncodeTiled failed (%d)",
                                 (int)r);
+    return 0;
+}
+
+/* Classes the instance does not have repeat class 0's map. */
+int moek_make_tmaps(moek_tmaps *t, void *base, moek_dtype dt, uint64_t rows,
+                    uint64_t K, int bn)
+{
+    for (int c = 0; c < MOEK_CLASSES; c++) {
+        const int w = bn - (c < moek_classes(bn) ? c : 0) * MOEK_CLASS_STEP;
+        const int r = moek_make_tmap(&t->m[c], base, dt, rows, K, w / 2);
+        if (r)
+            return r;
+    }
     return 0;
 }
 

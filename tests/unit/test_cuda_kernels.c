@@ -107,10 +107,10 @@ typedef struct tile_opts {
     const moek_cuda_tile_rule *rules;
     int n_rules;
     int expect_tile;
-    int expect_cluster; /* CLUSTER_ON / _OFF: moek_cuda_moe_layer_uses_cluster
-                           for the call; 0: any */
+    int expect_cluster; /* EXPECT_MODE(m): moek_cuda_moe_layer_uses_cluster
+                           must be m for the call; 0: any */
 } tile_opts;
-enum { CLUSTER_ON = 1, CLUSTER_OFF = 2 };
+#define EXPECT_MODE(m) ((m) + 1)
 
 /* Given routing: expert e for rows[e] of the n slots, in random order. */
 static void given_rows(const int *rows, int E, int n, int32_t *ids, float *wts,
@@ -184,8 +184,8 @@ static void run_moe_tiles(const moe_case *c, const tile_opts *to, uint64_t *rng)
         if (to->expect_tile && device_cc() == 90)
             CHECK_EQ_INT(moek_cuda_moe_layer_token_tile(layer, T), to->expect_tile);
         if (to->expect_cluster)
-            CHECK_MSG(moek_cuda_moe_layer_uses_cluster(layer, T) ==
-                          (to->expect_cluster == CLUSTER_ON),
+            CHECK_MSG(EXPECT_MODE(moek_cuda_moe_layer_uses_cluster(layer, T)) ==
+                          to->expect_cluster,
                       "tile %d, T=%d: cluster mode %d on cc %d",
                       c->tune.token_tile, T,
                       moek_cuda_moe_layer_uses_cluster(layer, T), device_cc());
@@ -494,31 +494,36 @@ TEST(moe_every_tile)
     }
 }
 
-/* Whether a layer of intermediate size I that qualifies otherwise takes
- * cluster mode here: on sm_90, I at least the bound (4096, or
- * MOEK_CUDA_CLUSTER_MIN_I), unless a switch keeps layers off it
- * (weights.cu). */
-static bool cluster_wanted(int I)
+/* The cluster mode (moek_cluster_mode) a call of `slots` slots with tile
+ * bn takes on a layer of intermediate size I that qualifies otherwise: on
+ * sm_90, tiles of 128 rows and wider and at least a tile's worth of
+ * slots; both GEMMs with I at least the bound (2048, or
+ * MOEK_CUDA_CLUSTER_MIN_I), GEMM 2 alone below it; none with a switch
+ * that keeps layers off it (weights.cu). */
+static int cluster_mode(int I, int bn, long long slots)
 {
     const char *off = getenv("MOEK_CUDA_NO_CLUSTER"),
                *rm = getenv("MOEK_CUDA_ROW_MAJOR"),
                *mi = getenv("MOEK_CUDA_CLUSTER_MIN_I");
     const bool switched_off =
         (off && *off && *off != '0') || (rm && *rm && *rm != '0');
-    long bound = 4096;
+    long bound = 2048;
     if (mi && *mi) {
         char *end;
         long v = strtol(mi, &end, 10);
         if (!*end && v >= 1 && v <= (1L << 30))
             bound = v;
     }
-    return device_cc() == 90 && !switched_off && I >= bound;
+    if (device_cc() != 90 || switched_off || bn < 128 || slots < bn)
+        return MOEK_CLUSTER_NONE;
+    return I >= bound ? MOEK_CLUSTER_BOTH : MOEK_CLUSTER_GEMM2;
 }
 
 /* Token tiles of every width of the 128-, 192- and 256-row instances
  * (moek_tile_class: a group's tiles are as narrow as its rows allow), with
  * groups of one to five tiles and an empty one, every token checked, on a
- * plain shape and on one that takes cluster mode (I >= 4096). Each of
+ * shape whose GEMM 2 alone runs in CTA pairs (I = 328) and on one whose
+ * GEMMs both do (I >= 2048; cluster_mode). Each of
  * the three instances gets a group of each of its four widths from these
  * counts: 128: 32 (1 row), 64 (33), 96 (70, and 129 in two tiles), 128
  * (100, and 520 in five); 192: 96 (1), 128 (100), 160 (150), 192 (180);
@@ -538,8 +543,9 @@ TEST(moe_tile_classes)
                       ROUTE_GIVEN, false, 0, 0,
                       {tiles[i % 3], false}, false, false, rows};
         const tile_opts to = {NULL, 0, hopper ? tiles[i % 3] : 0,
-                              cluster_wanted(c.s.intermediate) ? CLUSTER_ON
-                                                               : CLUSTER_OFF};
+                              EXPECT_MODE(cluster_mode(
+                                  c.s.intermediate, tiles[i % 3],
+                                  (long long)c.tokens * c.s.topk))};
         run_moe_tiles(&c, &to, &rng);
     }
     /* A batch of 64 tokens (one block routes and aligns, the tile list by
@@ -550,7 +556,8 @@ TEST(moe_tile_classes)
         moe_case c = {{16, 2, 456, 328}, MOEK_DTYPE_BF16, 64, ROUTE_GIVEN,
                       false, 0, 0, {tiles[i], false}, false, false,
                       small_rows};
-        const tile_opts to = {NULL, 0, hopper ? tiles[i] : 0, CLUSTER_OFF};
+        const tile_opts to = {NULL, 0, hopper ? tiles[i] : 0,
+                              EXPECT_MODE(cluster_mode(328, tiles[i], 128))};
         run_moe_tiles(&c, &to, &rng);
     }
     /* 64 tokens over 64 experts (two of align_warp's 32-group steps) in all
@@ -560,7 +567,8 @@ TEST(moe_tile_classes)
                                       [40] = 65, [60] = 97};
     moe_case w = {{64, 4, 456, 328}, MOEK_DTYPE_BF16, 64, ROUTE_GIVEN, false,
                   0, 0, {128, false}, false, false, wide_rows};
-    const tile_opts tw = {NULL, 0, hopper ? 128 : 0, CLUSTER_OFF};
+    const tile_opts tw = {NULL, 0, hopper ? 128 : 0,
+                          EXPECT_MODE(cluster_mode(328, 128, 256))};
     run_moe_tiles(&w, &tw, &rng);
 }
 
@@ -580,13 +588,13 @@ static moek_cuda_moe_layer *small_layer(const moek_moe_shape *s, moek_dtype dt,
 }
 
 /* Cluster mode (CTA pairs sharing token tiles by multicast) on each tile
- * that takes it, over a shape that qualifies (I >= 4096, even weight-tile
+ * that takes it, over a shape that qualifies (I >= 2048, even weight-tile
  * counts) with partial K blocks in both GEMMs (H = 7 * 64 + 8,
  * I = 65 * 64 + 8): 75 rows per expert (one narrow tile each) and 300
  * (several tiles), and given routing with slots routed nowhere; 20
  * slots under the widest tile take the plain path. Off Hopper (or with the
- * switches that turn it off) no call takes it; with I below 4096 none does
- * either. */
+ * switches that turn it off) no call takes it; with I below 2048, GEMM 2
+ * alone does (moe_tile_classes runs those layers). */
 TEST(moe_cluster_tiles)
 {
     need_gpu();
@@ -594,27 +602,31 @@ TEST(moe_cluster_tiles)
     static const int tiles[] = {128, 192, 256};
     const moek_moe_shape s = {16, 4, 456, 4168};
     const moek_moe_shape narrow = {16, 4, 456, 328};
-    const bool want = cluster_wanted(s.intermediate);
-    const tile_opts cl_on = {NULL, 0, 0, CLUSTER_ON},
-                    cl_off = {NULL, 0, 0, CLUSTER_OFF};
     moek_cuda_moe_layer *n = small_layer(&narrow, MOEK_DTYPE_BF16,
                                          test_rand(&rng));
     const moek_cuda_tuning t256 = {256, false};
     CK(moek_cuda_moe_layer_tune(n, &t256));
     CHECK_EQ_INT(moek_cuda_moe_layer_uses_cluster(n, 1200),
-                 cluster_wanted(narrow.intermediate));
+                 cluster_mode(narrow.intermediate, 256, 1200 * 4));
+    CHECK_EQ_INT(moek_cuda_moe_layer_uses_cluster(n, 50),
+                 MOEK_CLUSTER_NONE);
     moek_cuda_moe_layer_free(n);
     for (int i = 0; i < 6; i++) {
         moe_case c = {s, i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
                       (i / 2 + i) % 2 ? 1200 : 300, ROUTE_SOFTMAX, true, 0, 32,
                       {tiles[i / 2], false}, false, false, NULL};
-        run_moe_tiles(&c, want ? &cl_on : &cl_off, &rng);
+        const tile_opts to = {NULL, 0, 0,
+                              EXPECT_MODE(cluster_mode(
+                                  s.intermediate, tiles[i / 2],
+                                  (long long)c.tokens * s.topk))};
+        run_moe_tiles(&c, &to, &rng);
     }
     /* 20 slots under a forced 256-row tile: fewer than a tile's worth, so
      * no cluster mode (layer.cu, moe_cluster), and correct. */
+    const tile_opts none = {NULL, 0, 0, EXPECT_MODE(MOEK_CLUSTER_NONE)};
     moe_case few = {s, MOEK_DTYPE_BF16, 5, ROUTE_SOFTMAX, true, 0, 0,
                     {256, false}, false, false, NULL};
-    run_moe_tiles(&few, &cl_off, &rng);
+    run_moe_tiles(&few, &none, &rng);
     /* Given routing with a third of the slots routed nowhere: those slots
      * have no sorted position, so the copy of x must stop at the routed
      * ones (the debug build's workspace is poisoned past them). */
@@ -625,7 +637,9 @@ TEST(moe_cluster_tiles)
      * bounds the copy of x) comes from the one-block kernel. */
     moe_case h64 = {s, MOEK_DTYPE_BF16, 64, ROUTE_GIVEN, false, 0, 0,
                     {128, false}, false, true, NULL};
-    run_moe_tiles(&h64, want ? &cl_on : &cl_off, &rng);
+    const tile_opts t64 = {NULL, 0, 0,
+                           EXPECT_MODE(cluster_mode(s.intermediate, 128, 256))};
+    run_moe_tiles(&h64, &t64, &rng);
 }
 
 /* set_tiles refuses bad tables (and keeps the old one), n = 0 clears, the
