@@ -40,23 +40,42 @@ enum { MOEK_EPI_SWIGLU = 0, MOEK_EPI_COMBINE = 1, MOEK_EPI_STORE = 2 };
 /*
  * Token tiles of a group of cnt rows, for a GEMM instance of tile bn: the
  * fewest tiles of at most bn rows, np = ceil(cnt / bn), all of one width,
- * the narrowest of the instance's "classes" bn, bn - 32, bn - 64, bn - 96
- * (tiles of 128 rows and wider; one class, bn, below) that holds
- * ceil(cnt / np) rows. The wgmma's N follows the tile's width, so a group
- * pays for about the rows it has: with ~128 rows per group (deepseek-v3,
- * T = 4096) a 192-row tile alone leaves a third of every MMA empty. A
- * group's tiles stay next to each other in the item order, so the weight
- * tiles they share are read from DRAM once (narrow tiles for the rest of a
- * group, run after every whole tile, would read them again).
+ * the narrowest of the instance's "classes" (moek_class_width; tiles of
+ * 128 rows and wider; one class, bn, below) that holds ceil(cnt / np)
+ * rows. The wgmma's N follows the tile's width, so a group pays for about
+ * the rows it has: with ~128 rows per group (deepseek-v3, T = 4096) a
+ * 192-row tile alone leaves a third of every MMA empty. A group's tiles
+ * stay next to each other in the item order, so the weight tiles they
+ * share are read from DRAM once (narrow tiles for the rest of a group, run
+ * after every whole tile, would read them again).
  * A GEMM instance runs its classes one after another, each a loop with one
  * wgmma shape (gemm_wgmma.cu), so the align kernels order the compact
  * groups by class, then by group index.
  */
-#define MOEK_CLASSES 4    /* tile widths of one instance, at most */
-#define MOEK_CLASS_STEP 32 /* rows between them */
+#define MOEK_CLASSES 4 /* tile widths of one instance, at most */
 __host__ __device__ __forceinline__ constexpr int moek_classes(int bn)
 {
     return bn >= 128 ? MOEK_CLASSES : 1;
+}
+/*
+ * Width of class c of instance bn, widest first: multiples of 16 (a wgmma
+ * N: its time is proportional to N, measured on the H200), halves of
+ * whole 8-row swizzle atoms (cluster mode's TMA boxes). Chosen for the
+ * groups each instance meets (simulated over the bench's routing, MMA
+ * columns per routed row): 256 (about 256 or 1024 rows a group: qwen3 and
+ * mixtral at T = 4096) has 144 for groups just over 256 rows (two tiles),
+ * 208 and 224 for those just over 1024 (five); 192 (about 128 rows:
+ * deepseek T = 4096, mixtral T = 512) has 128, 144 and 160. Against
+ * widths 32 apart that is 1.8% (mixtral), 4.3% (qwen3), 4.4% (deepseek)
+ * and 4.7% (mixtral T = 512) fewer columns.
+ */
+__host__ __device__ __forceinline__ constexpr int moek_class_width(int bn,
+                                                                   int c)
+{
+    return bn == 256   ? (c == 0 ? 256 : c == 1 ? 224 : c == 2 ? 208 : 144)
+           : bn == 192 ? (c == 0 ? 192 : c == 1 ? 160 : c == 2 ? 144 : 128)
+           : bn == 128 ? 128 - 32 * c
+                       : bn;
 }
 __host__ __device__ __forceinline__ int moek_token_tiles(int cnt, int bn)
 {
@@ -66,11 +85,11 @@ __host__ __device__ __forceinline__ int moek_token_tiles(int cnt, int bn)
 __host__ __device__ __forceinline__ int moek_tile_class(int cnt, int np,
                                                         int bn)
 {
-    if (moek_classes(bn) == 1)
-        return 0;
     const int rows = np > 0 ? cnt / np + (cnt % np != 0) : bn;
-    const int c = (bn - rows) / MOEK_CLASS_STEP;
-    return c < moek_classes(bn) - 1 ? c : moek_classes(bn) - 1;
+    int c = moek_classes(bn) - 1;
+    while (c > 0 && moek_class_width(bn, c) < rows)
+        c--;
+    return c;
 }
 
 /* plan[] written by the align kernels, read by the GEMMs. ENDS: the item
@@ -183,7 +202,7 @@ __device__ __forceinline__ moek_item moek_decode_item(const moek_gemm_args &a,
     int l = idx - before[lo];
     int cnt = __ldg(a.cg_count + lo);
     const int np = moek_token_tiles(cnt, a.bn);
-    const int bn = a.bn - moek_tile_class(cnt, np, a.bn) * MOEK_CLASS_STEP;
+    const int bn = moek_class_width(a.bn, moek_tile_class(cnt, np, a.bn));
     int per_chunk = np * a.chunk * split;
     int ch = l / per_chunk;
     int r = l - ch * per_chunk;

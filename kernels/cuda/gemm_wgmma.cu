@@ -27,8 +27,8 @@
  *     (moek_combine4), or a plain store (moek_epi_pair). The producer runs
  *     ahead into the next item meanwhile.
  * Inside one instance:
- *   - token tiles of up to four widths (BN 128 and wider: BN, BN - 32,
- *     BN - 64, BN - 96; cuda_common.cuh, moek_tile_class), so a group pays
+ *   - token tiles of up to four widths (BN 128 and wider; cuda_common.cuh,
+ *     moek_class_width, moek_tile_class), so a group pays
  *     for about the rows it has. Each width is its own loop with one wgmma
  *     shape, run one after the other: a wgmma chosen by a branch inside
  *     the K loop makes ptxas serialise every wgmma (C7520), measured
@@ -440,6 +440,26 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0,
                  : "memory");
 }
 
+/* SiLU(gate) * up of the accumulators' 8-column group j (fragment rows r
+ * and r + 8: a feature's gate and up), packed as two T. */
+template <typename T>
+__device__ __forceinline__ uint32_t swiglu_pack(const float *d, int j)
+{
+    return moek_dt<T>::pack2(moek_silu(d[j * 4 + 0]) * d[j * 4 + 2],
+                             moek_silu(d[j * 4 + 1]) * d[j * 4 + 3]);
+}
+
+/* stmatrix_x4_trans's two-matrix form: lanes 8m .. 8m + 7 (m < 2) give
+ * the row addresses. */
+__device__ __forceinline__ void stmatrix_x2_trans(uint32_t addr, uint32_t r0,
+                                                  uint32_t r1)
+{
+    asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], "
+                 "{%1, %2};" ::"r"(addr),
+                 "r"(r0), "r"(r1)
+                 : "memory");
+}
+
 /*
  * SWIGLU epilogue through shared memory (consumer warpgroup cw, tiles of 128
  * rows and wider). Warp w holds SiLU(gate) * up of features f0 + 8 w .. + 7
@@ -469,14 +489,23 @@ __device__ __forceinline__ void epi_swiglu_staged(const moek_gemm_args &a,
         for (int g = 0; g < pr / 32; g++) {
             uint32_t r[4];
 #pragma unroll
-            for (int m = 0; m < 4; m++) {
-                const int j = (p0 + g * 32) / 8 + m;
-                r[m] = moek_dt<T>::pack2(moek_silu(d[j * 4 + 0]) * d[j * 4 + 2],
-                                         moek_silu(d[j * 4 + 1]) * d[j * 4 + 3]);
-            }
+            for (int m = 0; m < 4; m++)
+                r[m] = swiglu_pack<T>(d, (p0 + g * 32) / 8 + m);
             const int row = (g * 4 + (lane >> 3)) * 8 + (lane & 7);
             stmatrix_x4_trans(base + row * 64 + ((warp ^ ((row >> 1) & 3)) << 4),
                               r[0], r[1], r[2], r[3]);
+        }
+        if constexpr (N % 32 != 0) {
+            /* The last pass's last 16 token columns (N an odd multiple of
+             * 16): two matrices, whose rows lanes 0..15 give. */
+            if (p0 + pr == N) {
+                const int j = (N - 16) / 8;
+                const int row = (pr - 16) + (lane & 15);
+                stmatrix_x2_trans(base + row * 64 +
+                                      ((warp ^ ((row >> 1) & 3)) << 4),
+                                  swiglu_pack<T>(d, j),
+                                  swiglu_pack<T>(d, j + 1));
+            }
         }
         asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
         if (tid < pr) {
@@ -560,7 +589,7 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
         wgmma_wait<0>();
         if (prev >= 0 && lane == 0)
             release<CL>(empty, prev);
-        if constexpr (C::EPI_BYTES > 0 && N % 32 == 0) {
+        if constexpr (C::EPI_BYTES > 0 && N % 16 == 0) {
             if (a.epi == MOEK_EPI_SWIGLU) {
                 epi_swiglu_staged<T, N>(a, it, d, cw,
                                         epi_buf + cw * EPI_ROWS * 64);
@@ -726,7 +755,7 @@ __global__ void __launch_bounds__(384, 1)
                 const uint32_t rank = cluster_rank();
                 each_class<BN>([&](auto c) {
                     constexpr int J = decltype(c)::value;
-                    produce_mc<BN, BN - J * MOEK_CLASS_STEP>(
+                    produce_mc<BN, moek_class_width(BN, J)>(
                         a, &tmap, &tmaps_b.m[J], smem, full, empty, ncg,
                         class_first(cb[J]), cb[J + 1], pre, pp, sb, rank);
                 });
@@ -734,7 +763,7 @@ __global__ void __launch_bounds__(384, 1)
         } else {
             each_class<BN>([&](auto c) {
                 constexpr int J = decltype(c)::value;
-                produce<T, BN, BN - J * MOEK_CLASS_STEP>(
+                produce<T, BN, moek_class_width(BN, J)>(
                     a, &tmap, smem, full, empty, ncg, split,
                     class_first(cb[J]), cb[J + 1], pre, pp, sb);
             });
@@ -749,7 +778,7 @@ __global__ void __launch_bounds__(384, 1)
         uint8_t *epi_buf = reinterpret_cast<uint8_t *>(sb_mem) + SB_BYTES;
         each_class<BN>([&](auto c) {
             constexpr int J = decltype(c)::value;
-            consume<T, BN, BN - J * MOEK_CLASS_STEP, CL>(
+            consume<T, BN, moek_class_width(BN, J), CL>(
                 a, smem, full, empty, ncg, split, class_first(cb[J]),
                 cb[J + 1], pp, sb, epi_buf);
         });

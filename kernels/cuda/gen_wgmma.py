@@ -5,7 +5,7 @@ shared memory (descriptors). PTX needs the accumulator registers spelled out,
 so the wrappers are generated. Run: python3 kernels/cuda/gen_wgmma.py"""
 import os
 
-NS = [16, 32, 64, 96, 128, 160, 192, 224, 256]
+NS = [16, 32, 64, 96, 128, 144, 160, 192, 208, 224, 256]
 TYPES = [("bf16", "__nv_bfloat16"), ("f16", "__half")]
 
 out = []

@@ -416,7 +416,7 @@ int moek_make_tmaps(moek_tmaps *t, void *base, moek_dtype dt, uint64_t rows,
                     uint64_t K, int bn)
 {
     for (int c = 0; c < MOEK_CLASSES; c++) {
-        const int w = bn - (c < moek_classes(bn) ? c : 0) * MOEK_CLASS_STEP;
+        const int w = moek_class_width(bn, c < moek_classes(bn) ? c : 0);
         const int r = moek_make_tmap(&t->m[c], base, dt, rows, K, w / 2);
         if (r)
             return r;

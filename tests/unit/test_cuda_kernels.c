@@ -520,20 +520,22 @@ static int cluster_mode(int I, int bn, long long slots)
 }
 
 /* Token tiles of every width of the 128-, 192- and 256-row instances
- * (moek_tile_class: a group's tiles are as narrow as its rows allow), with
- * groups of one to five tiles and an empty one, every token checked, on a
- * shape whose GEMM 2 alone runs in CTA pairs (I = 328) and on one whose
- * GEMMs both do (I >= 2048; cluster_mode). Each of
- * the three instances gets a group of each of its four widths from these
- * counts: 128: 32 (1 row), 64 (33), 96 (70, and 129 in two tiles), 128
- * (100, and 520 in five); 192: 96 (1), 128 (100), 160 (150), 192 (180);
- * 256: 160 (1), 192 (180, and 520 in three), 224 (200), 256 (230). */
+ * (moek_class_width, moek_tile_class: a group's tiles are as narrow as its
+ * rows allow), with groups of one to five tiles and an empty one, every
+ * token checked, on a shape whose GEMM 2 alone runs in CTA pairs (I = 328)
+ * and on one whose GEMMs both do (I >= 2048; cluster_mode). Each of the
+ * three instances gets a group of each of its four widths from these
+ * counts: 128: 32 (1 row), 64 (33), 96 (70, 165 in two tiles, 257 in
+ * three), 128 (100, 215 in two, 520 in five); 192: 128 (1, 100, 215 in
+ * two), 144 (129, 257 in two), 160 (150, 300 in two), 192 (165, 520 in
+ * three); 256: 144 (1, 129, 257 in two), 208 (150, 165, 300 in two, 520
+ * in three), 224 (215), 256 (230). */
 TEST(moe_tile_classes)
 {
     need_gpu();
     uint64_t rng = test_seed();
     static const int rows[16] = {0,   1,   32,  33,  40,  60,  70,  100,
-                                 129, 150, 180, 200, 230, 257, 300, 520};
+                                 129, 150, 165, 215, 230, 257, 300, 520};
     static const int tiles[] = {128, 192, 256};
     const bool hopper = device_cc() == 90;
     for (int i = 0; i < 6; i++) {
