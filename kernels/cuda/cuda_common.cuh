@@ -511,8 +511,9 @@ cudaError_t moek_launch_align_groups(const moek_align_args &aa,
 cudaError_t moek_gemm_wgmma_prepare(moek_dtype dt);
 /* Cluster mode's maps of the token rows: one per tile class c of the
  * instance, boxes of MOEK_KTILE x (class width / 2) rows, so each CTA of a
- * pair loads its half of a stage's token tile with one TMA (measured:
- * boxes of 16 rows, eight loads a stage, kept mixtral T=4096 3% slower). */
+ * pair loads its half of a stage's token tile with one TMA (boxes of 16
+ * rows, eight loads a stage from one thread, kept mixtral 2-6% slower:
+ * kernels/bench/RESULTS.md, run 16). */
 struct moek_tmaps {
     CUtensorMap m[MOEK_CLASSES];
 };
