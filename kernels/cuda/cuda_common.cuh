@@ -438,7 +438,7 @@ struct moek_cuda_moe_layer {
     bool tiled; /* w13 and w2p in tiles (moek_wt_index) */
     bool l2_hint; /* their loads evict first from L2 */
     bool cluster;  /* prefill tiles may run in CTA pairs (layer.cu) */
-    bool cluster2; /* GEMM 2's alone may (its token rows need no copy) */
+    bool cluster2; /* GEMM 2 alone may (its token rows need no copy) */
     int split_min_kb;
     /* The token-tile table (moek_cuda_moe_layer_set_tiles): n_rules rules,
      * min_tokens ascending. */
@@ -510,12 +510,13 @@ cudaError_t moek_launch_align_groups(const moek_align_args &aa,
 /* gemm_wgmma.cu / gemm_simt.cu */
 cudaError_t moek_gemm_wgmma_prepare(moek_dtype dt);
 /* Cluster mode's maps of the token rows: one per tile class c of the
- * instance, boxes of MOEK_KTILE x (class width / 2) rows, so each CTA of a
- * pair loads its half of a stage's token tile with one TMA (boxes of 16
- * rows, eight loads a stage from one thread, kept mixtral 2-6% slower:
- * kernels/bench/RESULTS.md, run 16). */
+ * instance bn, boxes of MOEK_KTILE x (class width / 2) rows, so each CTA of
+ * a pair loads its half of a stage's token tile with one TMA (boxes of 16
+ * rows, up to eight loads a stage from one thread, kept mixtral 2-6%
+ * slower: kernels/bench/RESULTS.md, run 16). */
 struct moek_tmaps {
     CUtensorMap m[MOEK_CLASSES];
+    int bn; /* the instance they were made for */
 };
 /* The maps of [rows, K] token rows at base for the classes of instance bn
  * (moek_wgmma_cluster_ok). */
@@ -523,8 +524,10 @@ int moek_make_tmaps(moek_tmaps *t, void *base, moek_dtype dt, uint64_t rows,
                     uint64_t K, int bn);
 /* tmaps_b set: cluster mode, pairs of CTAs sharing each token tile by TMA
  * multicast; the token rows a.b are then contiguous (a.b_rows unused)
- * behind tmaps_b, the grid is even, the plan has no K split and a.chunk
- * and a.n_tiles are even. Tiles moek_wgmma_cluster_ok only. */
+ * behind tmaps_b (made for a.bn: another instance's boxes would never
+ * deliver the bytes a stage waits for, so it is refused), the grid is
+ * even, the plan has no K split and a.chunk and a.n_tiles are even. Tiles
+ * moek_wgmma_cluster_ok only. */
 cudaError_t moek_launch_gemm_wgmma(moek_dtype dt, const void *tmap,
                                    const moek_tmaps *tmaps_b,
                                    const moek_gemm_args &a, int grid,

@@ -40,9 +40,10 @@
  *     and 2c + 1 run weight tiles nt and nt + 1 of the same token tile; one
  *     producer warp per CTA loads its weight tile and half of the token rows
  *     (one TMA box: a map per tile width), multicast into both CTAs, so each
- *     token tile is read from L2 once per pair. The token rows must then be contiguous:
- *     GEMM 1 reads a copy of x in slot order (layer.cu). A stage is free when
- *     the consumers of both CTAs have released it.
+ *     token tile is read from L2 once per pair. The token rows must then
+ *     be contiguous: GEMM 1 reads a copy of x in slot order (layer.cu),
+ *     GEMM 2 its input as GEMM 1 wrote it. A stage is free when the
+ *     consumers of both CTAs have released it.
  * Stages: as many as fit in 227 KB (12 for BN = 16, 4 for BN = 256), so
  * 130-200 KB of weights are in flight per SM on the memory-bound path.
  *
@@ -479,6 +480,7 @@ __device__ __forceinline__ void epi_swiglu_staged(const moek_gemm_args &a,
                                                   const float *d, int cw,
                                                   uint8_t *buf)
 {
+    static_assert(N % 16 == 0, "token tiles of whole 16-column steps");
     const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
     const int f0 = it.nt * (MOEK_WTILE / 2) + cw * 32;
     const uint32_t base = smem_u32(buf);
@@ -589,7 +591,7 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
         wgmma_wait<0>();
         if (prev >= 0 && lane == 0)
             release<CL>(empty, prev);
-        if constexpr (C::EPI_BYTES > 0 && N % 16 == 0) {
+        if constexpr (C::EPI_BYTES > 0) {
             if (a.epi == MOEK_EPI_SWIGLU) {
                 epi_swiglu_staged<T, N>(a, it, d, cw,
                                         epi_buf + cw * EPI_ROWS * 64);
@@ -807,6 +809,8 @@ cudaError_t launch_t(const void *tmap, const moek_tmaps *tb,
                      bool pdl)
 {
     if (tb) {
+        if (tb->bn != a.bn)
+            return cudaErrorInvalidValue;
         switch (a.bn) {
         case 128: return launch_bn<T, 128, 2>(tmap, *tb, a, grid, stream, pdl);
         case 192: return launch_bn<T, 192, 2>(tmap, *tb, a, grid, stream, pdl);

@@ -238,9 +238,9 @@ bool moe_cluster_layer(const moek_cuda_moe_layer *L)
     return L->cluster && L->cc == 90 && !L->tune.generic;
 }
 /* The mode of a call of T tokens with tile bn (moek_cluster_mode): at
- * least a tile's worth of slots (a pair needs at least two tiles' worth of
- * work to pay for the copy of x; a TMA box, half a tile's rows, must also
- * fit in the tensor). */
+ * least a tile's worth of slots (a TMA box, half a tile's rows, must fit
+ * in the token rows' tensor; and a pair needs at least two tiles' worth of
+ * work to pay for the copy of x). */
 int moe_cluster(const moek_cuda_moe_layer *L, int bn, int T)
 {
     if (L->cc != 90 || L->tune.generic || !moek_wgmma_cluster_ok(bn) ||

@@ -322,8 +322,8 @@ int moek_cuda_moe_layer_token_tile(const moek_cuda_moe_layer *layer,
  * tiles of 128 rows and wider, at least a tile's worth of slots, on sm_90
  * with tiled weights and even weight-tile counts). MOEK_CLUSTER_BOTH: both
  * GEMMs (layers with I >= 2048, where GEMM 1's copy of x pays);
- * MOEK_CLUSTER_GEMM2: GEMM 2 alone (smaller I); MOEK_CLUSTER_NONE: no
- * pairs. */
+ * MOEK_CLUSTER_GEMM2: GEMM 2 alone (smaller I, or a shape GEMM 1 cannot
+ * pair); MOEK_CLUSTER_NONE: no pairs. */
 enum moek_cluster_mode {
     MOEK_CLUSTER_NONE = 0,
     MOEK_CLUSTER_BOTH = 1,

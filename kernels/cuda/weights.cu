@@ -208,10 +208,10 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
      * copy of x, which costs H per slot; its gain grows with I: on the H200
      * it paid for mixtral (I = 14336) and deepseek (2048, T=4096 5.5%
      * faster) and lost 1% for qwen3 (768). GEMM 2's token rows, GEMM 1's
-     * output, are in slot order already: below the bound on I, GEMM 2
-     * alone runs in pairs (qwen3 T=4096 1.2% faster) (kernels/bench/
-     * RESULTS.md, run 16). MOEK_CUDA_CLUSTER_MIN_I=N moves the bound, for
-     * measuring. */
+     * output, are in slot order already: where GEMM 1 does not pair (I
+     * below the bound, or a shape it cannot pair), GEMM 2 alone runs in
+     * pairs (qwen3 T=4096 1.2% faster) (kernels/bench/RESULTS.md, run 16).
+     * MOEK_CUDA_CLUSTER_MIN_I=N moves the bound, for measuring. */
     const bool pairs2 = tl && !env_off("MOEK_CUDA_NO_CLUSTER") &&
                         I >= MOEK_KTILE && I % 8 == 0 &&
                         (L->h16 + MOEK_WTILE - 1) / MOEK_WTILE % 2 == 0;
@@ -411,13 +411,13 @@ int moek_make_tmap(CUtensorMap *m, void *base, moek_dtype dt, uint64_t rows,
     return 0;
 }
 
-/* Classes the instance does not have repeat class 0's map. */
 int moek_make_tmaps(moek_tmaps *t, void *base, moek_dtype dt, uint64_t rows,
                     uint64_t K, int bn)
 {
+    t->bn = bn;
     for (int c = 0; c < MOEK_CLASSES; c++) {
-        const int w = moek_class_width(bn, c < moek_classes(bn) ? c : 0);
-        const int r = moek_make_tmap(&t->m[c], base, dt, rows, K, w / 2);
+        const int r = moek_make_tmap(&t->m[c], base, dt, rows, K,
+                                     moek_class_width(bn, c) / 2);
         if (r)
             return r;
     }

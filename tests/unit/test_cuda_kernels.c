@@ -101,14 +101,15 @@ typedef struct moe_case {
 } moe_case;
 
 /* A token-tile table for the layer of a case (none: n_rules 0), the tile a
- * call of the case's token count must use on sm_90 (0: any), and whether
- * it runs in cluster mode. */
+ * call of the case's token count must use on sm_90 (0: any), which cluster
+ * mode it takes, and a workspace short of the sized one. */
 typedef struct tile_opts {
     const moek_cuda_tile_rule *rules;
     int n_rules;
     int expect_tile;
     int expect_cluster; /* EXPECT_MODE(m): moek_cuda_moe_layer_uses_cluster
                            must be m for the call; 0: any */
+    size_t ws_short;    /* bytes less than moek_cuda_moe_workspace_size */
 } tile_opts;
 #define EXPECT_MODE(m) ((m) + 1)
 
@@ -230,7 +231,10 @@ static void run_moe_tiles(const moe_case *c, const tile_opts *to, uint64_t *rng)
     }
 
     moek_cuda_workspace *ws = NULL;
-    CK(moek_cuda_workspace_new(0, moek_cuda_moe_workspace_size(layer, T), &ws));
+    CK(moek_cuda_workspace_new(0,
+                               moek_cuda_moe_workspace_size(layer, T) -
+                                   (to ? to->ws_short : 0),
+                               &ws));
     void *stream = NULL;
     CK(moek_cuda_stream_new(&stream));
     CK(moek_cuda_fused_moe(layer, ws, x, &rt, T, out, stream));
@@ -495,12 +499,13 @@ TEST(moe_every_tile)
 }
 
 /* The cluster mode (moek_cluster_mode) a call of `slots` slots with tile
- * bn takes on a layer of intermediate size I that qualifies otherwise: on
- * sm_90, tiles of 128 rows and wider and at least a tile's worth of
- * slots; both GEMMs with I at least the bound (2048, or
- * MOEK_CUDA_CLUSTER_MIN_I), GEMM 2 alone below it; none with a switch
- * that keeps layers off it (weights.cu). */
-static int cluster_mode(int I, int bn, long long slots)
+ * bn takes on a layer of shape H, I: on sm_90, tiles of 128 rows and wider
+ * and at least a tile's worth of slots; GEMM 2 pairs when its weight
+ * tiles, ceil(H16 / 128), are even (H16: H rounded up to 16) and I is at
+ * least 64; GEMM 1 too when I is at least the bound (2048, or
+ * MOEK_CUDA_CLUSTER_MIN_I), ceil(2 I / 128) is even and H at least 64;
+ * none with a switch that keeps layers off it (weights.cu). */
+static int cluster_mode(int H, int I, int bn, long long slots)
 {
     const char *off = getenv("MOEK_CUDA_NO_CLUSTER"),
                *rm = getenv("MOEK_CUDA_ROW_MAJOR"),
@@ -514,16 +519,21 @@ static int cluster_mode(int I, int bn, long long slots)
         if (!*end && v >= 1 && v <= (1L << 30))
             bound = v;
     }
-    if (device_cc() != 90 || switched_off || bn < 128 || slots < bn)
+    const int h16 = (H + 15) / 16 * 16;
+    if (device_cc() != 90 || switched_off || bn < 128 || slots < bn ||
+        (h16 + 127) / 128 % 2 != 0 || I < 64)
         return MOEK_CLUSTER_NONE;
-    return I >= bound ? MOEK_CLUSTER_BOTH : MOEK_CLUSTER_GEMM2;
+    return I >= bound && (2 * I + 127) / 128 % 2 == 0 && H >= 64
+               ? MOEK_CLUSTER_BOTH
+               : MOEK_CLUSTER_GEMM2;
 }
 
 /* Token tiles of every width of the 128-, 192- and 256-row instances
  * (moek_class_width, moek_tile_class: a group's tiles are as narrow as its
  * rows allow), with groups of one to five tiles and an empty one, every
- * token checked, on a shape whose GEMM 2 alone runs in CTA pairs (I = 328)
- * and on one whose GEMMs both do (I >= 2048; cluster_mode). Each of the
+ * token checked, on a shape whose GEMM 2 alone runs in CTA pairs (I = 328),
+ * on one whose GEMMs both do (I >= 2048) and on one with an odd count of
+ * GEMM 2 weight tiles, which neither does (H = 376; cluster_mode). Each of the
  * three instances gets a group of each of its four widths from these
  * counts: 128: 32 (1 row), 64 (33), 96 (70, 165 in two tiles, 257 in
  * three), 128 (100, 215 in two, 520 in five); 192: 128 (1, 100, 215 in
@@ -538,16 +548,16 @@ TEST(moe_tile_classes)
                                  129, 150, 165, 215, 230, 257, 300, 520};
     static const int tiles[] = {128, 192, 256};
     const bool hopper = device_cc() == 90;
-    for (int i = 0; i < 6; i++) {
-        const bool wide = i >= 3;
-        moe_case c = {{16, 2, 456, wide ? 4168 : 328},
+    for (int i = 0; i < 9; i++) {
+        moe_case c = {{16, 2, i < 6 ? 456 : 376, i >= 3 && i < 6 ? 4168 : 328},
                       i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16, 1151,
                       ROUTE_GIVEN, false, 0, 0,
                       {tiles[i % 3], false}, false, false, rows};
         const tile_opts to = {NULL, 0, hopper ? tiles[i % 3] : 0,
                               EXPECT_MODE(cluster_mode(
-                                  c.s.intermediate, tiles[i % 3],
-                                  (long long)c.tokens * c.s.topk))};
+                                  c.s.hidden, c.s.intermediate, tiles[i % 3],
+                                  (long long)c.tokens * c.s.topk)),
+                              0};
         run_moe_tiles(&c, &to, &rng);
     }
     /* A batch of 64 tokens (one block routes and aligns, the tile list by
@@ -559,7 +569,8 @@ TEST(moe_tile_classes)
                       false, 0, 0, {tiles[i], false}, false, false,
                       small_rows};
         const tile_opts to = {NULL, 0, hopper ? tiles[i] : 0,
-                              EXPECT_MODE(cluster_mode(328, tiles[i], 128))};
+                              EXPECT_MODE(cluster_mode(456, 328, tiles[i], 128)),
+                              0};
         run_moe_tiles(&c, &to, &rng);
     }
     /* 64 tokens over 64 experts (two of align_warp's 32-group steps) in all
@@ -570,7 +581,7 @@ TEST(moe_tile_classes)
     moe_case w = {{64, 4, 456, 328}, MOEK_DTYPE_BF16, 64, ROUTE_GIVEN, false,
                   0, 0, {128, false}, false, false, wide_rows};
     const tile_opts tw = {NULL, 0, hopper ? 128 : 0,
-                          EXPECT_MODE(cluster_mode(328, 128, 256))};
+                          EXPECT_MODE(cluster_mode(456, 328, 128, 256)), 0};
     run_moe_tiles(&w, &tw, &rng);
 }
 
@@ -609,7 +620,8 @@ TEST(moe_cluster_tiles)
     const moek_cuda_tuning t256 = {256, false};
     CK(moek_cuda_moe_layer_tune(n, &t256));
     CHECK_EQ_INT(moek_cuda_moe_layer_uses_cluster(n, 1200),
-                 cluster_mode(narrow.intermediate, 256, 1200 * 4));
+                 cluster_mode(narrow.hidden, narrow.intermediate, 256,
+                              1200 * 4));
     CHECK_EQ_INT(moek_cuda_moe_layer_uses_cluster(n, 50),
                  MOEK_CLUSTER_NONE);
     moek_cuda_moe_layer_free(n);
@@ -619,13 +631,14 @@ TEST(moe_cluster_tiles)
                       {tiles[i / 2], false}, false, false, NULL};
         const tile_opts to = {NULL, 0, 0,
                               EXPECT_MODE(cluster_mode(
-                                  s.intermediate, tiles[i / 2],
-                                  (long long)c.tokens * s.topk))};
+                                  s.hidden, s.intermediate, tiles[i / 2],
+                                  (long long)c.tokens * s.topk)),
+                              0};
         run_moe_tiles(&c, &to, &rng);
     }
     /* 20 slots under a forced 256-row tile: fewer than a tile's worth, so
      * no cluster mode (layer.cu, moe_cluster), and correct. */
-    const tile_opts none = {NULL, 0, 0, EXPECT_MODE(MOEK_CLUSTER_NONE)};
+    const tile_opts none = {NULL, 0, 0, EXPECT_MODE(MOEK_CLUSTER_NONE), 0};
     moe_case few = {s, MOEK_DTYPE_BF16, 5, ROUTE_SOFTMAX, true, 0, 0,
                     {256, false}, false, false, NULL};
     run_moe_tiles(&few, &none, &rng);
@@ -640,8 +653,17 @@ TEST(moe_cluster_tiles)
     moe_case h64 = {s, MOEK_DTYPE_BF16, 64, ROUTE_GIVEN, false, 0, 0,
                     {128, false}, false, true, NULL};
     const tile_opts t64 = {NULL, 0, 0,
-                           EXPECT_MODE(cluster_mode(s.intermediate, 128, 256))};
+                           EXPECT_MODE(cluster_mode(s.hidden, s.intermediate,
+                                                    128, 256)),
+                           0};
     run_moe_tiles(&h64, &t64, &rng);
+    /* A workspace without room for the copy of x: GEMM 1 runs unpaired,
+     * GEMM 2 still in pairs (layer.cu), and correct. */
+    moe_case tight = {s, MOEK_DTYPE_BF16, 300, ROUTE_SOFTMAX, true, 0, 32,
+                      {256, false}, false, false, NULL};
+    const tile_opts ts = {NULL, 0, 0, 0,
+                          (size_t)2 * 300 * s.topk * s.hidden};
+    run_moe_tiles(&tight, &ts, &rng);
 }
 
 /* set_tiles refuses bad tables (and keeps the old one), n = 0 clears, the
@@ -735,7 +757,7 @@ TEST(moe_tile_table)
     for (size_t i = 0; i < ARRAY_LEN(runs); i++) {
         moe_case c = {{16, 4, 384, 320}, runs[i].dt, runs[i].tokens,
                       ROUTE_SOFTMAX, true, 0, 64, {0, false}, false, false, NULL};
-        tile_opts to = {runs[i].rules, runs[i].n, runs[i].expect, 0};
+        tile_opts to = {runs[i].rules, runs[i].n, runs[i].expect, 0, 0};
         run_moe_tiles(&c, &to, &rng);
     }
 }
