@@ -437,8 +437,7 @@ struct moek_cuda_moe_layer {
     bool tiny;  /* decode batches take route_align_tiny */
     bool tiled; /* w13 and w2p in tiles (moek_wt_index) */
     bool l2_hint; /* their loads evict first from L2 */
-    bool cluster;  /* prefill tiles may run in CTA pairs (layer.cu) */
-    bool cluster2; /* GEMM 2 alone may (its token rows need no copy) */
+    int pairs; /* moek_cluster_mode its prefill tiles may take (layer.cu) */
     int split_min_kb;
     /* The token-tile table (moek_cuda_moe_layer_set_tiles): n_rules rules,
      * min_tokens ascending. */

@@ -228,14 +228,15 @@ cudaError_t run_gemm(moek_dtype dt, bool wgmma, const CUtensorMap *tm,
  * Cluster mode (prefill tiles): CTA pairs share each token tile through TMA
  * multicast, which halves the token rows read from L2 per weight tile, and
  * GEMM 1 reads them from a copy of x in slot order (TMA cannot gather).
- * The layer qualifies at load (moek_cuda_moe_layer.cluster: tiled weights,
- * even weight-tile counts, I large enough to pay for the copy; .cluster2:
- * the same for GEMM 2 alone, whose token rows are GEMM 1's output in slot
- * order); a call takes it with a 128-row tile or wider.
+ * The layer qualifies at load (moek_cuda_moe_layer.pairs: tiled weights,
+ * even weight-tile counts; both GEMMs where I is large enough to pay for
+ * the copy, else GEMM 2 alone, whose token rows are GEMM 1's output in
+ * slot order); a call takes it with a 128-row tile or wider. moe_pairs:
+ * the layer's mode on this device and tuning.
  */
-bool moe_cluster_layer(const moek_cuda_moe_layer *L)
+int moe_pairs(const moek_cuda_moe_layer *L)
 {
-    return L->cluster && L->cc == 90 && !L->tune.generic;
+    return L->cc == 90 && !L->tune.generic ? L->pairs : MOEK_CLUSTER_NONE;
 }
 /* The mode of a call of T tokens with tile bn (moek_cluster_mode): at
  * least a tile's worth of slots (a TMA box, half a tile's rows, must fit
@@ -243,12 +244,9 @@ bool moe_cluster_layer(const moek_cuda_moe_layer *L)
  * work to pay for the copy of x). */
 int moe_cluster(const moek_cuda_moe_layer *L, int bn, int T)
 {
-    if (L->cc != 90 || L->tune.generic || !moek_wgmma_cluster_ok(bn) ||
-        (long long)T * L->shape.topk < bn)
-        return MOEK_CLUSTER_NONE;
-    return L->cluster    ? MOEK_CLUSTER_BOTH
-           : L->cluster2 ? MOEK_CLUSTER_GEMM2
-                         : MOEK_CLUSTER_NONE;
+    return moek_wgmma_cluster_ok(bn) && (long long)T * L->shape.topk >= bn
+               ? moe_pairs(L)
+               : MOEK_CLUSTER_NONE;
 }
 
 } // namespace
@@ -310,7 +308,8 @@ size_t moek_cuda_moe_workspace_size(const moek_cuda_moe_layer *layer,
      * a call of fewer tokens with a wide tile (a tile table's or a forced
      * one) runs as it would in any other workspace. */
     return carve_moe(layer->shape, layer->dt, max_tokens,
-                     moe_cluster_layer(layer), nullptr, nullptr);
+                     moe_pairs(layer) == MOEK_CLUSTER_BOTH, nullptr,
+                     nullptr);
 }
 
 size_t moek_cuda_gemm_workspace_size(const moek_cuda_gemm_weights *w,

@@ -247,18 +247,20 @@ __device__ int pick_split(const moek_gemm_dims &dm, long long pairs, int sms,
 }
 
 /* MoE: slots [s0, s1) to their sorted positions (token index and routing
- * weight per position), start[g] the first position of group g. Whole
- * block. */
+ * weight per position), from each slot's expert, rank inside it and weight
+ * (ids, rank, wts: global or shared memory), start[g] the first position
+ * of group g. Whole block. */
 __device__ void scatter_slots(const moek_align_args &a, const int *start,
-                              int s0, int s1)
+                              const int *ids, const int *rank,
+                              const float *wts, int s0, int s1)
 {
     for (int s = s0 + threadIdx.x; s < s1; s += blockDim.x) {
-        const int r = a.rank[s];
+        const int r = rank[s];
         if (r < 0)
             continue;
-        const int pos = start[a.ids[s]] + r;
+        const int pos = start[ids[s]] + r;
         a.pos_token[pos] = s / a.topk;
-        a.pos_weight[pos] = a.wts[s];
+        a.pos_weight[pos] = wts[s];
     }
 }
 
@@ -384,7 +386,7 @@ __device__ void align_block(const moek_align_args &a, const int *counts,
         __syncthreads();
     }
     if (a.ids && scatter)
-        scatter_slots(a, s_start, 0, a.slots);
+        scatter_slots(a, s_start, a.ids, a.rank, a.wts, 0, a.slots);
 }
 
 /* MoE, many slots: part `part` of `parts` of the slot -> sorted position
@@ -401,7 +403,8 @@ __device__ void scatter_part(const moek_align_args &a, const int *counts,
     block_exclusive_scan<int>(s_st, a.groups, s_w);
     const int per = (a.slots + parts - 1) / parts;
     const int s0 = part * per;
-    scatter_slots(a, s_st, s0, min(a.slots, s0 + per));
+    scatter_slots(a, s_st, a.ids, a.rank, a.wts, s0,
+                  min(a.slots, s0 + per));
 }
 
 /* Field c (16 bits) of packed per-class sums. */
@@ -592,14 +595,7 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
     if (warp == 0)
         align_warp(aa, s_counts, s_start);
     __syncthreads();
-    for (int s = threadIdx.x; s < aa.slots; s += blockDim.x) {
-        const int r = s_rank[s];
-        if (r < 0)
-            continue;
-        const int pos = s_start[s_id[s]] + r;
-        aa.pos_token[pos] = s / k;
-        aa.pos_weight[pos] = s_w[s];
-    }
+    scatter_slots(aa, s_start, s_id, s_rank, s_w, 0, aa.slots);
 }
 
 /* T k <= 32 (decode): a warp per token routes into shared memory, then one

@@ -212,14 +212,14 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
      * below the bound, or a shape it cannot pair), GEMM 2 alone runs in
      * pairs (qwen3 T=4096 1.2% faster) (kernels/bench/RESULTS.md, run 16).
      * MOEK_CUDA_CLUSTER_MIN_I=N moves the bound, for measuring. */
-    const bool pairs2 = tl && !env_off("MOEK_CUDA_NO_CLUSTER") &&
-                        I >= MOEK_KTILE && I % 8 == 0 &&
-                        (L->h16 + MOEK_WTILE - 1) / MOEK_WTILE % 2 == 0;
-    L->cluster = pairs2 &&
-                 I >= env_int("MOEK_CUDA_CLUSTER_MIN_I", 2048, 1 << 30) &&
-                 H >= MOEK_KTILE && H % 8 == 0 &&
-                 (2 * I + MOEK_WTILE - 1) / MOEK_WTILE % 2 == 0;
-    L->cluster2 = pairs2 && !L->cluster;
+    L->pairs = MOEK_CLUSTER_NONE;
+    if (tl && !env_off("MOEK_CUDA_NO_CLUSTER") && I >= MOEK_KTILE &&
+        I % 8 == 0 && (L->h16 + MOEK_WTILE - 1) / MOEK_WTILE % 2 == 0)
+        L->pairs = I >= env_int("MOEK_CUDA_CLUSTER_MIN_I", 2048, 1 << 30) &&
+                           H >= MOEK_KTILE && H % 8 == 0 &&
+                           (2 * I + MOEK_WTILE - 1) / MOEK_WTILE % 2 == 0
+                       ? MOEK_CLUSTER_BOTH
+                       : MOEK_CLUSTER_GEMM2;
     void *tmp = nullptr;
     cudaError_t e = weight_alloc(&L->w13, tl, E, 2 * I, H);
     if (e == cudaSuccess)
