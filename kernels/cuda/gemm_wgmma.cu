@@ -541,10 +541,11 @@ __device__ __forceinline__ void release(uint64_t *empty, int s)
 
 /* Consumer warpgroup cw, one tile class: weight rows 64 cw .. 64 cw + 63 of
  * each tile against its N token rows, then the epilogue. COMBINE: the item's
- * (token, routing weight) pairs are loaded into shared memory before its
- * K loop, so the epilogue's atomics do not each wait on two dependent global
- * loads (measured: qwen3 T=4096 down GEMM 473 -> 348 us without those
- * loads); two buffers by item parity, one warpgroup barrier per item. */
+ * (token, routing weight) pairs are loaded before its K loop and put in
+ * shared memory after it, so the epilogue's atomics do not each wait on two
+ * dependent global loads (measured: qwen3 T=4096 down GEMM 473 -> 348 us
+ * without those loads); two buffers by item parity, one warpgroup barrier
+ * per item. */
 template <typename T, int BN, int N, int CL>
 __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
                                         uint64_t *full, uint64_t *empty,
@@ -561,10 +562,17 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
     for (; idx < end; idx += gridDim.x, pp.items++) {
         const moek_item it = moek_decode_item(a, ncg, split, idx, sb);
         int2 *stg = stg_base + (pp.items & 1) * BN;
+        constexpr int PC = (N + 127) / 128;
+        int2 pair[PC];
         if (comb) {
-            for (int c = tid & 127; c < it.mlen; c += 128)
-                stg[c] = make_int2(__ldg(a.pos_token + it.pos + c),
-                                   __float_as_int(__ldg(a.pos_weight + it.pos + c)));
+#pragma unroll
+            for (int u = 0; u < PC; u++) {
+                const int c = (tid & 127) + 128 * u;
+                if (c < it.mlen)
+                    pair[u] = make_int2(
+                        __ldg(a.pos_token + it.pos + c),
+                        __float_as_int(__ldg(a.pos_weight + it.pos + c)));
+            }
         }
 #pragma unroll
         for (int i = 0; i < N / 2; i++)
@@ -591,6 +599,14 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
         wgmma_wait<0>();
         if (prev >= 0 && lane == 0)
             release<CL>(empty, prev);
+        if (comb) {
+#pragma unroll
+            for (int u = 0; u < PC; u++) {
+                const int c = (tid & 127) + 128 * u;
+                if (c < it.mlen)
+                    stg[c] = pair[u];
+            }
+        }
         if constexpr (C::EPI_BYTES > 0) {
             if (a.epi == MOEK_EPI_SWIGLU) {
                 epi_swiglu_staged<T, N>(a, it, d, cw,
