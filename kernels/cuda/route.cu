@@ -18,8 +18,8 @@
  *                   where each class's items end, and
  *                   (MoE) the slot -> sorted position
  *                   scatter (token index and routing weight per position).
- *   align_warp      the same tile list from a small batch's MoE counts, by
- *                   one warp with warp scans and no block barrier.
+ *   align_warps     the same tile list from a small batch's MoE counts, by
+ *                   a warp per 32 groups with warp scans and one barrier.
  *
  * Kernels (variants by token count, picked in moek_launch_route):
  *   route_align_tiny   T k <= 32: a warp per token routes, then one warp
@@ -28,8 +28,8 @@
  *                      bookkeeping in one launch and one barrier.
  *   route_align_small  T <= 64: one block does both (a cluster of two past
  *                      32 tokens, so a warp routes one token), counts in
- *                      shared memory, the tile list by one warp
- *                      (align_warp).
+ *                      shared memory, the tile list by a warp per 32
+ *                      groups (align_warps).
  *   route_kernel + align_kernel
  *                      larger T: a warp per token over many blocks (counts in
  *                      global memory, zeroed by a memset node before), then
@@ -414,7 +414,7 @@ __device__ __forceinline__ int class_field(unsigned long long v, int c)
 }
 
 /* Warp sum of packed 16-bit fields, as two 32-bit reductions (no field
- * overflows: align_warp's callers keep every class's sum below 2^16). */
+ * overflows: align_warps' callers keep every class's sum below 2^16). */
 __device__ __forceinline__ unsigned long long warp_sum_packed(
     unsigned long long v)
 {
@@ -451,33 +451,63 @@ __device__ __forceinline__ void plan_tail(const moek_align_args &a, int d,
         ends[c] = class_end[c] * per_tile;
 }
 
-/* align_block's tile list for MoE counts, built by one warp with warp
- * scans over 32 groups at a time: no block barrier. start[g] gets each
- * group's first sorted position, for the scatter. Groups are ordered by
- * (tile class, group) through sums packed 16 bits per class: the caller
+/* One chunk of 32 groups (g = g0 + lane) as align_warps sees it: count,
+ * inclusive scan of counts, and the packed (16 bits per class) group and
+ * token-tile counts of this lane's group. */
+struct align_chunk {
+    int c, incl, cls;
+    unsigned long long kg, kt;
+};
+__device__ __forceinline__ align_chunk chunk_of(const moek_align_args &a,
+                                                const int *counts, int g0,
+                                                int lane)
+{
+    align_chunk q;
+    const int g = g0 + lane;
+    q.c = g < a.groups ? counts[g] : 0;
+    q.incl = warp_scan(q.c, lane);
+    const int np = q.c > 0 ? moek_token_tiles(q.c, a.bn) : 0;
+    q.cls = q.c > 0 ? moek_tile_class(q.c, np, a.bn) : 0;
+    q.kg = q.c > 0 ? 1ull << (16 * q.cls) : 0;
+    q.kt = (unsigned long long)np << (16 * q.cls);
+    return q;
+}
+
+/* align_block's tile list for MoE counts, built by warps 0 .. W - 1 with
+ * warp scans over chunks of 32 groups (warp w takes chunks w, w + W, ...):
+ * each chunk's sums go to shared memory (s_run, s_sum: at most
+ * MOEK_MAX_EXPERTS / 32 chunks), one barrier of the W warps (named barrier
+ * 1), then each group's compact index from the chunks before it. A chain of
+ * scans one warp long instead of one per chunk: one warp over qwen3's 128
+ * groups was about 5 of a T=8 forward's 9 us of routing. start[g] gets
+ * each group's first sorted position, for the scatter. Groups are ordered
+ * by (tile class, group) through sums packed 16 bits per class: the caller
  * has fewer than 2^16 token tiles in all (at most slots / bn + groups;
  * route_align_small: 64 * MOEK_MAX_TOPK + MOEK_MAX_EXPERTS). */
-__device__ void align_warp(const moek_align_args &a, const int *counts,
-                           int *start)
+__device__ void align_warps(const moek_align_args &a, const int *counts,
+                            int *start, int W, int *s_run,
+                            unsigned long long *s_sum)
 {
-    const int lane = threadIdx.x & 31, G = a.groups;
-    /* Pass 1: starts, and per class the groups and token tiles. */
-    int run = 0;
-    unsigned long long ng = 0, nt = 0;
-    for (int g0 = 0; g0 < G; g0 += 32) {
-        const int g = g0 + lane;
-        const int c = g < G ? counts[g] : 0;
-        const int incl = warp_scan(c, lane);
-        if (g < G)
-            start[g] = run + incl - c;
-        run += __shfl_sync(FULL, incl, 31);
-        const int np = c > 0 ? moek_token_tiles(c, a.bn) : 0;
-        const int cls = c > 0 ? moek_tile_class(c, np, a.bn) : 0;
-        ng += warp_sum_packed(c > 0 ? 1ull << (16 * cls) : 0);
-        nt += warp_sum_packed((unsigned long long)np << (16 * cls));
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, G = a.groups;
+    const int nq = (G + 31) / 32;
+    /* Pass 1: each chunk's rows, groups and token tiles. */
+    for (int q = w; q < nq; q += W) {
+        const align_chunk k = chunk_of(a, counts, 32 * q, lane);
+        const unsigned long long ng = warp_sum_packed(k.kg);
+        const unsigned long long nt = warp_sum_packed(k.kt);
+        if (lane == 31) {
+            s_run[q] = k.incl;
+            s_sum[2 * q] = ng;
+            s_sum[2 * q + 1] = nt;
+        }
     }
-    /* Per class: the first compact index and token tile; in all: groups
-     * and token tiles. */
+    asm volatile("bar.sync 1, %0;" ::"r"(32 * W) : "memory");
+    /* In all: per class the groups and token tiles (lane q < nq holds
+     * chunk q's), so the first compact index and tile of each class. */
+    const unsigned long long lg = lane < nq ? s_sum[2 * lane] : 0;
+    const unsigned long long lt = lane < nq ? s_sum[2 * lane + 1] : 0;
+    const int lr = lane < nq ? s_run[lane] : 0;
+    const unsigned long long ng = warp_sum_packed(lg), nt = warp_sum_packed(lt);
     int cfirst[MOEK_CLASSES + 1], tfirst[MOEK_CLASSES + 1];
     cfirst[0] = tfirst[0] = 0;
 #pragma unroll
@@ -494,44 +524,48 @@ __device__ void align_warp(const moek_align_args &a, const int *counts,
                                : 0;
         per_tile[d] = d < a.ngemm ? a.d[d].n_tiles * split[d] : 0;
     }
-    /* Pass 2: each non-empty group's compact index and items before it. */
-    unsigned long long pg = 0, pt = 0; /* packed sums of earlier chunks */
-    for (int g0 = 0; g0 < G; g0 += 32) {
-        const int g = g0 + lane;
-        const int c = g < G ? counts[g] : 0;
-        const int np = c > 0 ? moek_token_tiles(c, a.bn) : 0;
-        const int cls = c > 0 ? moek_tile_class(c, np, a.bn) : 0;
-        const unsigned long long kg = c > 0 ? 1ull << (16 * cls) : 0;
-        const unsigned long long kt = (unsigned long long)np << (16 * cls);
-        const unsigned long long eg = pg + warp_scan(kg, lane) - kg;
-        const unsigned long long et = pt + warp_scan(kt, lane) - kt;
-        pg += warp_sum_packed(kg);
-        pt += warp_sum_packed(kt);
-        if (c > 0) {
+    /* Pass 2: each non-empty group's start, compact index and items
+     * before it. */
+    for (int q = w; q < nq; q += W) {
+        const align_chunk k = chunk_of(a, counts, 32 * q, lane);
+        const bool before = lane < q;
+        const int run = __reduce_add_sync(FULL, before ? lr : 0);
+        const unsigned long long pg = warp_sum_packed(before ? lg : 0);
+        const unsigned long long pt = warp_sum_packed(before ? lt : 0);
+        const int g = 32 * q + lane;
+        if (g < G)
+            start[g] = run + k.incl - k.c;
+        const unsigned long long eg = pg + warp_scan(k.kg, lane) - k.kg;
+        const unsigned long long et = pt + warp_scan(k.kt, lane) - k.kt;
+        if (k.c > 0) {
             int cf = 0, tf = 0;
 #pragma unroll
-            for (int q = 0; q < MOEK_CLASSES; q++) {
-                cf = q == cls ? cfirst[q] : cf;
-                tf = q == cls ? tfirst[q] : tf;
+            for (int c = 0; c < MOEK_CLASSES; c++) {
+                cf = c == k.cls ? cfirst[c] : cf;
+                tf = c == k.cls ? tfirst[c] : tf;
             }
-            const int ci = cf + class_field(eg, cls);
-            const int tiles_before = tf + class_field(et, cls);
+            const int ci = cf + class_field(eg, k.cls);
+            const int tiles_before = tf + class_field(et, k.cls);
             a.cg_group[ci] = g;
-            a.cg_start[ci] = start[g];
-            a.cg_count[ci] = c;
+            a.cg_start[ci] = run + k.incl - k.c;
+            a.cg_count[ci] = k.c;
 #pragma unroll
             for (int d = 0; d < 2; d++)
                 if (d < a.ngemm)
                     a.cg_before[d * (G + 1) + ci] = tiles_before * per_tile[d];
         }
     }
-    if (lane == 0) {
-        a.plan[MOEK_PLAN_NCG] = ncg;
-        a.plan[MOEK_PLAN_ROWS] = run;
+    if (w == 0) {
+        const int rows = __reduce_add_sync(FULL, lr);
+        if (lane == 0) {
+            a.plan[MOEK_PLAN_NCG] = ncg;
+            a.plan[MOEK_PLAN_ROWS] = rows;
 #pragma unroll
-        for (int d = 0; d < 2; d++)
-            if (d < a.ngemm)
-                plan_tail(a, d, ncg, split[d], per_tile[d], pairs, tfirst + 1);
+            for (int d = 0; d < 2; d++)
+                if (d < a.ngemm)
+                    plan_tail(a, d, ncg, split[d], per_tile[d], pairs,
+                              tfirst + 1);
+        }
     }
 }
 
@@ -547,8 +581,8 @@ template <int NC> __device__ __forceinline__ void cta_or_cluster_sync()
 /* T <= 64: one block, or (NC = 2, more than 32 tokens) a cluster of two so
  * that every warp routes one token. A warp per token routes into CTA 0's
  * shared memory (counts, and each slot's expert, rank and weight; CTA 1
- * through distributed shared memory), warp 0 of CTA 0 builds the tile list
- * (align_warp), and CTA 0 scatters the slots. */
+ * through distributed shared memory), CTA 0's first warps build the tile
+ * list (align_warps), and CTA 0 scatters the slots. */
 template <int VPL, int NC>
 __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
     route_align_small(moek_route_args ra, moek_align_args aa)
@@ -558,6 +592,8 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
     __shared__ int s_id[SMALL_T * MOEK_MAX_TOPK];
     __shared__ int s_rank[SMALL_T * MOEK_MAX_TOPK];
     __shared__ float s_w[SMALL_T * MOEK_MAX_TOPK];
+    __shared__ int s_run[MOEK_MAX_EXPERTS / 32];
+    __shared__ unsigned long long s_sum[2 * (MOEK_MAX_EXPERTS / 32)];
     namespace cg = cooperative_groups;
     int rank = 0, *counts = s_counts, *ids = s_id, *ranks = s_rank;
     float *wts = s_w;
@@ -592,8 +628,9 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
     cta_or_cluster_sync<NC>();
     if (rank != 0)
         return;
-    if (warp == 0)
-        align_warp(aa, s_counts, s_start);
+    const int nq = (aa.groups + 31) / 32, W = nq < nw ? nq : nw;
+    if (warp < W)
+        align_warps(aa, s_counts, s_start, W, s_run, s_sum);
     __syncthreads();
     scatter_slots(aa, s_start, s_id, s_rank, s_w, 0, aa.slots);
 }
