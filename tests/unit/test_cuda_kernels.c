@@ -12,7 +12,8 @@
  *
  * Covered: the three BENCH.md layer shapes (small T for the big two), T = 1,
  * 3, 8, 64, 100, 512, 4096, top-k 1, 2, 8, E = 8, 128, 256 with most experts
- * empty, routing given or computed (softmax / sigmoid, renormalised or not,
+ * empty (and 200, 512: the small-batch tile list over chunks of experts),
+ * routing given or computed (softmax / sigmoid, renormalised or not,
  * and the NaN rule), bf16 and fp16, every token tile and the portable SIMT
  * path, a CUDA graph replayed on new data, the grouped GEMM with empty
  * groups, the token-tile table (refusals, the tile it picks, forwards through
@@ -459,6 +460,37 @@ TEST(moe_decode_slots)
         run_moe(&c, &rng);
         c.holes = false;
         c.used_experts = 3; /* k = 8 of 3 experts: repeats in every token */
+        run_moe(&c, &rng);
+    }
+}
+
+/* The small-batch routing kernel's tile list over chunks of 32 experts,
+ * a warp per chunk: fewer warps than chunks (each warp takes several: E =
+ * 256 at T = 5, E = 512 at T = 9), a partial last chunk (E = 200), and a
+ * two-CTA cluster (T = 40). Each routing rule once; the tile table and the
+ * wide tiles' classes come from the default rule. */
+TEST(moe_align_chunks)
+{
+    need_gpu();
+    uint64_t rng = test_seed();
+    static const struct {
+        int E, k, T;
+    } cs[] = {{256, 8, 5}, {512, 4, 9}, {200, 8, 7}, {200, 8, 40},
+              {512, 8, 33}};
+    for (int i = 0; i < 5; i++) {
+        moe_case c = {{cs[i].E, cs[i].k, 128, 64},
+                      i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
+                      cs[i].T,
+                      i % 3 == 0   ? ROUTE_GIVEN
+                      : i % 3 == 1 ? ROUTE_SOFTMAX
+                                   : ROUTE_SIGMOID,
+                      true,
+                      0,
+                      0,
+                      {0, false},
+                      false,
+                      i == 3,
+                      NULL};
         run_moe(&c, &rng);
     }
 }
@@ -1409,6 +1441,7 @@ int main(int argc, char **argv)
                          TEST_CASE_TIMEOUT(rows_mapped, 60),
                          TEST_CASE_TIMEOUT(moe_sweep, 300),
                          TEST_CASE_TIMEOUT(moe_decode_slots, 120),
+                         TEST_CASE_TIMEOUT(moe_align_chunks, 120),
                          TEST_CASE_TIMEOUT(moe_many_tokens_and_nan, 300),
                          TEST_CASE_TIMEOUT(moe_every_tile, 300),
                          TEST_CASE_TIMEOUT(moe_cluster_tiles, 300),
