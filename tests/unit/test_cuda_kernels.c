@@ -605,7 +605,7 @@ TEST(moe_tile_classes)
                               0};
         run_moe_tiles(&c, &to, &rng);
     }
-    /* 64 tokens over 64 experts (two of align_warp's 32-group steps) in all
+    /* 64 tokens over 64 experts (two of align_warps' 32-group chunks) in all
      * four widths of the 128-row tile: 1 row (32), 33 (64), 65 (96), 97
      * (128), and 60. */
     static const int wide_rows[64] = {[3] = 1,   [10] = 60, [20] = 33,
