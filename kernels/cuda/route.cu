@@ -19,7 +19,8 @@
  *                   (MoE) the slot -> sorted position
  *                   scatter (token index and routing weight per position).
  *   align_warps     the same tile list from a small batch's MoE counts, by
- *                   a warp per 32 groups with warp scans and one barrier.
+ *                   a warp per 32 groups (or per several, when the block
+ *                   has fewer warps) with warp scans and one barrier.
  *
  * Kernels (variants by token count, picked in moek_launch_route):
  *   route_align_tiny   T k <= 32: a warp per token routes, then one warp
@@ -477,9 +478,10 @@ __device__ __forceinline__ align_chunk chunk_of(const moek_align_args &a,
  * warp scans over chunks of 32 groups (warp w takes chunks w, w + W, ...):
  * each chunk's sums go to shared memory (s_run, s_sum: at most
  * MOEK_MAX_EXPERTS / 32 chunks), one barrier of the W warps (named barrier
- * 1), then each group's compact index from the chunks before it. A chain of
- * scans one warp long instead of one per chunk: one warp over qwen3's 128
- * groups was about 5 of a T=8 forward's 9 us of routing. start[g] gets
+ * 1), then each group's compact index from the chunks before it. Each
+ * warp's chain of scans is ceil(chunks / W) chunks long, where one warp
+ * over all of qwen3's 128 groups was about 5 of a T=8 forward's 9 us of
+ * routing. start[g] gets
  * each group's first sorted position, for the scatter. Groups are ordered
  * by (tile class, group) through sums packed 16 bits per class: the caller
  * has fewer than 2^16 token tiles in all (at most slots / bn + groups;

@@ -465,10 +465,12 @@ TEST(moe_decode_slots)
 }
 
 /* The small-batch routing kernel's tile list over chunks of 32 experts,
- * a warp per chunk: fewer warps than chunks (each warp takes several: E =
- * 256 at T = 5, E = 512 at T = 9), a partial last chunk (E = 200), and a
- * two-CTA cluster (T = 40). Each routing rule once; the tile table and the
- * wide tiles' classes come from the default rule. */
+ * a warp per chunk: fewer warps than chunks (some warps take two: E = 256
+ * at T = 5, E = 512 at T = 9), a partial last chunk (E = 200), a two-CTA
+ * cluster (T = 40, and T = 33 with one warp of CTA 0 left over), each
+ * routing rule once; then fewer warps than chunks with two tile classes
+ * (a forced 128-row tile: one expert of 33 rows takes the 64-wide class,
+ * seven of one row the 32-wide one, spread over the chunks). */
 TEST(moe_align_chunks)
 {
     need_gpu();
@@ -493,6 +495,12 @@ TEST(moe_align_chunks)
                       NULL};
         run_moe(&c, &rng);
     }
+    static const int rows[256] = {[7] = 33,   [40] = 1,  [80] = 1,
+                                  [120] = 1,  [160] = 1, [200] = 1,
+                                  [240] = 1,  [255] = 1};
+    moe_case w = {{256, 8, 128, 64}, MOEK_DTYPE_BF16, 5, ROUTE_GIVEN, false,
+                  0, 0, {128, false}, false, false, rows};
+    run_moe(&w, &rng);
 }
 
 /* T = 4096 (the multi-block routing path) and the NaN routing rule. */
