@@ -212,14 +212,24 @@ __global__ void permute_rows_kernel(const uint4 *__restrict__ x,
     }
 }
 
+/* n rounded down to an even count, at least 2. */
+int even2(int n)
+{
+    return n < 2 ? 2 : n & ~1;
+}
+
+/* tm_b set: cluster mode, which pairs CTAs 2c, 2c + 1 on weight tiles nt,
+ * nt + 1 of one raster chunk, so the grid and the chunk are even. */
 cudaError_t run_gemm(moek_dtype dt, bool wgmma, const CUtensorMap *tm,
-                     const moek_gemm_args &a, int grid, cudaStream_t st,
-                     bool pdl, const moek_tmaps *tm_b = nullptr)
+                     moek_gemm_args a, int grid, cudaStream_t st, bool pdl,
+                     const moek_tmaps *tm_b = nullptr)
 {
     if (grid < 1)
         grid = 1;
-    if (tm_b) /* cluster mode: an even grid */
-        grid = grid < 2 ? 2 : grid & ~1;
+    if (tm_b) {
+        grid = even2(grid);
+        a.chunk = even2(a.chunk);
+    }
     return wgmma ? moek_launch_gemm_wgmma(dt, tm, tm_b, a, grid, st, pdl)
                  : moek_launch_gemm_simt(dt, a, grid, st, pdl);
 }
@@ -442,7 +452,6 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
             return r1;
         g1.b = w.xs;
         g1.b_rows = nullptr;
-        g1.chunk = g1.chunk < 2 ? 2 : g1.chunk & ~1;
     }
     /* GEMM 2 stays in pairs when the copy of x does not fit. */
     const bool cl2 = mode != MOEK_CLUSTER_NONE;
@@ -471,7 +480,6 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
                                        I, bn);
         if (r2)
             return r2;
-        g2.chunk = g2.chunk < 2 ? 2 : g2.chunk & ~1;
     }
     g1.w_tiled = g2.w_tiled = L->tiled;
     g1.l2_hint = g2.l2_hint = L->tiled && L->l2_hint;

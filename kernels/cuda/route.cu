@@ -481,8 +481,8 @@ __device__ __forceinline__ align_chunk chunk_of(const moek_align_args &a,
  * 1), then each group's compact index from the chunks before it. Each
  * warp's chain of scans is ceil(chunks / W) chunks long, where one warp
  * over all of qwen3's 128 groups was about 5 of a T=8 forward's 9 us of
- * routing. start[g] gets
- * each group's first sorted position, for the scatter. Groups are ordered
+ * routing. start[g] gets each group's first sorted position, for the
+ * scatter. Groups are ordered
  * by (tile class, group) through sums packed 16 bits per class: the caller
  * has fewer than 2^16 token tiles in all (at most slots / bn + groups;
  * route_align_small: 64 * MOEK_MAX_TOPK + MOEK_MAX_EXPERTS). */
@@ -534,9 +534,9 @@ __device__ void align_warps(const moek_align_args &a, const int *counts,
         const int run = __reduce_add_sync(FULL, before ? lr : 0);
         const unsigned long long pg = warp_sum_packed(before ? lg : 0);
         const unsigned long long pt = warp_sum_packed(before ? lt : 0);
-        const int g = 32 * q + lane;
+        const int g = 32 * q + lane, first = run + k.incl - k.c;
         if (g < G)
-            start[g] = run + k.incl - k.c;
+            start[g] = first;
         const unsigned long long eg = pg + warp_scan(k.kg, lane) - k.kg;
         const unsigned long long et = pt + warp_scan(k.kt, lane) - k.kt;
         if (k.c > 0) {
@@ -549,7 +549,7 @@ __device__ void align_warps(const moek_align_args &a, const int *counts,
             const int ci = cf + class_field(eg, k.cls);
             const int tiles_before = tf + class_field(et, k.cls);
             a.cg_group[ci] = g;
-            a.cg_start[ci] = run + k.incl - k.c;
+            a.cg_start[ci] = first;
             a.cg_count[ci] = k.c;
 #pragma unroll
             for (int d = 0; d < 2; d++)

@@ -568,6 +568,19 @@ static int cluster_mode(int H, int I, int bn, long long slots)
                : MOEK_CLUSTER_GEMM2;
 }
 
+/* Options for a call of case c under its forced tile: that tile (on sm_90,
+ * when check_tile) and the cluster mode cluster_mode gives for it. */
+static tile_opts forced_tile_opts(const moe_case *c, bool check_tile)
+{
+    const int bn = c->tune.token_tile;
+    const tile_opts to = {
+        NULL, 0, check_tile && device_cc() == 90 ? bn : 0,
+        EXPECT_MODE(cluster_mode(c->s.hidden, c->s.intermediate, bn,
+                                 (long long)c->tokens * c->s.topk)),
+        0};
+    return to;
+}
+
 /* Token tiles of every width of the 128-, 192- and 256-row instances
  * (moek_class_width, moek_tile_class: a group's tiles are as narrow as its
  * rows allow), with groups of one to five tiles and an empty one, every
@@ -587,17 +600,12 @@ TEST(moe_tile_classes)
     static const int rows[16] = {0,   1,   32,  33,  40,  60,  70,  100,
                                  129, 150, 165, 215, 230, 257, 300, 520};
     static const int tiles[] = {128, 192, 256};
-    const bool hopper = device_cc() == 90;
     for (int i = 0; i < 9; i++) {
         moe_case c = {{16, 2, i < 6 ? 456 : 376, i >= 3 && i < 6 ? 4168 : 328},
                       i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16, 1151,
                       ROUTE_GIVEN, false, 0, 0,
                       {tiles[i % 3], false}, false, false, rows};
-        const tile_opts to = {NULL, 0, hopper ? tiles[i % 3] : 0,
-                              EXPECT_MODE(cluster_mode(
-                                  c.s.hidden, c.s.intermediate, tiles[i % 3],
-                                  (long long)c.tokens * c.s.topk)),
-                              0};
+        const tile_opts to = forced_tile_opts(&c, true);
         run_moe_tiles(&c, &to, &rng);
     }
     /* A batch of 64 tokens (one block routes and aligns, the tile list by
@@ -608,9 +616,7 @@ TEST(moe_tile_classes)
         moe_case c = {{16, 2, 456, 328}, MOEK_DTYPE_BF16, 64, ROUTE_GIVEN,
                       false, 0, 0, {tiles[i], false}, false, false,
                       small_rows};
-        const tile_opts to = {NULL, 0, hopper ? tiles[i] : 0,
-                              EXPECT_MODE(cluster_mode(456, 328, tiles[i], 128)),
-                              0};
+        const tile_opts to = forced_tile_opts(&c, true);
         run_moe_tiles(&c, &to, &rng);
     }
     /* 64 tokens over 64 experts (two of align_warps' 32-group chunks) in all
@@ -620,8 +626,7 @@ TEST(moe_tile_classes)
                                       [40] = 65, [60] = 97};
     moe_case w = {{64, 4, 456, 328}, MOEK_DTYPE_BF16, 64, ROUTE_GIVEN, false,
                   0, 0, {128, false}, false, false, wide_rows};
-    const tile_opts tw = {NULL, 0, hopper ? 128 : 0,
-                          EXPECT_MODE(cluster_mode(456, 328, 128, 256)), 0};
+    const tile_opts tw = forced_tile_opts(&w, true);
     run_moe_tiles(&w, &tw, &rng);
 }
 
@@ -669,11 +674,7 @@ TEST(moe_cluster_tiles)
         moe_case c = {s, i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
                       (i / 2 + i) % 2 ? 1200 : 300, ROUTE_SOFTMAX, true, 0, 32,
                       {tiles[i / 2], false}, false, false, NULL};
-        const tile_opts to = {NULL, 0, 0,
-                              EXPECT_MODE(cluster_mode(
-                                  s.hidden, s.intermediate, tiles[i / 2],
-                                  (long long)c.tokens * s.topk)),
-                              0};
+        const tile_opts to = forced_tile_opts(&c, false);
         run_moe_tiles(&c, &to, &rng);
     }
     /* 20 slots under a forced 256-row tile: fewer than a tile's worth, so
@@ -692,10 +693,7 @@ TEST(moe_cluster_tiles)
      * bounds the copy of x) comes from the one-block kernel. */
     moe_case h64 = {s, MOEK_DTYPE_BF16, 64, ROUTE_GIVEN, false, 0, 0,
                     {128, false}, false, true, NULL};
-    const tile_opts t64 = {NULL, 0, 0,
-                           EXPECT_MODE(cluster_mode(s.hidden, s.intermediate,
-                                                    128, 256)),
-                           0};
+    const tile_opts t64 = forced_tile_opts(&h64, false);
     run_moe_tiles(&h64, &t64, &rng);
     /* A workspace without room for the copy of x: GEMM 1 runs unpaired,
      * GEMM 2 still in pairs (layer.cu), and correct. */
