@@ -34,8 +34,16 @@
 #define MOEK_WTILE 128 /* weight rows per GEMM tile (two warpgroups of 64) */
 #define MOEK_KTILE 64  /* K per pipeline stage: one 128-byte swizzle row */
 
-/* Epilogues. */
-enum { MOEK_EPI_SWIGLU = 0, MOEK_EPI_COMBINE = 1, MOEK_EPI_STORE = 2 };
+/* Epilogues. SLOT (the wgmma kernel's, moek_slot4): COMBINE's product,
+ * the routing weight times the output, stored in the dtype as the row of
+ * the slot's sorted position, for a finalize that sums each token's k rows
+ * (layer.cu, slot mode). */
+enum {
+    MOEK_EPI_SWIGLU = 0,
+    MOEK_EPI_COMBINE = 1,
+    MOEK_EPI_STORE = 2,
+    MOEK_EPI_SLOT = 3,
+};
 
 /*
  * Token tiles of a group of cnt rows, for a GEMM instance of tile bn: the
@@ -138,8 +146,8 @@ struct moek_gemm_args {
     int epi;
     void *out;
     int ldo;
-    const int *pos_token;    /* COMBINE: slot -> token */
-    const float *pos_weight; /* COMBINE: slot -> routing weight */
+    const int *pos_token;    /* COMBINE: sorted position -> token */
+    const float *pos_weight; /* COMBINE, SLOT: position -> routing weight */
     /* The weights may be loaded before the previous kernel finishes: only
      * the token rows depend on it (GEMM 2 of a MoE forward). */
     int early_a;
@@ -334,6 +342,22 @@ __device__ __forceinline__ void moek_combine4(const moek_gemm_args &a,
 #endif
 }
 
+/* SLOT, the same four features of token column c: w * v rounded to T,
+ * one 8-byte store into the row of the column's sorted position. */
+template <typename T>
+__device__ __forceinline__ void moek_slot4(const moek_gemm_args &a,
+                                           const moek_item &it, int f, int c,
+                                           float4 v, const int2 *stg)
+{
+    if (c >= it.mlen || f >= a.n_valid)
+        return;
+    const float w = __int_as_float(stg[c].y);
+    T *dst = reinterpret_cast<T *>(a.out) + (size_t)(it.pos + c) * a.ldo + f;
+    *reinterpret_cast<uint2 *>(dst) =
+        make_uint2(moek_dt<T>::pack2(w * v.x, w * v.y),
+                   moek_dt<T>::pack2(w * v.z, w * v.w));
+}
+
 /* GEMM 1's share of zeroing GEMM 2's accumulator (a.zero): thread t of nt
  * per CTA, after the wait for the previous kernel (whose predecessors may
  * still read acc: the last forward's finalize). The stores go out while
@@ -438,6 +462,8 @@ struct moek_cuda_moe_layer {
     bool tiled; /* w13 and w2p in tiles (moek_wt_index) */
     bool l2_hint; /* their loads evict first from L2 */
     int pairs; /* moek_cluster_mode its prefill tiles may take (layer.cu) */
+    bool slots; /* its prefill tiles may take slot mode (layer.cu) */
+    size_t slot_min_acc; /* from this fp32 accumulator size (layer.cu) */
     int split_min_kb;
     /* The token-tile table (moek_cuda_moe_layer_set_tiles): n_rules rules,
      * min_tokens ascending. */
@@ -499,6 +525,7 @@ struct moek_align_args {
     int slots, topk;
     int *pos_token;
     float *pos_weight;
+    int *slot_pos; /* slot -> its sorted position, -1 routed nowhere; or NULL */
 };
 cudaError_t moek_launch_route(const moek_route_args &ra,
                               const moek_align_args &aa, int *counts_dev,

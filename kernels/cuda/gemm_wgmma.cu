@@ -24,7 +24,8 @@
  *     "empty" mbarrier; after the item's last K block, the epilogue
  *     fuses SiLU(gate)*up (epi_swiglu_staged, or moek_epi_pair for narrow
  *     tiles), the routing weight with 16-byte fp32 atomic adds
- *     (moek_combine4), or a plain store (moek_epi_pair). The producer runs
+ *     (moek_combine4) or 8-byte stores of each slot's row (moek_slot4),
+ *     or a plain store (moek_epi_pair). The producer runs
  *     ahead into the next item meanwhile.
  * Inside one instance:
  *   - token tiles of up to four widths (BN 128 and wider; cuda_common.cuh,
@@ -540,8 +541,9 @@ __device__ __forceinline__ void release(uint64_t *empty, int s)
 }
 
 /* Consumer warpgroup cw, one tile class: weight rows 64 cw .. 64 cw + 63 of
- * each tile against its N token rows, then the epilogue. COMBINE: the item's
- * (token, routing weight) pairs are loaded before its K loop and put in
+ * each tile against its N token rows, then the epilogue. COMBINE and SLOT:
+ * the item's (token, routing weight) pairs (SLOT needs only the weight)
+ * are loaded before its K loop and put in
  * shared memory after it, so the epilogue's atomics do not each wait on two
  * dependent global loads (measured: qwen3 T=4096 down GEMM 473 -> 348 us
  * without those loads); two buffers by item parity, one warpgroup barrier
@@ -557,7 +559,8 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
     const int tid = threadIdx.x, cw = (tid >> 7) - 1;
     const int warp = (tid >> 5) & 3, lane = tid & 31;
     float d[N / 2];
-    const bool comb = a.epi == MOEK_EPI_COMBINE;
+    /* COMBINE and SLOT: the routing weight, staged with the token */
+    const bool comb = a.epi == MOEK_EPI_COMBINE || a.epi == MOEK_EPI_SLOT;
     int2 *stg_base = reinterpret_cast<int2 *>(empty + C::STAGES) + cw * 2 * BN;
     for (; idx < end; idx += gridDim.x, pp.items++) {
         const moek_item it = moek_decode_item(a, ncg, split, idx, sb);
@@ -570,7 +573,8 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
                 const int c = (tid & 127) + 128 * u;
                 if (c < it.mlen)
                     pair[u] = make_int2(
-                        __ldg(a.pos_token + it.pos + c),
+                        a.epi == MOEK_EPI_SLOT ? 0
+                                               : __ldg(a.pos_token + it.pos + c),
                         __float_as_int(__ldg(a.pos_weight + it.pos + c)));
             }
         }
@@ -632,10 +636,12 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
                             q2 = d[j * 4 + 2], q3 = d[j * 4 + 3];
                 const float sx = __shfl_xor_sync(0xffffffffu, odd ? q0 : q1, 4);
                 const float sy = __shfl_xor_sync(0xffffffffu, odd ? q2 : q3, 4);
-                moek_combine4(a, it, f, j * 8 + c0 + odd,
-                              odd ? make_float4(sx, sy, q1, q3)
-                                  : make_float4(q0, q2, sx, sy),
-                              stg);
+                const float4 v = odd ? make_float4(sx, sy, q1, q3)
+                                     : make_float4(q0, q2, sx, sy);
+                if (a.epi == MOEK_EPI_SLOT)
+                    moek_slot4<T>(a, it, f, j * 8 + c0 + odd, v, stg);
+                else
+                    moek_combine4(a, it, f, j * 8 + c0 + odd, v, stg);
             }
             continue;
         }

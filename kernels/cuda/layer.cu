@@ -14,6 +14,10 @@
  *      acc [T, H], split over K when there are few tiles); its weight loads
  *      start before GEMM 1 ends (early_a);
  *   4. finalize: out = acc rounded to the dtype.
+ * Slot mode (prefill tiles, moe_slots) replaces the accumulator: GEMM 2
+ * stores each slot's row, times its routing weight, in the dtype at the
+ * slot's sorted position (never split), and the finalize sums each token's
+ * k rows; nothing is zeroed and no atomics run.
  * Every kernel is launched with programmatic dependent launch (PDL) so its
  * launch and prologue overlap the previous kernel's tail; MOEK_CUDA_NO_PDL=1
  * in the environment turns that off, MOEK_CUDA_NO_EARLY=1 only GEMM 2's early
@@ -79,9 +83,14 @@ int moe_tile(const moek_cuda_moe_layer *L, int T)
 struct moe_ws {
     int *counts, *ids, *rank, *plan, *cg_group, *cg_start, *cg_count,
         *cg_before, *pos_token;
+    int *slot_pos;
     float *wts, *pos_weight, *acc;
     void *inter;
-    void *xs; /* cluster mode: x's rows in slot order, or NULL */
+    /* [T k, H] in the dtype, or NULL: cluster mode's copy of x in slot
+     * order (GEMM 1's input), then slot mode's rows (GEMM 2's output,
+     * written once GEMM 1 is done with the copy: its consumers wait for it
+     * before their first store) */
+    void *rows;
 };
 
 struct carver {
@@ -96,7 +105,7 @@ struct carver {
     }
 };
 
-size_t carve_moe(const moek_moe_shape &s, moek_dtype dt, int T, bool xs,
+size_t carve_moe(const moek_moe_shape &s, moek_dtype dt, int T, bool rows,
                  char *base, moe_ws *w)
 {
     carver c = {base, 0};
@@ -113,9 +122,10 @@ size_t carve_moe(const moek_moe_shape &s, moek_dtype dt, int T, bool xs,
     x.cg_before = c.take<int>(sizeof(int) * 2 * (s.experts + 1));
     x.pos_token = c.take<int>(sizeof(int) * slots);
     x.pos_weight = c.take<float>(sizeof(float) * slots);
+    x.slot_pos = c.take<int>(sizeof(int) * slots);
     x.acc = c.take<float>(sizeof(float) * (size_t)T * s.hidden);
     x.inter = c.take<char>((size_t)2 * slots * s.intermediate);
-    x.xs = xs ? c.take<char>((size_t)2 * slots * s.hidden) : nullptr;
+    x.rows = rows ? c.take<char>((size_t)2 * slots * s.hidden) : nullptr;
     if (w)
         *w = x;
     return c.off + 256;
@@ -175,6 +185,49 @@ __global__ void finalize_kernel(const float4 *acc, uint2 *out, size_t n4)
     }
     for (; i < n4; i += step)
         store(i, acc[i]);
+}
+
+/* Slot mode's finalize: row t of out = the sum of token t's k slot rows
+ * (each already times its routing weight; slot_pos -1: routed nowhere,
+ * adds nothing) in fp32, rounded to T. A block per token, a thread per 8
+ * features, up to eight 16-byte loads in flight. rows is not __restrict__,
+ * as acc in finalize_kernel. */
+template <typename T>
+__global__ void finalize_slots_kernel(const uint4 *rows, const int *slot_pos,
+                                      uint4 *out, int tokens, int k, int h8)
+{
+    moek_pdl_wait();
+    moek_pdl_trigger();
+    for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
+        const int *sp = slot_pos + (size_t)t * k;
+        for (int c = threadIdx.x; c < h8; c += blockDim.x) {
+            float sum[8] = {};
+            for (int j0 = 0; j0 < k; j0 += 8) {
+                uint4 v[8];
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    const int p = j0 + u < k ? sp[j0 + u] : -1;
+                    v[u] = p >= 0 ? rows[(size_t)p * h8 + c]
+                                  : make_uint4(0, 0, 0, 0);
+                }
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    const uint32_t w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        const float2 f = moek_dt<T>::unpack2(w[q]);
+                        sum[2 * q] += f.x;
+                        sum[2 * q + 1] += f.y;
+                    }
+                }
+            }
+            out[(size_t)t * h8 + c] = make_uint4(
+                moek_dt<T>::pack2(sum[0], sum[1]),
+                moek_dt<T>::pack2(sum[2], sum[3]),
+                moek_dt<T>::pack2(sum[4], sum[5]),
+                moek_dt<T>::pack2(sum[6], sum[7]));
+        }
+    }
 }
 
 /* Cluster mode's token operand of GEMM 1: row p of xs is row pos_token[p]
@@ -259,6 +312,28 @@ int moe_cluster(const moek_cuda_moe_layer *L, int bn, int T)
                : MOEK_CLUSTER_NONE;
 }
 
+/*
+ * Slot mode (see the top) on this device and tuning: tiles of 128 rows and
+ * wider, and an fp32 accumulator of T H floats of at least slot_min_acc
+ * bytes (a quarter of L2; MOEK_CUDA_SLOT_MIN_KB moves it). The atomics
+ * cost by their bytes once the accumulator does not stay in L2: with
+ * top-k 8 they were a fifth of GEMM 2 at T=4096 (RESULTS.md, run 18).
+ * Slot mode stores half those bytes, zeroes nothing, and its finalize
+ * reads k rows of 2 bytes a feature instead of one of 4: on the H200
+ * qwen3 T=4096 3% faster, deepseek and mixtral 1%; at qwen3 T=1024 (an
+ * 8 MB accumulator) 1% slower (RESULTS.md, run 19). Decode tiles keep the
+ * accumulator: their GEMM 2 splits over K.
+ */
+bool moe_slots_ok(const moek_cuda_moe_layer *L)
+{
+    return L->cc == 90 && !L->tune.generic && L->slots;
+}
+bool moe_slots(const moek_cuda_moe_layer *L, int bn, int T)
+{
+    return moe_slots_ok(L) && bn >= 128 &&
+           (size_t)T * L->shape.hidden * 4 >= L->slot_min_acc;
+}
+
 } // namespace
 
 int moek_cuda_workspace_new(int device, size_t bytes, moek_cuda_workspace **out)
@@ -314,12 +389,14 @@ size_t moek_cuda_moe_workspace_size(const moek_cuda_moe_layer *layer,
 {
     if (!layer || max_tokens < 0)
         return 0;
-    /* Room for cluster mode's copy of x whenever the layer may take it, so
-     * a call of fewer tokens with a wide tile (a tile table's or a forced
-     * one) runs as it would in any other workspace. */
+    /* Room for cluster mode's copy of x and slot mode's rows whenever a
+     * call of up to max_tokens may take either with some tile, so a call of
+     * fewer tokens with a wide tile (a tile table's or a forced one) runs
+     * as it would in any other workspace. */
     return carve_moe(layer->shape, layer->dt, max_tokens,
-                     moe_pairs(layer) == MOEK_CLUSTER_BOTH, nullptr,
-                     nullptr);
+                     moe_pairs(layer) == MOEK_CLUSTER_BOTH ||
+                         moe_slots(layer, 128, max_tokens),
+                     nullptr, nullptr);
 }
 
 size_t moek_cuda_gemm_workspace_size(const moek_cuda_gemm_weights *w,
@@ -366,6 +443,13 @@ int moek_cuda_moe_layer_uses_cluster(const moek_cuda_moe_layer *layer,
                : MOEK_CLUSTER_NONE;
 }
 
+bool moek_cuda_moe_layer_uses_slots(const moek_cuda_moe_layer *layer,
+                                    int tokens)
+{
+    return layer && tokens > 0 &&
+           moe_slots(layer, moe_tile(layer, tokens), tokens);
+}
+
 int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
                         const void *x, const moek_cuda_routing *routing,
                         int T, void *out, void *stream)
@@ -404,13 +488,13 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
         return moek_cuda_refuse(-ENOTSUP, "fused_moe: %d tokens is too many",
                                 T);
     const int bn = moe_tile(L, T);
-    /* Cluster mode needs room for the copy of x; a workspace sized by
-     * moek_cuda_moe_workspace_size has it. */
+    /* Cluster mode's copy of x and slot mode's rows need room; a workspace
+     * sized by moek_cuda_moe_workspace_size has it, else both are off. */
     const int mode = moe_cluster(L, bn, T);
-    bool cl = mode == MOEK_CLUSTER_BOTH;
-    size_t need = carve_moe(L->shape, L->dt, T, cl, nullptr, nullptr);
-    if (cl && need > ws->bytes) {
-        cl = false;
+    bool cl = mode == MOEK_CLUSTER_BOTH, slots = moe_slots(L, bn, T);
+    size_t need = carve_moe(L->shape, L->dt, T, cl || slots, nullptr, nullptr);
+    if ((cl || slots) && need > ws->bytes) {
+        cl = slots = false;
         need = carve_moe(L->shape, L->dt, T, false, nullptr, nullptr);
     }
     if (need > ws->bytes)
@@ -420,7 +504,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
                                 T, need, ws->bytes);
     MOEK_CU(cudaSetDevice(L->device));
     moe_ws w;
-    carve_moe(L->shape, L->dt, T, cl, (char *)ws->base, &w);
+    carve_moe(L->shape, L->dt, T, cl || slots, (char *)ws->base, &w);
     const moek_moe_shape &s = L->shape;
     const int E = s.experts, k = s.topk, H = s.hidden, I = s.intermediate;
     const bool wgmma = L->cc == 90 && !L->tune.generic;
@@ -446,18 +530,20 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     g1.which = 0;
     moek_tmaps tb1, tb2;
     if (cl) {
-        const int r1 = moek_make_tmaps(&tb1, w.xs, L->dt, (uint64_t)T * k, H,
-                                       bn);
+        const int r1 = moek_make_tmaps(&tb1, w.rows, L->dt, (uint64_t)T * k,
+                                       H, bn);
         if (r1)
             return r1;
-        g1.b = w.xs;
+        g1.b = w.rows;
         g1.b_rows = nullptr;
     }
     /* GEMM 2 stays in pairs when the copy of x does not fit. */
     const bool cl2 = mode != MOEK_CLUSTER_NONE;
     moek_gemm_args g2 = g1;
-    g1.zero = (float4 *)w.acc; /* GEMM 1 only */
-    g1.zero_n4 = (size_t)T * H / 4;
+    if (!slots) { /* GEMM 1 only */
+        g1.zero = (float4 *)w.acc;
+        g1.zero_n4 = (size_t)T * H / 4;
+    }
     g2.early_a = L->early;
     g2.w = L->w2p;
     g2.rows_pad = L->h16;
@@ -469,8 +555,8 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     g2.b = w.inter;
     g2.ldb = I;
     g2.b_rows = nullptr;
-    g2.epi = MOEK_EPI_COMBINE;
-    g2.out = w.acc;
+    g2.epi = slots ? MOEK_EPI_SLOT : MOEK_EPI_COMBINE;
+    g2.out = slots ? w.rows : (void *)w.acc;
     g2.ldo = H;
     g2.pos_token = w.pos_token;
     g2.pos_weight = w.pos_weight;
@@ -514,7 +600,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     aa.split_min_kb = L->split_min_kb;
     aa.tiny = L->tiny;
     aa.d[0] = {g1.n_tiles, g1.kblocks, 0};
-    aa.d[1] = {g2.n_tiles, g2.kblocks, cl2 ? 0 : 1};
+    aa.d[1] = {g2.n_tiles, g2.kblocks, cl2 || slots ? 0 : 1};
     aa.ngemm = 2;
     aa.plan = w.plan;
     aa.cg_group = w.cg_group;
@@ -528,12 +614,13 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     aa.topk = k;
     aa.pos_token = w.pos_token;
     aa.pos_weight = w.pos_weight;
+    aa.slot_pos = slots ? w.slot_pos : nullptr;
     MOEK_CU(moek_launch_route(ra, aa, w.counts, st, pdl));
     if (cl) { /* a warp per row (8 per block), at most 4 blocks per SM */
         const int blocks = (T * k + 7) / 8, row16 = H * 2 / 16;
         const int grid0 = blocks < 4 * L->sms ? blocks : 4 * L->sms;
         MOEK_CU(moek_launch(permute_rows_kernel, dim3(grid0), dim3(256), 0, st,
-                            pdl, (const uint4 *)x, (uint4 *)w.xs,
+                            pdl, (const uint4 *)x, (uint4 *)w.rows,
                             (const int *)w.pos_token, (const int *)w.plan,
                             row16));
     }
@@ -555,6 +642,20 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     MOEK_CU(run_gemm(L->dt, wgmma, &L->tm2, g2, L->sms, st, pdl,
                      cl2 ? &tb2 : nullptr));
 
+    if (slots) {
+        const int grid3 = T < 8 * L->sms ? T : 8 * L->sms;
+        if (L->dt == MOEK_DTYPE_BF16)
+            MOEK_CU(moek_launch(finalize_slots_kernel<__nv_bfloat16>,
+                                dim3(grid3), dim3(256), 0, st, pdl,
+                                (const uint4 *)w.rows, (const int *)w.slot_pos,
+                                (uint4 *)out, T, k, H / 8));
+        else
+            MOEK_CU(moek_launch(finalize_slots_kernel<__half>, dim3(grid3),
+                                dim3(256), 0, st, pdl, (const uint4 *)w.rows,
+                                (const int *)w.slot_pos, (uint4 *)out, T, k,
+                                H / 8));
+        return 0;
+    }
     const size_t n4 = (size_t)T * H / 4;
     long long blocks = (long long)((n4 + 255) / 256);
     int grid3 = (int)(blocks < 4LL * L->sms ? blocks : 4LL * L->sms);

@@ -332,6 +332,16 @@ enum moek_cluster_mode {
 int moek_cuda_moe_layer_uses_cluster(const moek_cuda_moe_layer *layer,
                                      int tokens);
 
+/* Whether such a call runs in slot mode (sm_90, tiles of 128 rows and
+ * wider, an fp32 accumulator of T x hidden floats of at least a quarter of
+ * L2): GEMM 2 stores each slot's weighted row in the dtype and the
+ * finalize sums each token's k rows, where other calls add into the fp32
+ * accumulator with atomics. At layer creation MOEK_CUDA_NO_SLOT_ROWS=1
+ * keeps a layer off it, MOEK_CUDA_SLOT_MIN_KB=N sets the accumulator bound
+ * to N KB. */
+bool moek_cuda_moe_layer_uses_slots(const moek_cuda_moe_layer *layer,
+                                    int tokens);
+
 /* ---- token-tile table and autotuning ------------------------------------ */
 
 /*

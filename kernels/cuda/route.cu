@@ -248,18 +248,20 @@ __device__ int pick_split(const moek_gemm_dims &dm, long long pairs, int sms,
 }
 
 /* MoE: slots [s0, s1) to their sorted positions (token index and routing
- * weight per position), from each slot's expert, rank inside it and weight
- * (ids, rank, wts: global or shared memory), start[g] the first position
- * of group g. Whole block. */
+ * weight per position, and with slot_pos each slot's position or -1), from
+ * each slot's expert, rank inside it and weight (ids, rank, wts: global or
+ * shared memory), start[g] the first position of group g. Whole block. */
 __device__ void scatter_slots(const moek_align_args &a, const int *start,
                               const int *ids, const int *rank,
                               const float *wts, int s0, int s1)
 {
     for (int s = s0 + threadIdx.x; s < s1; s += blockDim.x) {
         const int r = rank[s];
-        if (r < 0)
+        const int pos = r < 0 ? -1 : start[ids[s]] + r;
+        if (a.slot_pos)
+            a.slot_pos[s] = pos;
+        if (pos < 0)
             continue;
-        const int pos = start[ids[s]] + r;
         a.pos_token[pos] = s / a.topk;
         a.pos_weight[pos] = wts[s];
     }
@@ -697,6 +699,8 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
         aa.pos_token[start + rank] = lane / k;
         aa.pos_weight[start + rank] = s_w[lane];
     }
+    if (aa.slot_pos && lane < n)
+        aa.slot_pos[lane] = e >= 0 ? start + rank : -1;
     if (first) {
         aa.cg_group[ci] = e;
         aa.cg_start[ci] = start;

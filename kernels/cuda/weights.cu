@@ -110,8 +110,9 @@ int device_setup(int device, int *sms, int *cc)
  * small-batch kernel, MOEK_CUDA_ROW_MAJOR=1 keeps the weights row-major
  * (read through TMA maps), MOEK_CUDA_NO_L2_HINT=1 drops the weight loads'
  * L2 evict-first hint, MOEK_CUDA_NO_CLUSTER=1 keeps prefill tiles off
- * cluster mode (layer.cu), MOEK_CUDA_CLUSTER_MIN_I=N moves its bound on I.
- * Read once, when a layer or weight set is made. */
+ * cluster mode (layer.cu), MOEK_CUDA_CLUSTER_MIN_I=N moves its bound on I,
+ * MOEK_CUDA_NO_SLOT_ROWS=1 keeps them off slot mode (layer.cu),
+ * MOEK_CUDA_SLOT_MIN_KB=N moves its bound on the accumulator. Read once, when a layer or weight set is made. */
 bool env_off(const char *name)
 {
     const char *e = getenv(name);
@@ -195,11 +196,20 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
     L->tiny = !env_off("MOEK_CUDA_NO_TINY");
     L->tiled = !env_off("MOEK_CUDA_ROW_MAJOR");
     L->l2_hint = !env_off("MOEK_CUDA_NO_L2_HINT");
+    L->slots = !env_off("MOEK_CUDA_NO_SLOT_ROWS");
     L->split_min_kb = split_min_kb_default();
     if ((r = device_setup(device, &L->sms, &L->cc))) {
         delete L;
         return r;
     }
+    int l2 = 0;
+    if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) !=
+        cudaSuccess) {
+        cudaGetLastError();
+        l2 = 0;
+    }
+    L->slot_min_acc =
+        (size_t)env_int("MOEK_CUDA_SLOT_MIN_KB", l2 / 4096, 1 << 30) * 1024;
     const int E = shape->experts, H = shape->hidden, I = shape->intermediate;
     L->h16 = (H + 15) / 16 * 16;
     const bool tl = L->tiled;

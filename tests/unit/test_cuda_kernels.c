@@ -15,7 +15,8 @@
  * empty (and 200, 512: the small-batch tile list over chunks of experts),
  * routing given or computed (softmax / sigmoid, renormalised or not,
  * and the NaN rule), bf16 and fp16, every token tile and the portable SIMT
- * path, a CUDA graph replayed on new data, the grouped GEMM with empty
+ * path, slot mode (GEMM 2's rows per slot, summed by the finalize) and the
+ * fp32 accumulator it replaces, a CUDA graph replayed on new data, the grouped GEMM with empty
  * groups, the token-tile table (refusals, the tile it picks, forwards through
  * it) and the autotuner, the row copy by kernel between pinned host
  * segments and the device, and the refusals (-ENOTSUP, -EINVAL, -ENOSPC,
@@ -27,6 +28,7 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define CK(call)                                                              \
     do {                                                                      \
@@ -111,6 +113,8 @@ typedef struct tile_opts {
     int expect_cluster; /* EXPECT_MODE(m): moek_cuda_moe_layer_uses_cluster
                            must be m for the call; 0: any */
     size_t ws_short;    /* bytes less than moek_cuda_moe_workspace_size */
+    int expect_slots;   /* EXPECT_MODE(b): moek_cuda_moe_layer_uses_slots
+                           must be b; 0: any */
 } tile_opts;
 #define EXPECT_MODE(m) ((m) + 1)
 
@@ -191,6 +195,12 @@ static void run_moe_tiles(const moe_case *c, const tile_opts *to, uint64_t *rng)
                       "tile %d, T=%d: cluster mode %d on cc %d",
                       c->tune.token_tile, T,
                       moek_cuda_moe_layer_uses_cluster(layer, T), device_cc());
+        if (to->expect_slots)
+            CHECK_MSG(EXPECT_MODE(moek_cuda_moe_layer_uses_slots(layer, T)) ==
+                          to->expect_slots,
+                      "tile %d, T=%d: slot mode %d on cc %d",
+                      c->tune.token_tile, T,
+                      moek_cuda_moe_layer_uses_slots(layer, T), device_cc());
     }
 
     void *x = dmalloc((size_t)T * H * es), *out = dmalloc((size_t)T * H * es);
@@ -577,8 +587,31 @@ static tile_opts forced_tile_opts(const moe_case *c, bool check_tile)
         NULL, 0, check_tile && device_cc() == 90 ? bn : 0,
         EXPECT_MODE(cluster_mode(c->s.hidden, c->s.intermediate, bn,
                                  (long long)c->tokens * c->s.topk)),
-        0};
+        0, 0};
     return to;
+}
+
+/* Set environment variable name to value (NULL: unset); returns its former
+ * value (allocated, or NULL) for env_restore. */
+static char *env_set(const char *name, const char *value)
+{
+    const char *was = getenv(name);
+    char *keep = was ? strdup(was) : NULL;
+    CHECK(!was || keep);
+    if (value)
+        setenv(name, value, 1);
+    else
+        unsetenv(name);
+    return keep;
+}
+
+static void env_restore(const char *name, char *keep)
+{
+    if (keep)
+        setenv(name, keep, 1);
+    else
+        unsetenv(name);
+    free(keep);
 }
 
 /* Token tiles of every width of the 128-, 192- and 256-row instances
@@ -679,7 +712,8 @@ TEST(moe_cluster_tiles)
     }
     /* 20 slots under a forced 256-row tile: fewer than a tile's worth, so
      * no cluster mode (layer.cu, moe_cluster), and correct. */
-    const tile_opts none = {NULL, 0, 0, EXPECT_MODE(MOEK_CLUSTER_NONE), 0};
+    const tile_opts none = {NULL, 0, 0, EXPECT_MODE(MOEK_CLUSTER_NONE), 0,
+                            0};
     moe_case few = {s, MOEK_DTYPE_BF16, 5, ROUTE_SOFTMAX, true, 0, 0,
                     {256, false}, false, false, NULL};
     run_moe_tiles(&few, &none, &rng);
@@ -695,13 +729,67 @@ TEST(moe_cluster_tiles)
                     {128, false}, false, true, NULL};
     const tile_opts t64 = forced_tile_opts(&h64, false);
     run_moe_tiles(&h64, &t64, &rng);
-    /* A workspace without room for the copy of x: GEMM 1 runs unpaired,
-     * GEMM 2 still in pairs (layer.cu), and correct. */
+    /* A workspace without room for the copy of x (nor for slot mode's
+     * rows, which share it): GEMM 1 runs unpaired, GEMM 2 still in pairs
+     * (layer.cu), and correct. */
     moe_case tight = {s, MOEK_DTYPE_BF16, 300, ROUTE_SOFTMAX, true, 0, 32,
                       {256, false}, false, false, NULL};
     const tile_opts ts = {NULL, 0, 0, 0,
-                          (size_t)2 * 300 * s.topk * s.hidden};
+                          (size_t)2 * 300 * s.topk * s.hidden, 0};
     run_moe_tiles(&tight, &ts, &rng);
+}
+
+/* Slot mode (GEMM 2 stores each slot's weighted row, the finalize sums a
+ * token's k rows). The default bound (an fp32 accumulator of a quarter of
+ * L2) keeps this shape off it at 300 tokens and takes it at a million, on
+ * sm_90 and 128-row tiles. Then, with the bound at 1 KB, top-k 8 on each
+ * routing path that writes the slots' positions: the multi-block kernels
+ * (300 tokens), the one-block kernel (64) and the one-warp plan (3 tokens,
+ * 24 slots); given routing with a third of the slots routed nowhere,
+ * which the finalize must skip; both dtypes. Then a layer made with
+ * MOEK_CUDA_NO_SLOT_ROWS=1, and a workspace without room for the rows:
+ * both keep the fp32 accumulator, and correct. */
+TEST(moe_slot_rows)
+{
+    need_gpu();
+    uint64_t rng = test_seed();
+    const moek_moe_shape s = {32, 8, 264, 320};
+    const char *no = getenv("MOEK_CUDA_NO_SLOT_ROWS");
+    const bool on = device_cc() == 90 && !(no && *no && *no != '0');
+    char *min_kb = env_set("MOEK_CUDA_SLOT_MIN_KB", NULL);
+    moek_cuda_moe_layer *l = small_layer(&s, MOEK_DTYPE_BF16, test_rand(&rng));
+    moek_cuda_tuning tune = {128, false};
+    CK(moek_cuda_moe_layer_tune(l, &tune));
+    CHECK(!moek_cuda_moe_layer_uses_slots(l, 300));
+    CHECK_EQ_INT(moek_cuda_moe_layer_uses_slots(l, 1 << 20), on);
+    tune.token_tile = 64;
+    CK(moek_cuda_moe_layer_tune(l, &tune));
+    CHECK(!moek_cuda_moe_layer_uses_slots(l, 1 << 20));
+    moek_cuda_moe_layer_free(l);
+
+    setenv("MOEK_CUDA_SLOT_MIN_KB", "1", 1);
+    static const int tokens[] = {300, 64, 3};
+    for (int i = 0; i < 6; i++) {
+        moe_case c = {s, i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
+                      tokens[i % 3], i < 3 ? ROUTE_SOFTMAX : ROUTE_GIVEN, true,
+                      0, 64, {i < 3 ? 128 : 256, false}, false, i >= 3, NULL};
+        tile_opts to = forced_tile_opts(&c, true);
+        to.expect_slots = EXPECT_MODE(on);
+        run_moe_tiles(&c, &to, &rng);
+    }
+    char *keep = env_set("MOEK_CUDA_NO_SLOT_ROWS", "1");
+    moe_case off = {s, MOEK_DTYPE_BF16, 300, ROUTE_GIVEN, false, 0, 64,
+                    {128, false}, false, true, NULL};
+    tile_opts to_off = forced_tile_opts(&off, true);
+    to_off.expect_slots = EXPECT_MODE(false);
+    run_moe_tiles(&off, &to_off, &rng);
+    env_restore("MOEK_CUDA_NO_SLOT_ROWS", keep);
+    moe_case tight = {s, MOEK_DTYPE_BF16, 300, ROUTE_SOFTMAX, true, 0, 64,
+                      {128, false}, false, false, NULL};
+    const tile_opts ts = {NULL, 0, 0, 0,
+                          on ? (size_t)2 * 300 * s.topk * s.hidden : 0, 0};
+    run_moe_tiles(&tight, &ts, &rng);
+    env_restore("MOEK_CUDA_SLOT_MIN_KB", min_kb);
 }
 
 /* set_tiles refuses bad tables (and keeps the old one), n = 0 clears, the
@@ -795,7 +883,7 @@ TEST(moe_tile_table)
     for (size_t i = 0; i < ARRAY_LEN(runs); i++) {
         moe_case c = {{16, 4, 384, 320}, runs[i].dt, runs[i].tokens,
                       ROUTE_SOFTMAX, true, 0, 64, {0, false}, false, false, NULL};
-        tile_opts to = {runs[i].rules, runs[i].n, runs[i].expect, 0, 0};
+        tile_opts to = {runs[i].rules, runs[i].n, runs[i].expect, 0, 0, 0};
         run_moe_tiles(&c, &to, &rng);
     }
 }
@@ -1451,6 +1539,7 @@ int main(int argc, char **argv)
                          TEST_CASE_TIMEOUT(moe_many_tokens_and_nan, 300),
                          TEST_CASE_TIMEOUT(moe_every_tile, 300),
                          TEST_CASE_TIMEOUT(moe_cluster_tiles, 300),
+                         TEST_CASE_TIMEOUT(moe_slot_rows, 300),
                          TEST_CASE_TIMEOUT(moe_tile_classes, 300),
                          TEST_CASE_TIMEOUT(moe_tile_table, 120),
                          TEST_CASE_TIMEOUT(moe_autotune, 120),
