@@ -156,6 +156,10 @@ struct moek_gemm_args {
     /* the tiles of groups with one token tile (weights read once) are
      * loaded with an L2 evict-first hint */
     int l2_hint;
+    /* The wgmma kernel splits the K blocks of a one-class instance evenly
+     * over its CTAs (stream-K, gemm_wgmma.cu's cta_span): COMBINE only, and
+     * a plan without a K split (can_split 0). */
+    int stream_k;
     /* GEMM 1 of a MoE forward zeroes GEMM 2's fp32 accumulator as it
      * starts (moek_zero_acc): zero_n4 float4s at zero, or none. */
     float4 *zero;
@@ -463,6 +467,7 @@ struct moek_cuda_moe_layer {
     bool l2_hint; /* their loads evict first from L2 */
     int pairs; /* moek_cluster_mode its prefill tiles may take (layer.cu) */
     bool slots; /* its prefill tiles may take slot mode (layer.cu) */
+    bool stream_k; /* GEMM 2 of decode tiles runs stream-K (layer.cu) */
     size_t slot_min_acc; /* from this fp32 accumulator size (layer.cu) */
     int split_min_kb;
     /* The token-tile table (moek_cuda_moe_layer_set_tiles): n_rules rules,

@@ -74,7 +74,8 @@ constexpr int EPI_ROWS = 128; /* token rows per pass of the staged epilogue */
 template <int BN> struct tile_cfg {
     static constexpr int B_BYTES = BN * MOEK_KTILE * 2;
     static constexpr int STAGE = A_BYTES + B_BYTES;
-    /* COMBINE's (token, weight) per token row: 2 consumers x 2 items. */
+    /* COMBINE's and SLOT's (token, weight) per token row: 2 consumers x 2
+     * items. */
     static constexpr int STG_BYTES = 2 * 2 * BN * 8;
     /* SWIGLU's output staging (tiles of 128 rows and wider, where it costs
      * no stage): per consumer, 128 token rows of its 32 features. */
@@ -295,6 +296,61 @@ template <int N> __device__ __forceinline__ void wgmma_wait()
 #endif
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* The first item of this CTA's sequence at or after `start`. */
+__device__ __forceinline__ int class_first(int start)
+{
+    const int g = (int)gridDim.x;
+    const int r = ((int)blockIdx.x - start) % g;
+    return start + (r < 0 ? r + g : r);
+}
+
+/*
+ * A CTA's share of one tile class's items [c0, c1): items first, first +
+ * step, ... < end. Grid-strided: every gridDim.x-th item from the CTA's
+ * own. Stream-K (moek_gemm_args.stream_k: GEMM 2 of a decode call, one
+ * class, no K split): the CTA takes the K blocks [lo, hi) of the class's
+ * (item, K block) sequence, an even share of them, so the items between
+ * come whole and the first and last may be parts (clip), which COMBINE's
+ * atomic adds sum like a K split.
+ */
+struct cta_span {
+    int first, end, step, c0;
+    long long lo, hi; /* stream-K's K blocks, or lo = -1 */
+    __device__ __forceinline__ void clip(moek_item &it, int idx,
+                                         int kblocks) const
+    {
+        if (lo < 0)
+            return;
+        const long long base = (long long)(idx - c0) * kblocks;
+        if (lo - base > it.kb0)
+            it.kb0 = (int)(lo - base);
+        if (hi - base < it.kb1)
+            it.kb1 = (int)(hi - base);
+    }
+};
+
+__device__ __forceinline__ cta_span class_span(int c0, int c1, bool sk,
+                                               int kblocks)
+{
+    cta_span s;
+    s.c0 = c0;
+    if (!sk) {
+        s.first = class_first(c0);
+        s.end = c1;
+        s.step = (int)gridDim.x;
+        s.lo = -1;
+        s.hi = 0;
+        return s;
+    }
+    const long long total = (long long)(c1 - c0) * kblocks;
+    s.lo = total * blockIdx.x / gridDim.x;
+    s.hi = total * (blockIdx.x + 1) / gridDim.x;
+    s.first = c0 + (int)(s.lo / kblocks);
+    s.end = s.lo < s.hi ? c0 + (int)((s.hi + kblocks - 1) / kblocks) : s.first;
+    s.step = 1;
+    return s;
+}
+
 /* Pipeline position shared by the tile classes of one role. */
 struct pipe_pos {
     int stage, used;
@@ -316,12 +372,13 @@ template <int BN, int CL>
 __device__ __forceinline__ int preissue(const moek_gemm_args &a,
                                         const CUtensorMap *tmap, uint8_t *smem,
                                         uint64_t *full, int ncg, int split,
-                                        int idx, int end, int pre,
+                                        const cta_span &sp, int pre,
                                         const int *sb)
 {
     using C = tile_cfg<BN>;
-    for (; idx < end && pre < C::STAGES; idx += gridDim.x) {
-        const moek_item it = moek_decode_item(a, ncg, split, idx, sb);
+    for (int idx = sp.first; idx < sp.end && pre < C::STAGES; idx += sp.step) {
+        moek_item it = moek_decode_item(a, ncg, split, idx, sb);
+        sp.clip(it, idx, a.kblocks);
         for (int kb = it.kb0; kb < it.kb1 && pre < C::STAGES; kb++, pre++) {
             if (threadIdx.x == 0) {
                 /* CL = 2: the stage's one arrival comes with its token rows
@@ -337,21 +394,21 @@ __device__ __forceinline__ int preissue(const moek_gemm_args &a,
     return pre;
 }
 
-/* Producer, one tile class: items idx, idx + gridDim.x, ... < end, token
- * tiles of N rows. Thread t copies 16-byte chunk (t & 7) of token rows
- * (t >> 3) + 16 i. */
+/* Producer, one tile class: the CTA's items (sp), token tiles of N rows.
+ * Thread t copies 16-byte chunk (t & 7) of token rows (t >> 3) + 16 i. */
 template <typename T, int BN, int N>
 __device__ __forceinline__ void produce(const moek_gemm_args &a,
                                         const CUtensorMap *tmap, uint8_t *smem,
                                         uint64_t *full, uint64_t *empty,
-                                        int ncg, int split, int idx, int end,
+                                        int ncg, int split, const cta_span &sp,
                                         int pre, pipe_pos &pp, const int *sb)
 {
     using C = tile_cfg<BN>;
     const T *b = reinterpret_cast<const T *>(a.b);
     const int tid = threadIdx.x, c8 = tid & 7, r0 = tid >> 3;
-    for (; idx < end; idx += gridDim.x) {
-        const moek_item it = moek_decode_item(a, ncg, split, idx, sb);
+    for (int idx = sp.first; idx < sp.end; idx += sp.step) {
+        moek_item it = moek_decode_item(a, ncg, split, idx, sb);
+        sp.clip(it, idx, a.kblocks);
         long long off[N / 16];
 #pragma unroll
         for (int i = 0; i < N / 16; i++) {
@@ -551,7 +608,7 @@ __device__ __forceinline__ void release(uint64_t *empty, int s)
 template <typename T, int BN, int N, int CL>
 __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
                                         uint64_t *full, uint64_t *empty,
-                                        int ncg, int split, int idx, int end,
+                                        int ncg, int split, const cta_span &sp,
                                         pipe_pos &pp, const int *sb,
                                         uint8_t *epi_buf)
 {
@@ -562,8 +619,9 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
     /* COMBINE and SLOT: the routing weight, staged with the token */
     const bool comb = a.epi == MOEK_EPI_COMBINE || a.epi == MOEK_EPI_SLOT;
     int2 *stg_base = reinterpret_cast<int2 *>(empty + C::STAGES) + cw * 2 * BN;
-    for (; idx < end; idx += gridDim.x, pp.items++) {
-        const moek_item it = moek_decode_item(a, ncg, split, idx, sb);
+    for (int idx = sp.first; idx < sp.end; idx += sp.step, pp.items++) {
+        moek_item it = moek_decode_item(a, ncg, split, idx, sb);
+        sp.clip(it, idx, a.kblocks);
         int2 *stg = stg_base + (pp.items & 1) * BN;
         constexpr int PC = (N + 127) / 128;
         int2 pair[PC];
@@ -657,14 +715,6 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
 #endif
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-/* The first item of this CTA's sequence at or after `start`. */
-__device__ __forceinline__ int class_first(int start)
-{
-    const int g = (int)gridDim.x;
-    const int r = ((int)blockIdx.x - start) % g;
-    return start + (r < 0 ? r + g : r);
-}
-
 /* f(class) for each token-tile class of instance BN, the class a
  * compile-time constant (std::integral_constant) so each gets its own
  * wgmma shape. */
@@ -727,8 +777,10 @@ __global__ void __launch_bounds__(384, 1)
         cluster_sync();
     /* The tile list comes from the align kernel. With early_a it finished
      * before the previous kernel (which waited for it) let this one launch,
-     * so only what GEMM 1 writes needs the waits below: the producer's
-     * token rows, and the accumulator the consumers add into. */
+     * so only what GEMM 1 touches needs the waits below: the producer's
+     * token rows, the accumulator the consumers add into, and slot mode's
+     * rows, which the consumers store over the copy of x GEMM 1 reads
+     * (layer.cu). */
     if (!a.early_a)
         moek_pdl_wait();
     moek_pdl_trigger();
@@ -763,13 +815,17 @@ __global__ void __launch_bounds__(384, 1)
      * launches it only so (layer.cu); a plan with a K split traps. */
     if (CL == 2 && split != 1)
         __trap();
+    const bool sk = a.stream_k && NC == 1 && CL == 1 && split == 1;
+    const auto span = [&](int c) {
+        return class_span(cb[c], cb[c + 1], sk, a.kblocks);
+    };
     pipe_pos pp = {0, 0, 0, 0};
     if (wg == 0) {
         int pre = 0;
         if (a.early_a) {
             for (int c = 0; c < NC; c++)
                 pre = preissue<BN, CL>(a, &tmap, smem, full, ncg, split,
-                                       class_first(cb[c]), cb[c + 1], pre, sb);
+                                       span(c), pre, sb);
             moek_pdl_wait();
         }
         if constexpr (CL == 2) {
@@ -788,13 +844,14 @@ __global__ void __launch_bounds__(384, 1)
             each_class<BN>([&](auto c) {
                 constexpr int J = decltype(c)::value;
                 produce<T, BN, moek_class_width(BN, J)>(
-                    a, &tmap, smem, full, empty, ncg, split,
-                    class_first(cb[J]), cb[J + 1], pre, pp, sb);
+                    a, &tmap, smem, full, empty, ncg, split, span(J), pre, pp,
+                    sb);
             });
         }
     } else {
         /* GEMM 2's consumers, whose COMBINE adds into the accumulator GEMM 1
-         * zeroes, wait for GEMM 1 themselves, not only through the
+         * zeroes (and whose SLOT stores go where GEMM 1 may read its copy
+         * of x), wait for GEMM 1 themselves, not only through the
          * producer's token loads; GEMM 1 (never early_a) waited above. */
         if (a.early_a)
             moek_pdl_wait();
@@ -803,8 +860,7 @@ __global__ void __launch_bounds__(384, 1)
         each_class<BN>([&](auto c) {
             constexpr int J = decltype(c)::value;
             consume<T, BN, moek_class_width(BN, J), CL>(
-                a, smem, full, empty, ncg, split, class_first(cb[J]),
-                cb[J + 1], pp, sb, epi_buf);
+                a, smem, full, empty, ncg, split, span(J), pp, sb, epi_buf);
         });
     }
     /* The peer's last releases arrive on this CTA's barriers: stay until

@@ -334,6 +334,29 @@ bool moe_slots(const moek_cuda_moe_layer *L, int bn, int T)
            (size_t)T * L->shape.hidden * 4 >= L->slot_min_acc;
 }
 
+/*
+ * Stream-K for GEMM 2 (gemm_wgmma.cu, cta_span: each CTA an even share of
+ * the K blocks) where its plan would split K: a decode tile (one class, so
+ * never slot or cluster mode) with fewer items than four per SM even at
+ * the most token tiles the call can have (pick_split's bound), and K
+ * blocks for a split of two or more. There the split's items came in
+ * rounds the SMs did not fill evenly: mixtral T=1 174 against 177.5 us on
+ * the H200. Where the plan keeps whole items it was as fast or slower
+ * (qwen3 T=8 130.0 against 128.9; RESULTS.md, run 20).
+ */
+bool moe_stream_k(const moek_cuda_moe_layer *L, int bn, int T)
+{
+    const moek_moe_shape &s = L->shape;
+    const long long slots = (long long)T * s.topk;
+    const long long pairs_max = (slots < s.experts ? slots : s.experts) +
+                                slots / bn;
+    const int n_tiles = (L->h16 + MOEK_WTILE - 1) / MOEK_WTILE;
+    const int kblocks = (s.intermediate + MOEK_KTILE - 1) / MOEK_KTILE;
+    return L->cc == 90 && !L->tune.generic && L->stream_k &&
+           moek_classes(bn) == 1 && pairs_max * n_tiles < 4LL * L->sms &&
+           kblocks / L->split_min_kb >= 2;
+}
+
 } // namespace
 
 int moek_cuda_workspace_new(int device, size_t bytes, moek_cuda_workspace **out)
@@ -441,6 +464,13 @@ int moek_cuda_moe_layer_uses_cluster(const moek_cuda_moe_layer *layer,
     return layer && tokens > 0
                ? moe_cluster(layer, moe_tile(layer, tokens), tokens)
                : MOEK_CLUSTER_NONE;
+}
+
+bool moek_cuda_moe_layer_uses_stream_k(const moek_cuda_moe_layer *layer,
+                                       int tokens)
+{
+    return layer && tokens > 0 &&
+           moe_stream_k(layer, moe_tile(layer, tokens), tokens);
 }
 
 bool moek_cuda_moe_layer_uses_slots(const moek_cuda_moe_layer *layer,
@@ -556,6 +586,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     g2.ldb = I;
     g2.b_rows = nullptr;
     g2.epi = slots ? MOEK_EPI_SLOT : MOEK_EPI_COMBINE;
+    g2.stream_k = moe_stream_k(L, bn, T);
     g2.out = slots ? w.rows : (void *)w.acc;
     g2.ldo = H;
     g2.pos_token = w.pos_token;
@@ -600,7 +631,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     aa.split_min_kb = L->split_min_kb;
     aa.tiny = L->tiny;
     aa.d[0] = {g1.n_tiles, g1.kblocks, 0};
-    aa.d[1] = {g2.n_tiles, g2.kblocks, cl2 || slots ? 0 : 1};
+    aa.d[1] = {g2.n_tiles, g2.kblocks, cl2 || slots || g2.stream_k ? 0 : 1};
     aa.ngemm = 2;
     aa.plan = w.plan;
     aa.cg_group = w.cg_group;

@@ -134,7 +134,9 @@ void moek_cuda_graph_free(void *graph);
 
 /*
  * Scratch device memory for the calls below (routing, tile lists, the
- * intermediate activations, the fp32 output accumulator). Size it with
+ * intermediate activations, the fp32 output accumulator, and T k H
+ * elements in the dtype where cluster mode copies x or slot mode stores
+ * GEMM 2's rows per slot). Size it with
  * moek_cuda_moe_workspace_size() / moek_cuda_gemm_workspace_size() for the
  * largest call it will serve; one workspace serves any number of layers, one
  * call at a time. Caller owns *out; free with moek_cuda_workspace_free(),
@@ -331,6 +333,12 @@ enum moek_cluster_mode {
 };
 int moek_cuda_moe_layer_uses_cluster(const moek_cuda_moe_layer *layer,
                                      int tokens);
+
+/* Whether such a call runs GEMM 2 in stream-K, each CTA an even share of
+ * its K blocks (sm_90, decode tiles, where a K split would be planned).
+ * MOEK_CUDA_NO_STREAM_K=1 at layer creation keeps a layer off it. */
+bool moek_cuda_moe_layer_uses_stream_k(const moek_cuda_moe_layer *layer,
+                                       int tokens);
 
 /* Whether such a call runs in slot mode (sm_90, tiles of 128 rows and
  * wider, an fp32 accumulator of T x hidden floats of at least a quarter of

@@ -17,7 +17,8 @@
  *                   split of each GEMM, the items before each group and
  *                   where each class's items end, and
  *                   (MoE) the slot -> sorted position
- *                   scatter (token index and routing weight per position).
+ *                   scatter (token index and routing weight per position,
+ *                   and in slot mode each slot's position).
  *   align_warps     the same tile list from a small batch's MoE counts, by
  *                   a warp per 32 groups (or per several, when the block
  *                   has fewer warps) with warp scans and one barrier.

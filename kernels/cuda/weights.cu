@@ -110,9 +110,11 @@ int device_setup(int device, int *sms, int *cc)
  * small-batch kernel, MOEK_CUDA_ROW_MAJOR=1 keeps the weights row-major
  * (read through TMA maps), MOEK_CUDA_NO_L2_HINT=1 drops the weight loads'
  * L2 evict-first hint, MOEK_CUDA_NO_CLUSTER=1 keeps prefill tiles off
- * cluster mode (layer.cu), MOEK_CUDA_CLUSTER_MIN_I=N moves its bound on I,
- * MOEK_CUDA_NO_SLOT_ROWS=1 keeps them off slot mode (layer.cu),
- * MOEK_CUDA_SLOT_MIN_KB=N moves its bound on the accumulator. Read once, when a layer or weight set is made. */
+ * cluster mode (layer.cu), MOEK_CUDA_CLUSTER_MIN_I=N moves its bound on
+ * I, MOEK_CUDA_NO_SLOT_ROWS=1 keeps them off slot mode (layer.cu),
+ * MOEK_CUDA_SLOT_MIN_KB=N moves its bound on the accumulator,
+ * MOEK_CUDA_NO_STREAM_K=1 gives decode GEMM 2 a K split instead of
+ * stream-K (layer.cu). Read once, when a layer or weight set is made. */
 bool env_off(const char *name)
 {
     const char *e = getenv(name);
@@ -197,6 +199,7 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
     L->tiled = !env_off("MOEK_CUDA_ROW_MAJOR");
     L->l2_hint = !env_off("MOEK_CUDA_NO_L2_HINT");
     L->slots = !env_off("MOEK_CUDA_NO_SLOT_ROWS");
+    L->stream_k = !env_off("MOEK_CUDA_NO_STREAM_K");
     L->split_min_kb = split_min_kb_default();
     if ((r = device_setup(device, &L->sms, &L->cc))) {
         delete L;

@@ -16,7 +16,8 @@
  * routing given or computed (softmax / sigmoid, renormalised or not,
  * and the NaN rule), bf16 and fp16, every token tile and the portable SIMT
  * path, slot mode (GEMM 2's rows per slot, summed by the finalize) and the
- * fp32 accumulator it replaces, a CUDA graph replayed on new data, the grouped GEMM with empty
+ * fp32 accumulator it replaces, decode GEMM 2 in stream-K and in K splits,
+ * a CUDA graph replayed on new data, the grouped GEMM with empty
  * groups, the token-tile table (refusals, the tile it picks, forwards through
  * it) and the autotuner, the row copy by kernel between pinned host
  * segments and the device, and the refusals (-ENOTSUP, -EINVAL, -ENOSPC,
@@ -744,11 +745,13 @@ TEST(moe_cluster_tiles)
  * L2) keeps this shape off it at 300 tokens and takes it at a million, on
  * sm_90 and 128-row tiles. Then, with the bound at 1 KB, top-k 8 on each
  * routing path that writes the slots' positions: the multi-block kernels
- * (300 tokens), the one-block kernel (64) and the one-warp plan (3 tokens,
- * 24 slots); given routing with a third of the slots routed nowhere,
- * which the finalize must skip; both dtypes. Then a layer made with
- * MOEK_CUDA_NO_SLOT_ROWS=1, and a workspace without room for the rows:
- * both keep the fp32 accumulator, and correct. */
+ * with the scatter in parts (300 tokens, 2400 slots) and in the align
+ * block (100), the small-batch kernel over two CTAs (64) and one (20), and
+ * the one-warp plan (3 tokens, 24 slots); given routing with a third of the
+ * slots routed nowhere, which the finalize must skip; both dtypes. A shape
+ * with both GEMMs in CTA pairs, whose rows take the room of GEMM 1's copy
+ * of x. Then a layer made with MOEK_CUDA_NO_SLOT_ROWS=1, and a workspace
+ * without room for the rows: both keep the fp32 accumulator, and correct. */
 TEST(moe_slot_rows)
 {
     need_gpu();
@@ -768,15 +771,20 @@ TEST(moe_slot_rows)
     moek_cuda_moe_layer_free(l);
 
     setenv("MOEK_CUDA_SLOT_MIN_KB", "1", 1);
-    static const int tokens[] = {300, 64, 3};
-    for (int i = 0; i < 6; i++) {
+    static const int tokens[] = {300, 100, 64, 20, 3};
+    for (int i = 0; i < 10; i++) {
         moe_case c = {s, i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
-                      tokens[i % 3], i < 3 ? ROUTE_SOFTMAX : ROUTE_GIVEN, true,
-                      0, 64, {i < 3 ? 128 : 256, false}, false, i >= 3, NULL};
+                      tokens[i % 5], i < 5 ? ROUTE_SOFTMAX : ROUTE_GIVEN, true,
+                      0, 64, {i < 5 ? 128 : 256, false}, false, i >= 5, NULL};
         tile_opts to = forced_tile_opts(&c, true);
         to.expect_slots = EXPECT_MODE(on);
         run_moe_tiles(&c, &to, &rng);
     }
+    moe_case both = {{16, 4, 456, 4168}, MOEK_DTYPE_BF16, 300, ROUTE_GIVEN,
+                     false, 0, 32, {256, false}, false, true, NULL};
+    tile_opts tb = forced_tile_opts(&both, true);
+    tb.expect_slots = EXPECT_MODE(on);
+    run_moe_tiles(&both, &tb, &rng);
     char *keep = env_set("MOEK_CUDA_NO_SLOT_ROWS", "1");
     moe_case off = {s, MOEK_DTYPE_BF16, 300, ROUTE_GIVEN, false, 0, 64,
                     {128, false}, false, true, NULL};
@@ -790,6 +798,43 @@ TEST(moe_slot_rows)
                           on ? (size_t)2 * 300 * s.topk * s.hidden : 0, 0};
     run_moe_tiles(&tight, &ts, &rng);
     env_restore("MOEK_CUDA_SLOT_MIN_KB", min_kb);
+}
+
+/* Decode GEMM 2 in stream-K (each CTA an even share of the K blocks, the
+ * items at its ends in parts, summed by COMBINE's atomics) where the plan
+ * would split K, and with MOEK_CUDA_NO_STREAM_K=1 in K splits: one token
+ * over two experts whose 32 K blocks a tile spread over many CTAs (a few
+ * K blocks each), 8 tokens top-8 of 128 experts, and 64 tokens with given
+ * routing and slots routed nowhere; every token checked, both dtypes. A
+ * plan of many items (2000 tokens, wide tiles) takes neither. */
+TEST(moe_stream_k)
+{
+    need_gpu();
+    uint64_t rng = test_seed();
+    const moe_case cases[] = {
+        {{8, 2, 512, 2048}, MOEK_DTYPE_BF16, 1, ROUTE_SOFTMAX, true, 0, 0,
+         {0, false}, false, false, NULL},
+        {{128, 8, 256, 1024}, MOEK_DTYPE_FP16, 8, ROUTE_SOFTMAX, true, 0, 0,
+         {0, false}, false, false, NULL},
+        {{64, 4, 384, 1024}, MOEK_DTYPE_BF16, 64, ROUTE_GIVEN, false, 0, 0,
+         {0, false}, false, true, NULL},
+    };
+    const char *no = getenv("MOEK_CUDA_NO_STREAM_K");
+    const bool on = device_cc() == 90 && !(no && *no && *no != '0');
+    for (int off = 0; off < 2; off++) {
+        char *keep = env_set("MOEK_CUDA_NO_STREAM_K", off ? "1" : no);
+        for (size_t i = 0; i < ARRAY_LEN(cases); i++) {
+            const moe_case *c = &cases[i];
+            moek_cuda_moe_layer *l =
+                small_layer(&c->s, c->dt, test_rand(&rng));
+            CHECK_EQ_INT(moek_cuda_moe_layer_uses_stream_k(l, c->tokens),
+                         on && !off);
+            CHECK(!moek_cuda_moe_layer_uses_stream_k(l, 2000));
+            moek_cuda_moe_layer_free(l);
+            run_moe(c, &rng);
+        }
+        env_restore("MOEK_CUDA_NO_STREAM_K", keep);
+    }
 }
 
 /* set_tiles refuses bad tables (and keeps the old one), n = 0 clears, the
@@ -1540,6 +1585,7 @@ int main(int argc, char **argv)
                          TEST_CASE_TIMEOUT(moe_every_tile, 300),
                          TEST_CASE_TIMEOUT(moe_cluster_tiles, 300),
                          TEST_CASE_TIMEOUT(moe_slot_rows, 300),
+                         TEST_CASE_TIMEOUT(moe_stream_k, 300),
                          TEST_CASE_TIMEOUT(moe_tile_classes, 300),
                          TEST_CASE_TIMEOUT(moe_tile_table, 120),
                          TEST_CASE_TIMEOUT(moe_autotune, 120),
