@@ -787,8 +787,9 @@ __global__ void __launch_bounds__(384, 1)
 
     const int ncg = a.plan[MOEK_PLAN_NCG];
     const int split = a.plan[a.which ? MOEK_PLAN_SPLIT1 : MOEK_PLAN_SPLIT0];
-    /* Class c's items are [cb[c], cb[c + 1]); the CTA's sequence blockIdx.x,
-     * blockIdx.x + gridDim.x, ... runs on through them. */
+    /* Class c's items are [cb[c], cb[c + 1]); the CTA's share of them is
+     * its cta_span: grid-strided (blockIdx.x, blockIdx.x + gridDim.x, ...
+     * running on through the classes) or stream-K. */
     const int *ends = a.plan + (a.which ? MOEK_PLAN_ENDS1 : MOEK_PLAN_ENDS0);
     int cb[NC + 1];
     cb[0] = 0;

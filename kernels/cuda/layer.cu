@@ -11,7 +11,8 @@
  *      as it starts, its CTAs zero GEMM 2's accumulator acc (the routing
  *      kernel, one block at small T, did that more slowly);
  *   3. GEMM 2 (inter . w2^T, times the routing weight, fp32 atomic adds into
- *      acc [T, H], split over K when there are few tiles); its weight loads
+ *      acc [T, H]; with few tiles split over K, or stream-K where every
+ *      routing of the call would split: moe_stream_k); its weight loads
  *      start before GEMM 1 ends (early_a);
  *   4. finalize: out = acc rounded to the dtype.
  * Slot mode (prefill tiles, moe_slots) replaces the accumulator: GEMM 2
@@ -322,7 +323,7 @@ int moe_cluster(const moek_cuda_moe_layer *L, int bn, int T)
  * reads k rows of 2 bytes a feature instead of one of 4: on the H200
  * qwen3 T=4096 3% faster, deepseek and mixtral 1%; at qwen3 T=1024 (an
  * 8 MB accumulator) 1% slower (RESULTS.md, run 19). Decode tiles keep the
- * accumulator: their GEMM 2 splits over K.
+ * accumulator: their GEMM 2 may split over K or run stream-K.
  */
 bool moe_slots_ok(const moek_cuda_moe_layer *L)
 {

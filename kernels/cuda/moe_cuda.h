@@ -335,8 +335,9 @@ int moek_cuda_moe_layer_uses_cluster(const moek_cuda_moe_layer *layer,
                                      int tokens);
 
 /* Whether such a call runs GEMM 2 in stream-K, each CTA an even share of
- * its K blocks (sm_90, decode tiles, where a K split would be planned).
- * MOEK_CUDA_NO_STREAM_K=1 at layer creation keeps a layer off it. */
+ * its K blocks (sm_90, decode tiles, where the plan of any routing of the
+ * call would split K). MOEK_CUDA_NO_STREAM_K=1 at layer creation keeps a
+ * layer off it. */
 bool moek_cuda_moe_layer_uses_stream_k(const moek_cuda_moe_layer *layer,
                                        int tokens);
 

@@ -163,6 +163,16 @@ static void given_random(const moe_case *c, int32_t *ids, float *wts,
     }
 }
 
+/* A mode the layer reports for case c's call (got) against an
+ * EXPECT_MODE expectation (0: any). */
+static void check_mode(const char *what, int expect, int got,
+                       const moe_case *c)
+{
+    if (expect)
+        CHECK_MSG(EXPECT_MODE(got) == expect, "tile %d, T=%d: %s %d on cc %d",
+                  c->tune.token_tile, c->tokens, what, got, device_cc());
+}
+
 /* Run one fused MoE on the GPU and compare it with moek_ref_fused_moe. */
 static void run_moe_tiles(const moe_case *c, const tile_opts *to, uint64_t *rng)
 {
@@ -190,18 +200,10 @@ static void run_moe_tiles(const moe_case *c, const tile_opts *to, uint64_t *rng)
         CK(moek_cuda_moe_layer_set_tiles(layer, to->rules, to->n_rules));
         if (to->expect_tile && device_cc() == 90)
             CHECK_EQ_INT(moek_cuda_moe_layer_token_tile(layer, T), to->expect_tile);
-        if (to->expect_cluster)
-            CHECK_MSG(EXPECT_MODE(moek_cuda_moe_layer_uses_cluster(layer, T)) ==
-                          to->expect_cluster,
-                      "tile %d, T=%d: cluster mode %d on cc %d",
-                      c->tune.token_tile, T,
-                      moek_cuda_moe_layer_uses_cluster(layer, T), device_cc());
-        if (to->expect_slots)
-            CHECK_MSG(EXPECT_MODE(moek_cuda_moe_layer_uses_slots(layer, T)) ==
-                          to->expect_slots,
-                      "tile %d, T=%d: slot mode %d on cc %d",
-                      c->tune.token_tile, T,
-                      moek_cuda_moe_layer_uses_slots(layer, T), device_cc());
+        check_mode("cluster mode", to->expect_cluster,
+                   moek_cuda_moe_layer_uses_cluster(layer, T), c);
+        check_mode("slot mode", to->expect_slots,
+                   moek_cuda_moe_layer_uses_slots(layer, T), c);
     }
 
     void *x = dmalloc((size_t)T * H * es), *out = dmalloc((size_t)T * H * es);
@@ -806,7 +808,8 @@ TEST(moe_slot_rows)
  * over two experts whose 32 K blocks a tile spread over many CTAs (a few
  * K blocks each), 8 tokens top-8 of 128 experts, and 64 tokens with given
  * routing and slots routed nowhere; every token checked, both dtypes. A
- * plan of many items (2000 tokens, wide tiles) takes neither. */
+ * call of 2000 tokens does not take it (its tiles have several widths).
+ * MOEK_CUDA_SPLIT_MIN_KB is unset for the rule's default bound. */
 TEST(moe_stream_k)
 {
     need_gpu();
@@ -821,8 +824,10 @@ TEST(moe_stream_k)
     };
     const char *no = getenv("MOEK_CUDA_NO_STREAM_K");
     const bool on = device_cc() == 90 && !(no && *no && *no != '0');
+    char *min_kb = env_set("MOEK_CUDA_SPLIT_MIN_KB", NULL);
     for (int off = 0; off < 2; off++) {
-        char *keep = env_set("MOEK_CUDA_NO_STREAM_K", off ? "1" : no);
+        /* The second pass sets the switch (the first leaves it as it is) */
+        char *keep = off ? env_set("MOEK_CUDA_NO_STREAM_K", "1") : NULL;
         for (size_t i = 0; i < ARRAY_LEN(cases); i++) {
             const moe_case *c = &cases[i];
             moek_cuda_moe_layer *l =
@@ -833,8 +838,10 @@ TEST(moe_stream_k)
             moek_cuda_moe_layer_free(l);
             run_moe(c, &rng);
         }
-        env_restore("MOEK_CUDA_NO_STREAM_K", keep);
+        if (off)
+            env_restore("MOEK_CUDA_NO_STREAM_K", keep);
     }
+    env_restore("MOEK_CUDA_SPLIT_MIN_KB", min_kb);
 }
 
 /* set_tiles refuses bad tables (and keeps the old one), n = 0 clears, the
