@@ -35,7 +35,7 @@
 #define MOEK_WTILE 128 /* weight rows per GEMM tile (two warpgroups of 64) */
 #define MOEK_KTILE 64  /* K per pipeline stage: one 128-byte swizzle row */
 
-/* Epilogues. SLOT (the wgmma kernel's, moek_slot4): COMBINE's product,
+/* Epilogues. SLOT (the wgmma kernel's, moek_combine4): COMBINE's product,
  * the routing weight times the output, stored in the dtype as the row of
  * the slot's sorted position, for a finalize that sums each token's k rows
  * (layer.cu, slot mode). */
@@ -329,8 +329,11 @@ __device__ __forceinline__ void moek_epi_pair(const moek_gemm_args &a,
 
 /* COMBINE, four adjacent output features f .. f + 3 of token column c: one
  * 16-byte fp32 atomic add of w * v into the token's row (sm_90; H is a
- * multiple of 8, so the four are valid together). stg: the tile's (token,
- * routing weight) pairs, staged in shared memory by column. */
+ * multiple of 8, so the four are valid together); SLOT: w * v rounded to
+ * T, one 8-byte store into the row of the column's sorted position. stg:
+ * the tile's (token, routing weight) pairs, staged in shared memory by
+ * column. */
+template <typename T>
 __device__ __forceinline__ void moek_combine4(const moek_gemm_args &a,
                                               const moek_item &it, int f,
                                               int c, float4 v, const int2 *stg)
@@ -339,28 +342,20 @@ __device__ __forceinline__ void moek_combine4(const moek_gemm_args &a,
     if (c >= it.mlen || f >= a.n_valid)
         return;
     const float w = __int_as_float(stg[c].y);
+    if (a.epi == MOEK_EPI_SLOT) {
+        T *dst =
+            reinterpret_cast<T *>(a.out) + (size_t)(it.pos + c) * a.ldo + f;
+        *reinterpret_cast<uint2 *>(dst) =
+            make_uint2(moek_dt<T>::pack2(w * v.x, w * v.y),
+                       moek_dt<T>::pack2(w * v.z, w * v.w));
+        return;
+    }
     float *dst = reinterpret_cast<float *>(a.out) + (size_t)stg[c].x * a.ldo + f;
     atomicAdd(reinterpret_cast<float4 *>(dst),
               make_float4(w * v.x, w * v.y, w * v.z, w * v.w));
 #elif defined(__CUDA_ARCH__)
     __trap(); /* only the sm_90 kernel calls this */
 #endif
-}
-
-/* SLOT, the same four features of token column c: w * v rounded to T,
- * one 8-byte store into the row of the column's sorted position. */
-template <typename T>
-__device__ __forceinline__ void moek_slot4(const moek_gemm_args &a,
-                                           const moek_item &it, int f, int c,
-                                           float4 v, const int2 *stg)
-{
-    if (c >= it.mlen || f >= a.n_valid)
-        return;
-    const float w = __int_as_float(stg[c].y);
-    T *dst = reinterpret_cast<T *>(a.out) + (size_t)(it.pos + c) * a.ldo + f;
-    *reinterpret_cast<uint2 *>(dst) =
-        make_uint2(moek_dt<T>::pack2(w * v.x, w * v.y),
-                   moek_dt<T>::pack2(w * v.z, w * v.w));
 }
 
 /* GEMM 1's share of zeroing GEMM 2's accumulator (a.zero): thread t of nt

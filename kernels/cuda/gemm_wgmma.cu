@@ -23,10 +23,10 @@
  *     one wgmma group in flight and release the previous stage on its
  *     "empty" mbarrier; after the item's last K block, the epilogue
  *     fuses SiLU(gate)*up (epi_swiglu_staged, or moek_epi_pair for narrow
- *     tiles), the routing weight with 16-byte fp32 atomic adds
- *     (moek_combine4) or 8-byte stores of each slot's row (moek_slot4),
- *     or a plain store (moek_epi_pair). The producer runs
- *     ahead into the next item meanwhile.
+ *     tiles), the routing weight with 16-byte fp32 atomic adds or
+ *     8-byte stores of each slot's row (moek_combine4), or a plain store
+ *     (moek_epi_pair). The producer runs ahead into the next item
+ *     meanwhile.
  * Inside one instance:
  *   - token tiles of up to four widths (BN 128 and wider; cuda_common.cuh,
  *     moek_class_width, moek_tile_class), so a group pays
@@ -694,12 +694,10 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
                             q2 = d[j * 4 + 2], q3 = d[j * 4 + 3];
                 const float sx = __shfl_xor_sync(0xffffffffu, odd ? q0 : q1, 4);
                 const float sy = __shfl_xor_sync(0xffffffffu, odd ? q2 : q3, 4);
-                const float4 v = odd ? make_float4(sx, sy, q1, q3)
-                                     : make_float4(q0, q2, sx, sy);
-                if (a.epi == MOEK_EPI_SLOT)
-                    moek_slot4<T>(a, it, f, j * 8 + c0 + odd, v, stg);
-                else
-                    moek_combine4(a, it, f, j * 8 + c0 + odd, v, stg);
+                moek_combine4<T>(a, it, f, j * 8 + c0 + odd,
+                                 odd ? make_float4(sx, sy, q1, q3)
+                                     : make_float4(q0, q2, sx, sy),
+                                 stg);
             }
             continue;
         }

@@ -62,11 +62,37 @@ int pick_tile(double avg)
     return best;
 }
 
+/* Whether the layer's calls run the wgmma kernel (sm_90, not tuned to the
+ * portable SIMT path), which the prefill modes and stream-K need. */
+bool moe_wgmma(const moek_cuda_moe_layer *L)
+{
+    return L->cc == 90 && !L->tune.generic;
+}
+
+/* GEMM 2's weight tiles and K blocks per expert. */
+int moe_tiles2(const moek_cuda_moe_layer *L)
+{
+    return (L->h16 + MOEK_WTILE - 1) / MOEK_WTILE;
+}
+int moe_kblocks2(const moek_cuda_moe_layer *L)
+{
+    return (L->shape.intermediate + MOEK_KTILE - 1) / MOEK_KTILE;
+}
+
+/* The most token tiles a call of T tokens with tile bn can have: one
+ * partial tile per hit expert plus the whole ones (ceil(rows / bn) per
+ * group). */
+long long moe_pairs_max(const moek_moe_shape &s, int bn, int T)
+{
+    const long long slots = (long long)T * s.topk;
+    return (slots < s.experts ? slots : s.experts) + slots / bn;
+}
+
 /* The tile of a forward of T tokens: one tile on the SIMT path; else the
  * forced tile, the table's rule for T, or the heuristic. */
 int moe_tile(const moek_cuda_moe_layer *L, int T)
 {
-    if (L->tune.generic || L->cc != 90)
+    if (!moe_wgmma(L))
         return 16;
     if (L->tune.token_tile)
         return L->tune.token_tile;
@@ -300,7 +326,7 @@ cudaError_t run_gemm(moek_dtype dt, bool wgmma, const CUtensorMap *tm,
  */
 int moe_pairs(const moek_cuda_moe_layer *L)
 {
-    return L->cc == 90 && !L->tune.generic ? L->pairs : MOEK_CLUSTER_NONE;
+    return moe_wgmma(L) ? L->pairs : MOEK_CLUSTER_NONE;
 }
 /* The mode of a call of T tokens with tile bn (moek_cluster_mode): at
  * least a tile's worth of slots (a TMA box, half a tile's rows, must fit
@@ -325,13 +351,10 @@ int moe_cluster(const moek_cuda_moe_layer *L, int bn, int T)
  * 8 MB accumulator) 1% slower (RESULTS.md, run 19). Decode tiles keep the
  * accumulator: their GEMM 2 may split over K or run stream-K.
  */
-bool moe_slots_ok(const moek_cuda_moe_layer *L)
-{
-    return L->cc == 90 && !L->tune.generic && L->slots;
-}
+constexpr int SLOT_MIN_TILE = 128;
 bool moe_slots(const moek_cuda_moe_layer *L, int bn, int T)
 {
-    return moe_slots_ok(L) && bn >= 128 &&
+    return moe_wgmma(L) && L->slots && bn >= SLOT_MIN_TILE &&
            (size_t)T * L->shape.hidden * 4 >= L->slot_min_acc;
 }
 
@@ -347,15 +370,9 @@ bool moe_slots(const moek_cuda_moe_layer *L, int bn, int T)
  */
 bool moe_stream_k(const moek_cuda_moe_layer *L, int bn, int T)
 {
-    const moek_moe_shape &s = L->shape;
-    const long long slots = (long long)T * s.topk;
-    const long long pairs_max = (slots < s.experts ? slots : s.experts) +
-                                slots / bn;
-    const int n_tiles = (L->h16 + MOEK_WTILE - 1) / MOEK_WTILE;
-    const int kblocks = (s.intermediate + MOEK_KTILE - 1) / MOEK_KTILE;
-    return L->cc == 90 && !L->tune.generic && L->stream_k &&
-           moek_classes(bn) == 1 && pairs_max * n_tiles < 4LL * L->sms &&
-           kblocks / L->split_min_kb >= 2;
+    return moe_wgmma(L) && L->stream_k && moek_classes(bn) == 1 &&
+           moe_pairs_max(L->shape, bn, T) * moe_tiles2(L) < 4LL * L->sms &&
+           moe_kblocks2(L) / L->split_min_kb >= 2;
 }
 
 } // namespace
@@ -419,7 +436,7 @@ size_t moek_cuda_moe_workspace_size(const moek_cuda_moe_layer *layer,
      * as it would in any other workspace. */
     return carve_moe(layer->shape, layer->dt, max_tokens,
                      moe_pairs(layer) == MOEK_CLUSTER_BOTH ||
-                         moe_slots(layer, 128, max_tokens),
+                         moe_slots(layer, SLOT_MIN_TILE, max_tokens),
                      nullptr, nullptr);
 }
 
@@ -538,7 +555,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     carve_moe(L->shape, L->dt, T, cl || slots, (char *)ws->base, &w);
     const moek_moe_shape &s = L->shape;
     const int E = s.experts, k = s.topk, H = s.hidden, I = s.intermediate;
-    const bool wgmma = L->cc == 90 && !L->tune.generic;
+    const bool wgmma = moe_wgmma(L);
     cudaStream_t st = (cudaStream_t)stream;
     /* PDL needs a real stream; the legacy default stream gets plain launches. */
     const bool pdl = L->pdl && st != nullptr;
@@ -579,9 +596,9 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     g2.w = L->w2p;
     g2.rows_pad = L->h16;
     g2.n_valid = H;
-    g2.n_tiles = (L->h16 + MOEK_WTILE - 1) / MOEK_WTILE;
+    g2.n_tiles = moe_tiles2(L);
     g2.k = I;
-    g2.kblocks = (I + MOEK_KTILE - 1) / MOEK_KTILE;
+    g2.kblocks = moe_kblocks2(L);
     g2.chunk = raster_chunk(I, g2.n_tiles);
     g2.b = w.inter;
     g2.ldb = I;
@@ -657,12 +674,9 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
                             row16));
     }
 
-    /* Grid bounds: GEMM 1 has at most (hit experts + T k / bn) token tiles
-     * (ceil(rows / bn) per group) times its weight tiles; GEMM 2 may split,
-     * so it takes every SM. */
-    const long long pairs_max = (long long)(T * k < E ? T * k : E) +
-                                (long long)T * k / bn;
-    const long long items1 = pairs_max * g1.n_tiles;
+    /* Grid bounds: GEMM 1 has at most moe_pairs_max token tiles times its
+     * weight tiles; GEMM 2 may split, so it takes every SM. */
+    const long long items1 = moe_pairs_max(s, bn, T) * g1.n_tiles;
     const int grid1 = (int)(items1 < L->sms ? items1 : L->sms);
     /* GEMM 2's early weight loads pay when GEMM 1 fills every SM; when it
      * leaves SMs idle (qwen3 T=1: 96 items) they cost about 3 us
@@ -674,30 +688,23 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     MOEK_CU(run_gemm(L->dt, wgmma, &L->tm2, g2, L->sms, st, pdl,
                      cl2 ? &tb2 : nullptr));
 
+    const bool bf16 = L->dt == MOEK_DTYPE_BF16;
     if (slots) {
         const int grid3 = T < 8 * L->sms ? T : 8 * L->sms;
-        if (L->dt == MOEK_DTYPE_BF16)
-            MOEK_CU(moek_launch(finalize_slots_kernel<__nv_bfloat16>,
-                                dim3(grid3), dim3(256), 0, st, pdl,
-                                (const uint4 *)w.rows, (const int *)w.slot_pos,
-                                (uint4 *)out, T, k, H / 8));
-        else
-            MOEK_CU(moek_launch(finalize_slots_kernel<__half>, dim3(grid3),
-                                dim3(256), 0, st, pdl, (const uint4 *)w.rows,
-                                (const int *)w.slot_pos, (uint4 *)out, T, k,
-                                H / 8));
+        MOEK_CU(moek_launch(bf16 ? finalize_slots_kernel<__nv_bfloat16>
+                                 : finalize_slots_kernel<__half>,
+                            dim3(grid3), dim3(256), 0, st, pdl,
+                            (const uint4 *)w.rows, (const int *)w.slot_pos,
+                            (uint4 *)out, T, k, H / 8));
         return 0;
     }
     const size_t n4 = (size_t)T * H / 4;
     long long blocks = (long long)((n4 + 255) / 256);
     int grid3 = (int)(blocks < 4LL * L->sms ? blocks : 4LL * L->sms);
-    if (L->dt == MOEK_DTYPE_BF16)
-        MOEK_CU(moek_launch(finalize_kernel<__nv_bfloat16>, dim3(grid3),
-                            dim3(256), 0, st, pdl, (const float4 *)w.acc,
-                            (uint2 *)out, n4));
-    else
-        MOEK_CU(moek_launch(finalize_kernel<__half>, dim3(grid3), dim3(256), 0,
-                            st, pdl, (const float4 *)w.acc, (uint2 *)out, n4));
+    MOEK_CU(moek_launch(bf16 ? finalize_kernel<__nv_bfloat16>
+                             : finalize_kernel<__half>,
+                        dim3(grid3), dim3(256), 0, st, pdl,
+                        (const float4 *)w.acc, (uint2 *)out, n4));
     return 0;
 }
 

@@ -551,6 +551,14 @@ TEST(moe_every_tile)
     }
 }
 
+/* Whether switch `name` (MOEK_CUDA_NO_...) is set, by weights.cu's rule:
+ * non-empty and not starting with '0'. */
+static bool switch_set(const char *name)
+{
+    const char *e = getenv(name);
+    return e && *e && *e != '0';
+}
+
 /* The cluster mode (moek_cluster_mode) a call of `slots` slots with tile
  * bn takes on a layer of shape H, I: on sm_90, tiles of 128 rows and wider
  * and at least a tile's worth of slots; GEMM 2 pairs when its weight
@@ -560,11 +568,9 @@ TEST(moe_every_tile)
  * none with a switch that keeps layers off it (weights.cu). */
 static int cluster_mode(int H, int I, int bn, long long slots)
 {
-    const char *off = getenv("MOEK_CUDA_NO_CLUSTER"),
-               *rm = getenv("MOEK_CUDA_ROW_MAJOR"),
-               *mi = getenv("MOEK_CUDA_CLUSTER_MIN_I");
+    const char *mi = getenv("MOEK_CUDA_CLUSTER_MIN_I");
     const bool switched_off =
-        (off && *off && *off != '0') || (rm && *rm && *rm != '0');
+        switch_set("MOEK_CUDA_NO_CLUSTER") || switch_set("MOEK_CUDA_ROW_MAJOR");
     long bound = 2048;
     if (mi && *mi) {
         char *end;
@@ -759,8 +765,7 @@ TEST(moe_slot_rows)
     need_gpu();
     uint64_t rng = test_seed();
     const moek_moe_shape s = {32, 8, 264, 320};
-    const char *no = getenv("MOEK_CUDA_NO_SLOT_ROWS");
-    const bool on = device_cc() == 90 && !(no && *no && *no != '0');
+    const bool on = device_cc() == 90 && !switch_set("MOEK_CUDA_NO_SLOT_ROWS");
     char *min_kb = env_set("MOEK_CUDA_SLOT_MIN_KB", NULL);
     moek_cuda_moe_layer *l = small_layer(&s, MOEK_DTYPE_BF16, test_rand(&rng));
     moek_cuda_tuning tune = {128, false};
@@ -822,8 +827,7 @@ TEST(moe_stream_k)
         {{64, 4, 384, 1024}, MOEK_DTYPE_BF16, 64, ROUTE_GIVEN, false, 0, 0,
          {0, false}, false, true, NULL},
     };
-    const char *no = getenv("MOEK_CUDA_NO_STREAM_K");
-    const bool on = device_cc() == 90 && !(no && *no && *no != '0');
+    const bool on = device_cc() == 90 && !switch_set("MOEK_CUDA_NO_STREAM_K");
     char *min_kb = env_set("MOEK_CUDA_SPLIT_MIN_KB", NULL);
     for (int off = 0; off < 2; off++) {
         /* The second pass sets the switch (the first leaves it as it is) */
