@@ -814,7 +814,12 @@ __global__ void __launch_bounds__(384, 1)
      * launches it only so (layer.cu); a plan with a K split traps. */
     if (CL == 2 && split != 1)
         __trap();
+    /* Stream-K sums an item's parts with COMBINE's atomic adds: the host
+     * asks for it for nothing else, and any other epilogue would keep one
+     * part of each split item. */
     const bool sk = a.stream_k && NC == 1 && CL == 1 && split == 1;
+    if (sk && a.epi != MOEK_EPI_COMBINE)
+        __trap();
     const auto span = [&](int c) {
         return class_span(cb[c], cb[c + 1], sk, a.kblocks);
     };

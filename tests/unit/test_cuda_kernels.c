@@ -811,10 +811,13 @@ TEST(moe_slot_rows)
  * items at its ends in parts, summed by COMBINE's atomics) where the plan
  * would split K, and with MOEK_CUDA_NO_STREAM_K=1 in K splits: one token
  * over two experts whose 32 K blocks a tile spread over many CTAs (a few
- * K blocks each), 8 tokens top-8 of 128 experts, and 64 tokens with given
- * routing and slots routed nowhere; every token checked, both dtypes. A
- * call of 2000 tokens does not take it (its tiles have several widths).
- * MOEK_CUDA_SPLIT_MIN_KB is unset for the rule's default bound. */
+ * K blocks each), 8 tokens top-8 of 128 experts, 64 tokens with given
+ * routing and slots routed nowhere, and one token top-1 whose one item of
+ * 16 K blocks leaves most CTAs an empty share (MOEK_CUDA_SPLIT_MIN_KB=1
+ * for that layer: its K splits of one K block); every token checked, both
+ * dtypes. A call of 2000 tokens does not take it (its tiles have several
+ * widths). MOEK_CUDA_SPLIT_MIN_KB is otherwise unset for the rule's
+ * default bound. */
 TEST(moe_stream_k)
 {
     need_gpu();
@@ -826,7 +829,10 @@ TEST(moe_stream_k)
          {0, false}, false, false, NULL},
         {{64, 4, 384, 1024}, MOEK_DTYPE_BF16, 64, ROUTE_GIVEN, false, 0, 0,
          {0, false}, false, true, NULL},
+        {{8, 1, 128, 1024}, MOEK_DTYPE_BF16, 1, ROUTE_SOFTMAX, false, 0, 0,
+         {0, false}, false, false, NULL},
     };
+    const size_t empty_shares = 3; /* the case run with one-block splits */
     const bool on = device_cc() == 90 && !switch_set("MOEK_CUDA_NO_STREAM_K");
     char *min_kb = env_set("MOEK_CUDA_SPLIT_MIN_KB", NULL);
     for (int off = 0; off < 2; off++) {
@@ -834,6 +840,8 @@ TEST(moe_stream_k)
         char *keep = off ? env_set("MOEK_CUDA_NO_STREAM_K", "1") : NULL;
         for (size_t i = 0; i < ARRAY_LEN(cases); i++) {
             const moe_case *c = &cases[i];
+            if (i == empty_shares)
+                setenv("MOEK_CUDA_SPLIT_MIN_KB", "1", 1);
             moek_cuda_moe_layer *l =
                 small_layer(&c->s, c->dt, test_rand(&rng));
             CHECK_EQ_INT(moek_cuda_moe_layer_uses_stream_k(l, c->tokens),
@@ -841,6 +849,7 @@ TEST(moe_stream_k)
             CHECK(!moek_cuda_moe_layer_uses_stream_k(l, 2000));
             moek_cuda_moe_layer_free(l);
             run_moe(c, &rng);
+            unsetenv("MOEK_CUDA_SPLIT_MIN_KB");
         }
         if (off)
             env_restore("MOEK_CUDA_NO_STREAM_K", keep);
