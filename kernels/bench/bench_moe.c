@@ -4,6 +4,8 @@
  *   build: make -C kernels/bench BUILD=<abs build dir>   (or device.sh)
  *   run:   bench_moe [--peers FILE] [--csv FILE] [--sweep] [--only MODEL]
  *                    [--tokens T]   (T: 1..4096, in the grid or not)
+ *          bench_moe --streams      (streaming rates at decode GEMM sizes,
+ *                                    ceilings.cu, then exit)
  *
  * For each model shape (mixtral-8x7b, qwen3-30b-a3b, deepseek-v3) and token
  * count (1, 8, 64, 512, 4096): a bf16 layer made on the device
@@ -294,7 +296,7 @@ static double time_case(moek_cuda_moe_layer *layer, moek_cuda_workspace *ws,
 int main(int argc, char **argv)
 {
     const char *peers_path = NULL, *only = NULL, *csv_path = NULL;
-    bool sweep = false;
+    bool sweep = false, streams = false;
     int only_t = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--peers") && i + 1 < argc)
@@ -303,6 +305,8 @@ int main(int argc, char **argv)
             csv_path = argv[++i];
         else if (!strcmp(argv[i], "--sweep"))
             sweep = true;
+        else if (!strcmp(argv[i], "--streams"))
+            streams = true;
         else if (!strcmp(argv[i], "--only") && i + 1 < argc)
             only = argv[++i];
         else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) {
@@ -314,8 +318,8 @@ int main(int argc, char **argv)
         } else {
             fprintf(stderr,
                     "usage: %s [--peers FILE] [--csv FILE] [--sweep] [--only MODEL] "
-                    "[--tokens T]\n",
-                    argv[0]);
+                    "[--tokens T]\n       %s --streams\n",
+                    argv[0], argv[0]);
             return 2;
         }
     }
@@ -324,6 +328,10 @@ int main(int argc, char **argv)
         return 77;
     }
     setvbuf(stdout, NULL, _IOLBF, 0);
+    if (streams) {
+        bench_streams();
+        return 0;
+    }
     char name[128];
     int cc = 0, sms = 0;
     CK(moek_cuda_device_name(0, name, sizeof name));

@@ -18,6 +18,14 @@
  *                   every case is timed under the same cap, so this is the
  *                   ceiling it can reach (kernels/bench/RESULTS.md, run 10).
  *
+ * bench_streams (bench_moe --streams) prints what one kernel reaches
+ * streaming the byte counts of single decode GEMMs, where the ramp at each
+ * end weighs more than in the 4 GiB measure: by plain loads (the kernel
+ * above), and by the GEMM kernel's own way, one thread per CTA issuing
+ * 16 KB cp.async.bulk copies into 12 mbarrier stages, over 1 MB items
+ * taken grid-strided (a decode GEMM's whole items) or over one contiguous
+ * share per CTA (stream-K), with L2 flushed before each call.
+ *
  * C linkage; the bench program (bench_moe.c) is plain C.
  */
 #include <cublas_v2.h>
@@ -191,6 +199,155 @@ extern "C" void bench_ceilings(bench_ceil *out)
     CK(cudaFree(A));
     CK(cudaFree(B));
     CK(cudaFree(C));
+    CK(cudaEventDestroy(a));
+    CK(cudaEventDestroy(b));
+}
+
+/* One CTA of 32 threads, one SM: thread 0 streams [the CTA's items] or
+ * [its contiguous share] of p in `chunk`-byte bulk copies through `stages`
+ * ring slots, waiting for each slot's bytes before refilling it. */
+__global__ void bulk_stream_kernel(const char *p, size_t total,
+                                   size_t item_bytes, int stages, int chunk,
+                                   int contiguous, float *sink)
+{
+    extern __shared__ __align__(1024) char ring[];
+    __shared__ __align__(8) uint64_t full[16];
+    const auto s32 = [](const void *q) {
+        return (uint32_t)__cvta_generic_to_shared(q);
+    };
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; s++)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(
+                s32(&full[s])));
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x != 0)
+        return;
+    const size_t items = total / item_bytes, nch = total / chunk;
+    size_t idx = blockIdx.x, off = 0;
+    size_t lo = nch * blockIdx.x / gridDim.x * chunk,
+           hi = nch * (blockIdx.x + 1) / gridDim.x * chunk;
+    const auto next = [&](size_t *at) {
+        if (contiguous) {
+            if (lo >= hi)
+                return false;
+            *at = lo;
+            lo += chunk;
+            return true;
+        }
+        if (idx >= items)
+            return false;
+        *at = idx * item_bytes + off;
+        off += chunk;
+        if (off >= item_bytes) {
+            off = 0;
+            idx += gridDim.x;
+        }
+        return true;
+    };
+    const auto issue = [&](int s, size_t at) {
+        asm volatile("{\n\t.reg .b64 st;\n\t"
+                     "mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], "
+                     "%1;\n\t}" ::"r"(s32(&full[s])),
+                     "r"(chunk)
+                     : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::"
+                     "complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                         s32(ring + (size_t)s * chunk)),
+                     "l"(p + at), "r"(chunk), "r"(s32(&full[s]))
+                     : "memory");
+    };
+    int issued = 0, done = 0;
+    size_t at;
+    while (issued < stages && next(&at)) {
+        issue(issued, at);
+        issued++;
+    }
+    uint32_t phase = 0, acc = 0;
+    for (int s = 0; done < issued;) {
+        uint32_t ok = 0;
+        while (!ok)
+            asm volatile("{\n\t.reg .pred p;\n\t"
+                         "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], "
+                         "%2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+                         : "=r"(ok)
+                         : "r"(s32(&full[s])), "r"(phase)
+                         : "memory");
+        done++;
+        acc ^= *reinterpret_cast<volatile uint32_t *>(ring + (size_t)s * chunk);
+        if (next(&at)) {
+            issue(s, at);
+            issued++;
+        }
+        if (++s == stages) {
+            s = 0;
+            phase ^= 1;
+        }
+    }
+    if (acc == 0x12345678u)
+        *sink = (float)acc;
+}
+
+void bench_streams(void)
+{
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    const size_t MB = (size_t)1 << 20, cap = (size_t)4 << 30;
+    const int stages = 12, chunk = 16384;
+    char *buf = nullptr;
+    float *sink = nullptr;
+    CK(cudaMalloc(&buf, cap));
+    CK(cudaMalloc(&sink, sizeof(float)));
+    fill_bytes<<<sms * 8, 512>>>((uint4 *)buf, cap / 16);
+    CK(cudaFuncSetAttribute(bulk_stream_kernel,
+                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            stages * chunk));
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    /* The last GiB, read before each timed call, pushes the rest out of L2. */
+    const uint4 *scratch = (const uint4 *)(buf + cap - ((size_t)1 << 30));
+    const auto time_ms = [&](auto launch) {
+        std::vector<float> t;
+        for (int it = 0; it < 12; it++) {
+            read_kernel<<<sms * 8, 512>>>(scratch, ((size_t)1 << 30) / 16, sink);
+            CK(cudaEventRecord(a));
+            launch();
+            CK(cudaEventRecord(b));
+            CK(cudaEventSynchronize(b));
+            float ms;
+            CK(cudaEventElapsedTime(&ms, a, b));
+            if (it >= 2)
+                t.push_back(ms);
+        }
+        CK(cudaGetLastError());
+        return median(t);
+    };
+    printf("| MB | plain loads GB/s (us) | bulk, 1 MB items GB/s (us) | "
+           "bulk, contiguous shares GB/s (us) |\n|---|---|---|---|\n");
+    const size_t sizes[] = {152, 235, 321, 470, 705, 3072};
+    for (size_t mb : sizes) {
+        const size_t n = mb * MB;
+        const double t[3] = {
+            time_ms([&] {
+                read_kernel<<<sms * 8, 512>>>((const uint4 *)buf, n / 16, sink);
+            }),
+            time_ms([&] {
+                bulk_stream_kernel<<<sms, 32, stages * chunk>>>(
+                    buf, n, MB, stages, chunk, 0, sink);
+            }),
+            time_ms([&] {
+                bulk_stream_kernel<<<sms, 32, stages * chunk>>>(
+                    buf, n, MB, stages, chunk, 1, sink);
+            })};
+        printf("| %zu |", mb);
+        for (double ms : t)
+            printf(" %.0f (%.1f) |", n / (ms * 1e-3) / 1e9, ms * 1e3);
+        printf("\n");
+    }
+    CK(cudaFree(buf));
+    CK(cudaFree(sink));
     CK(cudaEventDestroy(a));
     CK(cudaEventDestroy(b));
 }

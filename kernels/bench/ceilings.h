@@ -13,6 +13,8 @@ typedef struct bench_ceil {
 extern "C" {
 #endif
 void bench_ceilings(bench_ceil *out);
+/* A table of single-kernel streaming rates at decode GEMM sizes (stdout). */
+void bench_streams(void);
 #ifdef __cplusplus
 }
 #endif
