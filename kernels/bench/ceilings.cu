@@ -94,6 +94,28 @@ static double median(std::vector<float> v)
     return v[v.size() / 2];
 }
 
+/* The median time in ms of call() over iters calls after `warm` more, each
+ * timed alone with the events a, b; before() runs ahead of each, untimed. */
+template <typename B, typename F>
+static double median_ms(cudaEvent_t a, cudaEvent_t b, int warm, int iters,
+                        B before, F call)
+{
+    std::vector<float> t;
+    for (int it = 0; it < warm + iters; it++) {
+        before();
+        CK(cudaEventRecord(a));
+        call();
+        CK(cudaEventRecord(b));
+        CK(cudaEventSynchronize(b));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, a, b));
+        if (it >= warm)
+            t.push_back(ms);
+    }
+    CK(cudaGetLastError());
+    return median(t);
+}
+
 extern "C" void bench_ceilings(bench_ceil *out)
 {
     int sms = 0;
@@ -107,32 +129,18 @@ extern "C" void bench_ceilings(bench_ceil *out)
     cudaEvent_t a, b;
     CK(cudaEventCreate(&a));
     CK(cudaEventCreate(&b));
-    std::vector<float> t;
-    for (int it = 0; it < 23; it++) {
-        CK(cudaEventRecord(a));
-        read_kernel<<<sms * 8, 512>>>(buf, n, sink);
-        CK(cudaEventRecord(b));
-        CK(cudaEventSynchronize(b));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, a, b));
-        if (it >= 3)
-            t.push_back(ms);
-    }
-    out->read_gbs = bytes / (median(t) * 1e-3) / 1e9;
+    const auto nothing = [] {};
+    out->read_gbs = bytes /
+                    (median_ms(a, b, 3, 20, nothing,
+                               [&] { read_kernel<<<sms * 8, 512>>>(buf, n, sink); }) *
+                     1e-3) /
+                    1e9;
 
     CK(cudaMalloc(&buf2, bytes / 2));
-    t.clear();
-    for (int it = 0; it < 13; it++) {
-        CK(cudaEventRecord(a));
+    const double copy_ms = median_ms(a, b, 3, 10, nothing, [&] {
         CK(cudaMemcpyAsync(buf2, buf, bytes / 2, cudaMemcpyDeviceToDevice));
-        CK(cudaEventRecord(b));
-        CK(cudaEventSynchronize(b));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, a, b));
-        if (it >= 3)
-            t.push_back(ms);
-    }
-    out->copy_gbs = bytes / (median(t) * 1e-3) / 1e9; /* read + write */
+    });
+    out->copy_gbs = bytes / (copy_ms * 1e-3) / 1e9; /* read + write */
     CK(cudaFree(buf2));
     CK(cudaFree(buf));
     CK(cudaFree(sink));
@@ -160,23 +168,13 @@ extern "C" void bench_ceilings(bench_ceil *out)
             exit(1);
         }
     };
-    t.clear();
-    for (int it = 0; it < 13; it++) {
-        CK(cudaEventRecord(a));
-        gemm();
-        CK(cudaEventRecord(b));
-        CK(cudaEventSynchronize(b));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, a, b));
-        if (it >= 3)
-            t.push_back(ms);
-    }
+    const double burst_ms = median_ms(a, b, 3, 10, nothing, gemm);
     const double flop = 2.0 * N * N * (double)N;
-    out->mm_burst_tflops = flop / (median(t) * 1e-3) / 1e12;
+    out->mm_burst_tflops = flop / (burst_ms * 1e-3) / 1e12;
 
     /* Sustained: calls back to back for about 400 ms, as bench_moe.c's
      * time_graphs runs a case. */
-    const int iters = std::max(16, (int)(400.0 / median(t)));
+    const int iters = std::max(16, (int)(400.0 / burst_ms));
     std::vector<cudaEvent_t> ev(2 * iters);
     for (cudaEvent_t &e : ev)
         CK(cudaEventCreate(&e));
@@ -186,7 +184,7 @@ extern "C" void bench_ceilings(bench_ceil *out)
         CK(cudaEventRecord(ev[2 * it + 1]));
     }
     CK(cudaDeviceSynchronize());
-    t.clear();
+    std::vector<float> t;
     for (int it = 0; it < iters; it++) {
         float ms;
         CK(cudaEventElapsedTime(&ms, ev[2 * it], ev[2 * it + 1]));
@@ -308,21 +306,11 @@ void bench_streams(void)
     CK(cudaEventCreate(&b));
     /* The last GiB, read before each timed call, pushes the rest out of L2. */
     const uint4 *scratch = (const uint4 *)(buf + cap - ((size_t)1 << 30));
+    const auto flush = [&] {
+        read_kernel<<<sms * 8, 512>>>(scratch, ((size_t)1 << 30) / 16, sink);
+    };
     const auto time_ms = [&](auto launch) {
-        std::vector<float> t;
-        for (int it = 0; it < 12; it++) {
-            read_kernel<<<sms * 8, 512>>>(scratch, ((size_t)1 << 30) / 16, sink);
-            CK(cudaEventRecord(a));
-            launch();
-            CK(cudaEventRecord(b));
-            CK(cudaEventSynchronize(b));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, a, b));
-            if (it >= 2)
-                t.push_back(ms);
-        }
-        CK(cudaGetLastError());
-        return median(t);
+        return median_ms(a, b, 2, 10, flush, launch);
     };
     printf("| MB | plain loads GB/s (us) | bulk, 1 MB items GB/s (us) | "
            "bulk, contiguous shares GB/s (us) |\n|---|---|---|---|\n");
