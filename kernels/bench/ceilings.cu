@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "ceilings.h"
+#include "cuda/mbarrier.cuh"
 
 #define CK(x)                                                                 \
     do {                                                                      \
@@ -203,21 +204,18 @@ extern "C" void bench_ceilings(bench_ceil *out)
 
 /* One CTA of 32 threads, one SM: thread 0 streams [the CTA's items] or
  * [its contiguous share] of p in `chunk`-byte bulk copies through `stages`
- * ring slots, waiting for each slot's bytes before refilling it. */
+ * ring slots, waiting for each slot's bytes before refilling it, with the
+ * GEMM kernel's own barriers and copies (cuda/mbarrier.cuh). */
 __global__ void bulk_stream_kernel(const char *p, size_t total,
                                    size_t item_bytes, int stages, int chunk,
                                    int contiguous, float *sink)
 {
     extern __shared__ __align__(1024) char ring[];
-    __shared__ __align__(8) uint64_t full[16];
-    const auto s32 = [](const void *q) {
-        return (uint32_t)__cvta_generic_to_shared(q);
-    };
+    __shared__ uint64_t full[16];
     if (threadIdx.x == 0) {
         for (int s = 0; s < stages; s++)
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(
-                s32(&full[s])));
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+            moek_mbar_init(&full[s], 1);
+        moek_mbar_init_fence();
     }
     __syncthreads();
     if (threadIdx.x != 0)
@@ -245,16 +243,9 @@ __global__ void bulk_stream_kernel(const char *p, size_t total,
         return true;
     };
     const auto issue = [&](int s, size_t at) {
-        asm volatile("{\n\t.reg .b64 st;\n\t"
-                     "mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], "
-                     "%1;\n\t}" ::"r"(s32(&full[s])),
-                     "r"(chunk)
-                     : "memory");
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::"
-                     "complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                         s32(ring + (size_t)s * chunk)),
-                     "l"(p + at), "r"(chunk), "r"(s32(&full[s]))
-                     : "memory");
+        moek_mbar_expect_tx(&full[s], chunk);
+        moek_bulk_load(ring + (size_t)s * chunk, p + at, chunk, &full[s],
+                       false);
     };
     int issued = 0, done = 0;
     size_t at;
@@ -264,14 +255,7 @@ __global__ void bulk_stream_kernel(const char *p, size_t total,
     }
     uint32_t phase = 0, acc = 0;
     for (int s = 0; done < issued;) {
-        uint32_t ok = 0;
-        while (!ok)
-            asm volatile("{\n\t.reg .pred p;\n\t"
-                         "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], "
-                         "%2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-                         : "=r"(ok)
-                         : "r"(s32(&full[s])), "r"(phase)
-                         : "memory");
+        moek_mbar_wait(&full[s], phase);
         done++;
         acc ^= *reinterpret_cast<volatile uint32_t *>(ring + (size_t)s * chunk);
         if (next(&at)) {

@@ -58,6 +58,7 @@
 #include <type_traits>
 
 #include "cuda_common.cuh"
+#include "mbarrier.cuh"
 #include "wgmma_ops.cuh"
 
 namespace {
@@ -90,71 +91,14 @@ template <int BN> struct tile_cfg {
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ uint32_t smem_u32(const void *p)
-{
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-__device__ __forceinline__ void mbar_init(uint64_t *bar, int count)
-{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)),
-                 "r"(count));
-}
-
-/* MOEK_WATCHDOG (debug builds): a wait longer than 4 s traps, so a broken
- * pipeline fails the launch instead of hanging the GPU. */
-__device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity)
-{
-    uint32_t done = 0;
-    const uint32_t addr = smem_u32(bar);
-#ifdef MOEK_WATCHDOG
-    uint64_t t0 = 0;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    uint32_t spins = 0;
-#endif
-    while (!done) {
-        asm volatile("{\n\t.reg .pred p;\n\t"
-                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-                     "selp.u32 %0, 1, 0, p;\n\t}"
-                     : "=r"(done)
-                     : "r"(addr), "r"(parity)
-                     : "memory");
-#ifdef MOEK_WATCHDOG
-        if (!done && (++spins & 1023) == 0) {
-            uint64_t t;
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-            if (t - t0 > 4000000000ull)
-                __trap();
-        }
-#endif
-    }
-}
-
-__device__ __forceinline__ void mbar_arrive(uint64_t *bar)
-{
-    asm volatile("{\n\t.reg .b64 st;\n\t"
-                 "mbarrier.arrive.shared::cta.b64 st, [%0];\n\t}" ::"r"(
-                     smem_u32(bar))
-                 : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, uint32_t bytes)
-{
-    asm volatile("{\n\t.reg .b64 st;\n\t"
-                 "mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n\t}" ::
-                     "r"(smem_u32(bar)),
-                 "r"(bytes)
-                 : "memory");
-}
-
 __device__ __forceinline__ void tma_load_2d(void *dst, const CUtensorMap *map,
                                             int c0, int c1, uint64_t *bar)
 {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::"
                  "complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
-                     smem_u32(dst)),
+                     moek_smem_u32(dst)),
                  "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1),
-                 "r"(smem_u32(bar))
+                 "r"(moek_smem_u32(bar))
                  : "memory");
 }
 
@@ -166,9 +110,9 @@ __device__ __forceinline__ void tma_load_2d_mc(void *dst, const CUtensorMap *map
 {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::"
                  "complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3}], "
-                 "[%4], %5;" ::"r"(smem_u32(dst)),
+                 "[%4], %5;" ::"r"(moek_smem_u32(dst)),
                  "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1),
-                 "r"(smem_u32(bar)), "h"(mask)
+                 "r"(moek_smem_u32(bar)), "h"(mask)
                  : "memory");
 }
 
@@ -177,7 +121,7 @@ __device__ __forceinline__ void mbar_expect_tx_only(uint64_t *bar,
                                                     uint32_t bytes)
 {
     asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::
-                     "r"(smem_u32(bar)),
+                     "r"(moek_smem_u32(bar)),
                  "r"(bytes)
                  : "memory");
 }
@@ -190,7 +134,7 @@ __device__ __forceinline__ void mbar_arrive_peer(uint64_t *bar, uint32_t peer)
     uint32_t remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
                  : "=r"(remote)
-                 : "r"(smem_u32(bar)), "r"(peer));
+                 : "r"(moek_smem_u32(bar)), "r"(peer));
     asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote)
                  : "memory");
 }
@@ -209,31 +153,6 @@ __device__ __forceinline__ uint32_t cluster_rank()
     return r;
 }
 
-/* One contiguous block of tiled weights (moek_wt_index) into shared
- * memory, completing on the stage's mbarrier like a TMA load. */
-__device__ __forceinline__ void bulk_load(void *dst, const void *src,
-                                          uint32_t bytes, uint64_t *bar,
-                                          bool evict_first)
-{
-    if (evict_first) {
-        /* Weights stream through once per call: let them leave L2 first,
-         * before the token rows and the accumulator. */
-        uint64_t pol;
-        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;"
-                     : "=l"(pol));
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::"
-                     "complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
-                     "%4;" ::"r"(smem_u32(dst)),
-                     "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(pol)
-                     : "memory");
-        return;
-    }
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::"
-                 "bytes [%0], [%1], %2, [%3];" ::"r"(smem_u32(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_u32(bar))
-                 : "memory");
-}
-
 /* Item it's weight tile, K block kb, into stage memory sA. Weights that
  * serve one token tile leave L2 first; those that serve several (prefill:
  * a raster chunk's token tiles) stay (measured: mixtral T=4096 5552 us
@@ -246,8 +165,8 @@ __device__ __forceinline__ void load_w(const moek_gemm_args &a,
     if (a.w_tiled) {
         const size_t at = moek_wt_index(it.g, it.nt * MOEK_WTILE,
                                         kb * MOEK_KTILE, a.n_tiles, a.kblocks);
-        bulk_load(sA, reinterpret_cast<const uint16_t *>(a.w) + at, A_BYTES,
-                  bar, a.l2_hint && it.once);
+        moek_bulk_load(sA, reinterpret_cast<const uint16_t *>(a.w) + at,
+                       A_BYTES, bar, a.l2_hint && it.once);
     } else {
         tma_load_2d(sA, tmap, kb * MOEK_KTILE,
                     it.g * a.rows_pad + it.nt * MOEK_WTILE, bar);
@@ -258,7 +177,7 @@ __device__ __forceinline__ void cp_async_16(void *dst, const void *src,
                                             uint32_t bytes)
 {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
-                     smem_u32(dst)),
+                     moek_smem_u32(dst)),
                  "l"(src), "r"(bytes)
                  : "memory");
 }
@@ -266,7 +185,7 @@ __device__ __forceinline__ void cp_async_16(void *dst, const void *src,
 __device__ __forceinline__ void cp_async_arrive_noinc(uint64_t *bar)
 {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(
-                     smem_u32(bar))
+                     moek_smem_u32(bar))
                  : "memory");
 }
 
@@ -274,7 +193,7 @@ __device__ __forceinline__ void cp_async_arrive_noinc(uint64_t *bar)
  * 8-row groups 1024 bytes apart (SBO), leading offset unused. */
 __device__ __forceinline__ uint64_t smem_desc(const void *p)
 {
-    uint64_t d = (uint64_t)((smem_u32(p) & 0x3ffff) >> 4);
+    uint64_t d = (uint64_t)((moek_smem_u32(p) & 0x3ffff) >> 4);
     d |= (uint64_t)1 << 16;            /* LBO (ignored for this layout) */
     d |= (uint64_t)(1024 >> 4) << 32;  /* SBO */
     d |= (uint64_t)1 << 62;            /* 128-byte swizzle */
@@ -386,7 +305,7 @@ __device__ __forceinline__ int preissue(const moek_gemm_args &a,
                 if (CL == 2)
                     mbar_expect_tx_only(&full[pre], A_BYTES);
                 else
-                    mbar_expect_tx(&full[pre], A_BYTES);
+                    moek_mbar_expect_tx(&full[pre], A_BYTES);
                 load_w(a, tmap, smem + pre * C::STAGE, it, kb, &full[pre]);
             }
         }
@@ -424,9 +343,9 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
             uint8_t *sA = smem + pp.stage * C::STAGE;
             uint8_t *sB = sA + A_BYTES;
             if (pp.used >= pre) {
-                mbar_wait(&empty[pp.stage], pp.phase ^ 1);
+                moek_mbar_wait(&empty[pp.stage], pp.phase ^ 1);
                 if (tid == 0) {
-                    mbar_expect_tx(&full[pp.stage], A_BYTES);
+                    moek_mbar_expect_tx(&full[pp.stage], A_BYTES);
                     load_w(a, tmap, sA, it, kb, &full[pp.stage]);
                 }
             }
@@ -469,13 +388,13 @@ __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
             uint8_t *sA = smem + pp.stage * C::STAGE;
             uint8_t *sB = sA + A_BYTES;
             if (pp.used >= pre)
-                mbar_wait(&empty[pp.stage], pp.phase ^ 1);
+                moek_mbar_wait(&empty[pp.stage], pp.phase ^ 1);
             if (threadIdx.x == 0) {
                 if (pp.used >= pre) {
-                    mbar_expect_tx(&full[pp.stage], A_BYTES + N * 128);
+                    moek_mbar_expect_tx(&full[pp.stage], A_BYTES + N * 128);
                     load_w(a, tmap, sA, it, kb, &full[pp.stage]);
                 } else {
-                    mbar_expect_tx(&full[pp.stage], N * 128);
+                    moek_mbar_expect_tx(&full[pp.stage], N * 128);
                 }
                 const int r = (int)rank * HALF;
                 tma_load_2d_mc(sB + r * 128, tmap_b, kb * MOEK_KTILE,
@@ -541,7 +460,7 @@ __device__ __forceinline__ void epi_swiglu_staged(const moek_gemm_args &a,
     static_assert(N % 16 == 0, "token tiles of whole 16-column steps");
     const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
     const int f0 = it.nt * (MOEK_WTILE / 2) + cw * 32;
-    const uint32_t base = smem_u32(buf);
+    const uint32_t base = moek_smem_u32(buf);
 #pragma unroll
     for (int p0 = 0; p0 < N; p0 += EPI_ROWS) {
         const int pr = N - p0 < EPI_ROWS ? N - p0 : EPI_ROWS;
@@ -592,7 +511,7 @@ __device__ __forceinline__ void epi_swiglu_staged(const moek_gemm_args &a,
 template <int CL>
 __device__ __forceinline__ void release(uint64_t *empty, int s)
 {
-    mbar_arrive(&empty[s]);
+    moek_mbar_arrive(&empty[s]);
     if (CL == 2)
         mbar_arrive_peer(&empty[s], cluster_rank() ^ 1);
 }
@@ -641,7 +560,7 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
             d[i] = 0.f;
         int prev = -1;
         for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
-            mbar_wait(&full[pp.stage], pp.phase);
+            moek_mbar_wait(&full[pp.stage], pp.phase);
             /* The token rows were written by cp.async (generic proxy);
              * wgmma reads through the async proxy. */
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -754,10 +673,10 @@ __global__ void __launch_bounds__(384, 1)
             /* full: the producer's expect-tx arrival, plus (CL = 1) one
              * no-increment arrival per producer thread's cp.async;
              * empty: each consumer warp of the CTA (CL = 2: of both). */
-            mbar_init(&full[s], CL == 2 ? 1 : 1 + 128);
-            mbar_init(&empty[s], 8 * CL);
+            moek_mbar_init(&full[s], CL == 2 ? 1 : 1 + 128);
+            moek_mbar_init(&empty[s], 8 * CL);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        moek_mbar_init_fence();
         if (!a.w_tiled)
             asm volatile("prefetch.tensormap [%0];" ::"l"(
                              reinterpret_cast<uint64_t>(&tmap))
@@ -814,12 +733,11 @@ __global__ void __launch_bounds__(384, 1)
      * launches it only so (layer.cu); a plan with a K split traps. */
     if (CL == 2 && split != 1)
         __trap();
-    /* Stream-K sums an item's parts with COMBINE's atomic adds: the host
-     * asks for it for nothing else, and any other epilogue would keep one
-     * part of each split item. */
-    const bool sk = a.stream_k && NC == 1 && CL == 1 && split == 1;
-    if (sk && a.epi != MOEK_EPI_COMBINE)
-        __trap();
+    /* Stream-K where its parts are summed: COMBINE's atomic adds (any
+     * other epilogue would keep one part of each split item), one class,
+     * no pairs, no K split; else whole items, grid-strided. */
+    const bool sk = a.stream_k && a.epi == MOEK_EPI_COMBINE && NC == 1 &&
+                    CL == 1 && split == 1;
     const auto span = [&](int c) {
         return class_span(cb[c], cb[c + 1], sk, a.kblocks);
     };
