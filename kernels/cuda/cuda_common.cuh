@@ -220,16 +220,23 @@ __device__ __forceinline__ moek_item moek_decode_item(const moek_gemm_args &a,
     int ch = l / per_chunk;
     int r = l - ch * per_chunk;
     int cw = min(a.chunk, a.n_tiles - ch * a.chunk);
-    int p = r / (cw * split);
-    int r2 = r - p * cw * split;
-    int s = r2 % split;
     moek_item it;
-    it.nt = ch * a.chunk + r2 / split;
+    int p;
+    if (split == 1) { /* no K split (the common case): three divisions fewer */
+        p = r / cw;
+        it.nt = ch * a.chunk + r - p * cw;
+        it.kb0 = 0;
+        it.kb1 = a.kblocks;
+    } else {
+        p = r / (cw * split);
+        const int r2 = r - p * cw * split, s = r2 % split;
+        it.nt = ch * a.chunk + r2 / split;
+        it.kb0 = (int)((long long)s * a.kblocks / split);
+        it.kb1 = (int)((long long)(s + 1) * a.kblocks / split);
+    }
     it.g = __ldg(a.cg_group + lo);
     it.pos = __ldg(a.cg_start + lo) + p * bn;
     it.mlen = min(bn, cnt - p * bn);
-    it.kb0 = (int)((long long)s * a.kblocks / split);
-    it.kb1 = (int)((long long)(s + 1) * a.kblocks / split);
     it.once = np <= 1;
     return it;
 }

@@ -26,7 +26,9 @@
  *     tiles), the routing weight with 16-byte fp32 atomic adds or
  *     8-byte stores of each slot's row (moek_combine4), or a plain store
  *     (moek_epi_pair). The producer runs ahead into the next item
- *     meanwhile.
+ *     meanwhile. With tiles of 64 rows and wider, the consumers take each
+ *     item as the producer decoded it (handoff) instead of decoding it
+ *     again.
  * Inside one instance:
  *   - token tiles of up to four widths (BN 128 and wider; cuda_common.cuh,
  *     moek_class_width, moek_tile_class), so a group pays
@@ -71,6 +73,20 @@ constexpr int A_BYTES = MOEK_WTILE * MOEK_KTILE * 2;
 constexpr int SB_GROUPS = 511;
 constexpr int SB_BYTES = (SB_GROUPS + 1) * 4;
 constexpr int EPI_ROWS = 128; /* token rows per pass of the staged epilogue */
+/* Tiles of 64 token rows and wider (CL = 1) hand the producer's decoded
+ * items to the consumers through a ring of INFO_ITEMS entries in shared
+ * memory, more than a pipeline has stages, so an entry is read before the
+ * producer comes round to it again (every item has a stage). Their items
+ * can be short (qwen3 T=512's down GEMM: 12 K blocks), and there the
+ * consumers' own decode between two items took a third of their time, by
+ * ncu's samples. Decode tiles of 16 rows, whose items are long, measured
+ * slower with it (mixtral T=1, deepseek T=8: RESULTS.md, run 22). */
+constexpr int INFO_ITEMS = 16;
+constexpr int INFO_BYTES = INFO_ITEMS * (int)sizeof(moek_item);
+__host__ __device__ constexpr bool handoff(int bn, int cl)
+{
+    return cl == 1 && bn >= 64;
+}
 
 template <int BN> struct tile_cfg {
     static constexpr int B_BYTES = BN * MOEK_KTILE * 2;
@@ -81,11 +97,13 @@ template <int BN> struct tile_cfg {
     /* SWIGLU's output staging (tiles of 128 rows and wider, where it costs
      * no stage): per consumer, 128 token rows of its 32 features. */
     static constexpr int EPI_BYTES = BN >= 128 ? 2 * EPI_ROWS * 64 : 0;
+    /* the item ring of handoff() */
+    static constexpr int INFO = handoff(BN, 1) ? INFO_BYTES : 0;
     static constexpr int FIT =
-        (SMEM_MAX - 2048 - STG_BYTES - SB_BYTES - EPI_BYTES) / STAGE;
+        (SMEM_MAX - 2048 - STG_BYTES - SB_BYTES - EPI_BYTES - INFO) / STAGE;
     static constexpr int STAGES = FIT > 12 ? 12 : FIT;
     static constexpr int SMEM = STAGES * STAGE + 1024 + 2 * STAGES * 8 +
-                                STG_BYTES + SB_BYTES + EPI_BYTES;
+                                STG_BYTES + SB_BYTES + EPI_BYTES + INFO;
     static_assert(STAGE % 1024 == 0, "stages must keep 1024-byte alignment");
     static_assert(SMEM <= SMEM_MAX, "shared memory");
 };
@@ -292,12 +310,16 @@ __device__ __forceinline__ int preissue(const moek_gemm_args &a,
                                         const CUtensorMap *tmap, uint8_t *smem,
                                         uint64_t *full, int ncg, int split,
                                         const cta_span &sp, int pre,
-                                        const int *sb)
+                                        const int *sb, moek_item *info,
+                                        int &items)
 {
     using C = tile_cfg<BN>;
-    for (int idx = sp.first; idx < sp.end && pre < C::STAGES; idx += sp.step) {
+    for (int idx = sp.first; idx < sp.end && pre < C::STAGES;
+         idx += sp.step, items++) {
         moek_item it = moek_decode_item(a, ncg, split, idx, sb);
         sp.clip(it, idx, a.kblocks);
+        if (handoff(BN, CL) && threadIdx.x == 0)
+            info[items % INFO_ITEMS] = it;
         for (int kb = it.kb0; kb < it.kb1 && pre < C::STAGES; kb++, pre++) {
             if (threadIdx.x == 0) {
                 /* CL = 2: the stage's one arrival comes with its token rows
@@ -320,12 +342,13 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
                                         const CUtensorMap *tmap, uint8_t *smem,
                                         uint64_t *full, uint64_t *empty,
                                         int ncg, int split, const cta_span &sp,
-                                        int pre, pipe_pos &pp, const int *sb)
+                                        int pre, pipe_pos &pp, const int *sb,
+                                        moek_item *info)
 {
     using C = tile_cfg<BN>;
     const T *b = reinterpret_cast<const T *>(a.b);
     const int tid = threadIdx.x, c8 = tid & 7, r0 = tid >> 3;
-    for (int idx = sp.first; idx < sp.end; idx += sp.step) {
+    for (int idx = sp.first; idx < sp.end; idx += sp.step, pp.items++) {
         moek_item it = moek_decode_item(a, ncg, split, idx, sb);
         sp.clip(it, idx, a.kblocks);
         long long off[N / 16];
@@ -345,6 +368,11 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
             if (pp.used >= pre) {
                 moek_mbar_wait(&empty[pp.stage], pp.phase ^ 1);
                 if (tid == 0) {
+                    /* The item's first stage: its entry goes before the
+                     * arrival (a release) the consumers wait on. Pre-issued
+                     * stages had theirs written by preissue. */
+                    if (handoff(BN, 1) && kb == it.kb0)
+                        info[pp.items % INFO_ITEMS] = it;
                     moek_mbar_expect_tx(&full[pp.stage], A_BYTES);
                     load_w(a, tmap, sA, it, kb, &full[pp.stage]);
                 }
@@ -529,7 +557,7 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
                                         uint64_t *full, uint64_t *empty,
                                         int ncg, int split, const cta_span &sp,
                                         pipe_pos &pp, const int *sb,
-                                        uint8_t *epi_buf)
+                                        uint8_t *epi_buf, const moek_item *info)
 {
     using C = tile_cfg<BN>;
     const int tid = threadIdx.x, cw = (tid >> 7) - 1;
@@ -539,8 +567,17 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
     const bool comb = a.epi == MOEK_EPI_COMBINE || a.epi == MOEK_EPI_SLOT;
     int2 *stg_base = reinterpret_cast<int2 *>(empty + C::STAGES) + cw * 2 * BN;
     for (int idx = sp.first; idx < sp.end; idx += sp.step, pp.items++) {
-        moek_item it = moek_decode_item(a, ncg, split, idx, sb);
-        sp.clip(it, idx, a.kblocks);
+        moek_item it;
+        if constexpr (handoff(BN, CL)) {
+            /* The producer wrote the item's entry before its first stage's
+             * arrival: no decode here (it cost the consumers a third of
+             * qwen3 T=512's down GEMM, by ncu's samples). */
+            moek_mbar_wait(&full[pp.stage], pp.phase);
+            it = info[pp.items % INFO_ITEMS];
+        } else {
+            it = moek_decode_item(a, ncg, split, idx, sb);
+            sp.clip(it, idx, a.kblocks);
+        }
         int2 *stg = stg_base + (pp.items & 1) * BN;
         constexpr int PC = (N + 127) / 128;
         int2 pair[PC];
@@ -741,13 +778,16 @@ __global__ void __launch_bounds__(384, 1)
     const auto span = [&](int c) {
         return class_span(cb[c], cb[c + 1], sk, a.kblocks);
     };
+    uint8_t *epi_buf = reinterpret_cast<uint8_t *>(sb_mem) + SB_BYTES;
+    moek_item *info = reinterpret_cast<moek_item *>(epi_buf + C::EPI_BYTES);
     pipe_pos pp = {0, 0, 0, 0};
     if (wg == 0) {
         int pre = 0;
         if (a.early_a) {
+            int items = 0;
             for (int c = 0; c < NC; c++)
                 pre = preissue<BN, CL>(a, &tmap, smem, full, ncg, split,
-                                       span(c), pre, sb);
+                                       span(c), pre, sb, info, items);
             moek_pdl_wait();
         }
         if constexpr (CL == 2) {
@@ -767,7 +807,7 @@ __global__ void __launch_bounds__(384, 1)
                 constexpr int J = decltype(c)::value;
                 produce<T, BN, moek_class_width(BN, J)>(
                     a, &tmap, smem, full, empty, ncg, split, span(J), pre, pp,
-                    sb);
+                    sb, info);
             });
         }
     } else {
@@ -778,11 +818,11 @@ __global__ void __launch_bounds__(384, 1)
         if (a.early_a)
             moek_pdl_wait();
         moek_zero_acc(a, tid - 128, 256);
-        uint8_t *epi_buf = reinterpret_cast<uint8_t *>(sb_mem) + SB_BYTES;
         each_class<BN>([&](auto c) {
             constexpr int J = decltype(c)::value;
             consume<T, BN, moek_class_width(BN, J), CL>(
-                a, smem, full, empty, ncg, split, span(J), pp, sb, epi_buf);
+                a, smem, full, empty, ncg, split, span(J), pp, sb, epi_buf,
+                info);
         });
     }
     /* The peer's last releases arrive on this CTA's barriers: stay until
