@@ -22,8 +22,9 @@
  * streaming the byte counts of single decode GEMMs, where the ramp at each
  * end weighs more than in the 4 GiB measure: by plain loads (the kernel
  * above), and by the GEMM kernel's own way, one thread per CTA issuing
- * 16 KB cp.async.bulk copies into 12 mbarrier stages, over 1 MB items
- * taken grid-strided (a decode GEMM's whole items) or over one contiguous
+ * 16 KB cp.async.bulk copies into 12 mbarrier stages, over items of
+ * 192 KB, 512 KB or 1 MB taken grid-strided (a decode GEMM's whole items:
+ * qwen3's GEMM 2 and GEMM 1, mixtral's) or over one contiguous
  * share per CTA (stream-K), with L2 flushed before each call.
  *
  * C linkage; the bench program (bench_moe.c) is plain C.
@@ -296,26 +297,35 @@ void bench_streams(void)
     const auto time_ms = [&](auto launch) {
         return median_ms(a, b, 2, 10, flush, launch);
     };
-    printf("| MB | plain loads GB/s (us) | bulk, 1 MB items GB/s (us) | "
-           "bulk, contiguous shares GB/s (us) |\n|---|---|---|---|\n");
-    const size_t sizes[] = {152, 235, 321, 470, 705, 3072};
+    /* Items of 192 KB, 512 KB and 1 MB: qwen3's GEMM 2 and GEMM 1 items,
+     * and mixtral's. */
+    const size_t items_kb[] = {192, 512, 1024};
+    printf("| MB | plain loads GB/s (us) |");
+    for (size_t kb : items_kb)
+        printf(" bulk, %zu KB items GB/s (us) |", kb);
+    printf(" bulk, contiguous shares GB/s (us) |\n|---|---|---|---|---|---|\n");
+    const size_t sizes[] = {152, 235, 321, 402, 470, 705, 805, 3072};
     for (size_t mb : sizes) {
         const size_t n = mb * MB;
-        const double t[3] = {
-            time_ms([&] {
-                read_kernel<<<sms * 8, 512>>>((const uint4 *)buf, n / 16, sink);
-            }),
-            time_ms([&] {
-                bulk_stream_kernel<<<sms, 32, stages * chunk>>>(
-                    buf, n, MB, stages, chunk, 0, sink);
-            }),
-            time_ms([&] {
-                bulk_stream_kernel<<<sms, 32, stages * chunk>>>(
-                    buf, n, MB, stages, chunk, 1, sink);
-            })};
         printf("| %zu |", mb);
-        for (double ms : t)
-            printf(" %.0f (%.1f) |", n / (ms * 1e-3) / 1e9, ms * 1e3);
+        const auto show = [&](size_t bytes, double ms) {
+            printf(" %.0f (%.1f) |", bytes / (ms * 1e-3) / 1e9, ms * 1e3);
+        };
+        show(n, time_ms([&] {
+                 read_kernel<<<sms * 8, 512>>>((const uint4 *)buf, n / 16,
+                                               sink);
+             }));
+        for (size_t kb : items_kb) {
+            const size_t item = kb * 1024, bytes = n / item * item;
+            show(bytes, time_ms([&] {
+                     bulk_stream_kernel<<<sms, 32, stages * chunk>>>(
+                         buf, bytes, item, stages, chunk, 0, sink);
+                 }));
+        }
+        show(n, time_ms([&] {
+                 bulk_stream_kernel<<<sms, 32, stages * chunk>>>(
+                     buf, n, MB, stages, chunk, 1, sink);
+             }));
         printf("\n");
     }
     CK(cudaFree(buf));
