@@ -1399,6 +1399,12 @@ TEST(grouped_gemm)
     for (int i = 0; i < 6; i++)
         run_gemm(i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16, 8, 256, 512, big,
                  tiles[i], false, &rng);
+    /* Items of one K block, about 32 per CTA at 64-row tiles: the producer
+     * runs up to a pipeline's depth of items ahead of the consumers, twice
+     * round the ring of decoded items it hands them (gemm_wgmma.cu,
+     * handoff). */
+    int64_t many[2] = {6000, 2500};
+    run_gemm(MOEK_DTYPE_BF16, 2, 4096, 64, many, 64, false, &rng);
     /* one row in one group of 128 (the decode case FBGEMM's change fixed) */
     int64_t one[128] = {0};
     one[77] = 1;
