@@ -222,7 +222,7 @@ __device__ __forceinline__ moek_item moek_decode_item(const moek_gemm_args &a,
     int cw = min(a.chunk, a.n_tiles - ch * a.chunk);
     moek_item it;
     int p;
-    if (split == 1) { /* no K split (the common case): three divisions fewer */
+    if (split == 1) { /* no K split (the common case): four divisions fewer */
         p = r / cw;
         it.nt = ch * a.chunk + r - p * cw;
         it.kb0 = 0;
