@@ -203,16 +203,21 @@ extern "C" void bench_ceilings(bench_ceil *out)
     CK(cudaEventDestroy(b));
 }
 
-/* One CTA of 32 threads, one SM: thread 0 streams [the CTA's items] or
- * [its contiguous share] of p in `chunk`-byte bulk copies through `stages`
- * ring slots, waiting for each slot's bytes before refilling it, with the
- * GEMM kernel's own barriers and copies (cuda/mbarrier.cuh). */
+/* The GEMM kernel's decode pipeline: 12 stages of one 16 KB weight tile. */
+constexpr int STREAM_STAGES = 12, STREAM_CHUNK = 16384;
+
+/* One CTA of 32 threads, one SM: thread 0 streams [the CTA's items of
+ * item_bytes] or [its contiguous share] of p in STREAM_CHUNK-byte bulk
+ * copies through STREAM_STAGES ring slots, waiting for each slot's bytes
+ * before refilling it, with the GEMM kernel's own barriers and copies
+ * (cuda/mbarrier.cuh). */
 __global__ void bulk_stream_kernel(const char *p, size_t total,
-                                   size_t item_bytes, int stages, int chunk,
-                                   int contiguous, float *sink)
+                                   size_t item_bytes, int contiguous,
+                                   float *sink)
 {
+    constexpr int stages = STREAM_STAGES, chunk = STREAM_CHUNK;
     extern __shared__ __align__(1024) char ring[];
-    __shared__ uint64_t full[16];
+    __shared__ uint64_t full[stages];
     if (threadIdx.x == 0) {
         for (int s = 0; s < stages; s++)
             moek_mbar_init(&full[s], 1);
@@ -277,7 +282,7 @@ void bench_streams(void)
     int sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     const size_t MB = (size_t)1 << 20, cap = (size_t)4 << 30;
-    const int stages = 12, chunk = 16384;
+    const int ring = STREAM_STAGES * STREAM_CHUNK;
     char *buf = nullptr;
     float *sink = nullptr;
     CK(cudaMalloc(&buf, cap));
@@ -285,7 +290,7 @@ void bench_streams(void)
     fill_bytes<<<sms * 8, 512>>>((uint4 *)buf, cap / 16);
     CK(cudaFuncSetAttribute(bulk_stream_kernel,
                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            stages * chunk));
+                            ring));
     cudaEvent_t a, b;
     CK(cudaEventCreate(&a));
     CK(cudaEventCreate(&b));
@@ -318,13 +323,12 @@ void bench_streams(void)
         for (size_t kb : items_kb) {
             const size_t item = kb * 1024, bytes = n / item * item;
             show(bytes, time_ms([&] {
-                     bulk_stream_kernel<<<sms, 32, stages * chunk>>>(
-                         buf, bytes, item, stages, chunk, 0, sink);
+                     bulk_stream_kernel<<<sms, 32, ring>>>(buf, bytes, item, 0,
+                                                           sink);
                  }));
         }
         show(n, time_ms([&] {
-                 bulk_stream_kernel<<<sms, 32, stages * chunk>>>(
-                     buf, n, MB, stages, chunk, 1, sink);
+                 bulk_stream_kernel<<<sms, 32, ring>>>(buf, n, MB, 1, sink);
              }));
         printf("\n");
     }
