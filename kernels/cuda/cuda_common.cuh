@@ -195,12 +195,20 @@ struct moek_item {
     bool once; /* the group has one token tile: its weights are read once */
 };
 
-/* Map work item `idx` to its tile; see the comment at the top. sbefore: a
- * shared-memory copy of cg_before, or NULL. */
-__device__ __forceinline__ moek_item moek_decode_item(const moek_gemm_args &a,
-                                                      int ncg, int split,
-                                                      int idx,
-                                                      const int *sbefore = nullptr)
+/* What a work item's decode reads: its compact group lo (a binary search of
+ * cg_before), its place l among the group's items, and the group's row
+ * count, expert and first sorted row (three global loads). */
+struct moek_item_src {
+    int lo, l, cnt, g, start;
+};
+
+/* Work item `idx`'s reads (see the top). sbefore: a shared-memory copy of
+ * cg_before, or NULL. The loads are issued here and waited for where the
+ * fields are first used (moek_item_from), so a caller that fetches the
+ * next item before streaming the current one does not wait for them. */
+__device__ __forceinline__ moek_item_src moek_fetch_item(const moek_gemm_args &a,
+                                                         int ncg, int idx,
+                                                         const int *sbefore = nullptr)
 {
     /* A generic pointer: shared memory or the global list. */
     const int *before = sbefore ? sbefore : a.cg_before;
@@ -212,8 +220,21 @@ __device__ __forceinline__ moek_item moek_decode_item(const moek_gemm_args &a,
         else
             hi = mid;
     }
-    int l = idx - before[lo];
-    int cnt = __ldg(a.cg_count + lo);
+    moek_item_src f;
+    f.lo = lo;
+    f.l = idx - before[lo];
+    f.cnt = __ldg(a.cg_count + lo);
+    f.g = __ldg(a.cg_group + lo);
+    f.start = __ldg(a.cg_start + lo);
+    return f;
+}
+
+/* The tile of a fetched work item: arithmetic only. */
+__device__ __forceinline__ moek_item moek_item_from(const moek_gemm_args &a,
+                                                    int split,
+                                                    const moek_item_src &f)
+{
+    const int cnt = f.cnt, l = f.l;
     const int np = moek_token_tiles(cnt, a.bn);
     const int bn = moek_class_width(a.bn, moek_tile_class(cnt, np, a.bn));
     int per_chunk = np * a.chunk * split;
@@ -234,11 +255,20 @@ __device__ __forceinline__ moek_item moek_decode_item(const moek_gemm_args &a,
         it.kb0 = (int)((long long)s * a.kblocks / split);
         it.kb1 = (int)((long long)(s + 1) * a.kblocks / split);
     }
-    it.g = __ldg(a.cg_group + lo);
-    it.pos = __ldg(a.cg_start + lo) + p * bn;
+    it.g = f.g;
+    it.pos = f.start + p * bn;
     it.mlen = min(bn, cnt - p * bn);
     it.once = np <= 1;
     return it;
+}
+
+/* Map work item `idx` to its tile in one step. */
+__device__ __forceinline__ moek_item moek_decode_item(const moek_gemm_args &a,
+                                                      int ncg, int split,
+                                                      int idx,
+                                                      const int *sbefore = nullptr)
+{
+    return moek_item_from(a, split, moek_fetch_item(a, ncg, idx, sbefore));
 }
 
 /* dtype helpers */

@@ -348,9 +348,20 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
     using C = tile_cfg<BN>;
     const T *b = reinterpret_cast<const T *>(a.b);
     const int tid = threadIdx.x, c8 = tid & 7, r0 = tid >> 3;
+    moek_item_src nx = {};
+    if (sp.first < sp.end)
+        nx = moek_fetch_item(a, ncg, sp.first, sb);
     for (int idx = sp.first; idx < sp.end; idx += sp.step, pp.items++) {
-        moek_item it = moek_decode_item(a, ncg, split, idx, sb);
+        moek_item it = moek_item_from(a, split, nx);
         sp.clip(it, idx, a.kblocks);
+        /* The next item's group reads go out now and land while this item
+         * streams. Waited for at each item's start, they held the producer
+         * for a third of its warp samples in qwen3 T=8's down GEMM (items
+         * of 12 K blocks), though a full queue hid most of it there; the
+         * consumers' own wait (below) cost the prefill tiles 1-2%
+         * (RESULTS.md, run 23). */
+        if (idx + sp.step < sp.end)
+            nx = moek_fetch_item(a, ncg, idx + sp.step, sb);
         long long off[N / 16];
 #pragma unroll
         for (int i = 0; i < N / 16; i++) {
@@ -566,6 +577,9 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
     /* COMBINE and SLOT: the routing weight, staged with the token */
     const bool comb = a.epi == MOEK_EPI_COMBINE || a.epi == MOEK_EPI_SLOT;
     int2 *stg_base = reinterpret_cast<int2 *>(empty + C::STAGES) + cw * 2 * BN;
+    moek_item_src nx = {};
+    if (!handoff(BN, CL) && sp.first < sp.end)
+        nx = moek_fetch_item(a, ncg, sp.first, sb);
     for (int idx = sp.first; idx < sp.end; idx += sp.step, pp.items++) {
         moek_item it;
         if constexpr (handoff(BN, CL)) {
@@ -575,8 +589,12 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
             moek_mbar_wait(&full[pp.stage], pp.phase);
             it = info[pp.items % INFO_ITEMS];
         } else {
-            it = moek_decode_item(a, ncg, split, idx, sb);
+            /* As the producer: this item from the reads fetched during the
+             * last one, the next one's fetched now. */
+            it = moek_item_from(a, split, nx);
             sp.clip(it, idx, a.kblocks);
+            if (idx + sp.step < sp.end)
+                nx = moek_fetch_item(a, ncg, idx + sp.step, sb);
         }
         int2 *stg = stg_base + (pp.items & 1) * BN;
         constexpr int PC = (N + 127) / 128;
