@@ -9,7 +9,9 @@
  * group. An item is (compact group, token tile of up to BN rows, weight
  * tile of 128 rows, K split). A persistent GEMM grid walks items i = blockIdx.x,
  * blockIdx.x + gridDim.x, ... (or, stream-K, a contiguous run of them per
- * CTA: gemm_wgmma.cu); decode_item() maps i to the tile. Items of one
+ * CTA: gemm_wgmma.cu); moek_decode_item() maps i to the tile (in two
+ * steps, moek_fetch_item() and moek_item_from(), for a caller that
+ * fetches one item ahead). Items of one
  * group are ordered chunk of weight tiles -> token tile -> weight tile ->
  * split, so the CTAs running at one time share weight tiles (read from DRAM
  * once, then from L2) and reuse each token tile over a chunk of weight tiles.

@@ -355,11 +355,10 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
         moek_item it = moek_item_from(a, split, nx);
         sp.clip(it, idx, a.kblocks);
         /* The next item's group reads go out now and land while this item
-         * streams. Waited for at each item's start, they held the producer
-         * for a third of its warp samples in qwen3 T=8's down GEMM (items
-         * of 12 K blocks), though a full queue hid most of it there; the
-         * consumers' own wait (below) cost the prefill tiles 1-2%
-         * (RESULTS.md, run 23). */
+         * streams. Waited for at each item's start, they took 11% of the
+         * warp samples of qwen3 T=8's down GEMM (items of 12 K blocks),
+         * though a full queue hid most of it there; the consumers' own
+         * wait (below) cost the prefill tiles 1-2% (RESULTS.md, run 23). */
         if (idx + sp.step < sp.end)
             nx = moek_fetch_item(a, ncg, idx + sp.step, sb);
         long long off[N / 16];
