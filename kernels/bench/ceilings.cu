@@ -207,13 +207,12 @@ extern "C" void bench_ceilings(bench_ceil *out)
 constexpr int STREAM_STAGES = 12, STREAM_CHUNK = 16384;
 
 /* One CTA of 32 threads, one SM: thread 0 streams [the CTA's items of
- * item_bytes] or [its contiguous share] of p in STREAM_CHUNK-byte bulk
- * copies through STREAM_STAGES ring slots, waiting for each slot's bytes
- * before refilling it, with the GEMM kernel's own barriers and copies
- * (cuda/mbarrier.cuh). */
+ * item_bytes] or, item_bytes 0, [its contiguous share] of p in
+ * STREAM_CHUNK-byte bulk copies through STREAM_STAGES ring slots, waiting
+ * for each slot's bytes before refilling it, with the GEMM kernel's own
+ * barriers and copies (cuda/mbarrier.cuh). */
 __global__ void bulk_stream_kernel(const char *p, size_t total,
-                                   size_t item_bytes, int contiguous,
-                                   float *sink)
+                                   size_t item_bytes, float *sink)
 {
     constexpr int stages = STREAM_STAGES, chunk = STREAM_CHUNK;
     extern __shared__ __align__(1024) char ring[];
@@ -226,7 +225,9 @@ __global__ void bulk_stream_kernel(const char *p, size_t total,
     __syncthreads();
     if (threadIdx.x != 0)
         return;
-    const size_t items = total / item_bytes, nch = total / chunk;
+    const bool contiguous = item_bytes == 0;
+    const size_t items = contiguous ? 0 : total / item_bytes;
+    const size_t nch = total / chunk;
     size_t idx = blockIdx.x, off = 0;
     size_t lo = nch * blockIdx.x / gridDim.x * chunk,
            hi = nch * (blockIdx.x + 1) / gridDim.x * chunk;
@@ -323,12 +324,12 @@ void bench_streams(void)
         for (size_t kb : items_kb) {
             const size_t item = kb * 1024, bytes = n / item * item;
             show(bytes, time_ms([&] {
-                     bulk_stream_kernel<<<sms, 32, ring>>>(buf, bytes, item, 0,
+                     bulk_stream_kernel<<<sms, 32, ring>>>(buf, bytes, item,
                                                            sink);
                  }));
         }
         show(n, time_ms([&] {
-                 bulk_stream_kernel<<<sms, 32, ring>>>(buf, n, MB, 1, sink);
+                 bulk_stream_kernel<<<sms, 32, ring>>>(buf, n, 0, sink);
              }));
         printf("\n");
     }

@@ -197,11 +197,11 @@ struct moek_item {
     bool once; /* the group has one token tile: its weights are read once */
 };
 
-/* What a work item's decode reads: its compact group lo (a binary search of
- * cg_before), its place l among the group's items, and the group's row
- * count, expert and first sorted row (three global loads). */
+/* What a work item's decode reads: its place l among its compact group's
+ * items (a binary search of cg_before), and the group's row count, expert
+ * and first sorted row (three global loads). */
 struct moek_item_src {
-    int lo, l, cnt, g, start;
+    int l, cnt, g, start;
 };
 
 /* Work item `idx`'s reads (see the top). sbefore: a shared-memory copy of
@@ -223,7 +223,6 @@ __device__ __forceinline__ moek_item_src moek_fetch_item(const moek_gemm_args &a
             hi = mid;
     }
     moek_item_src f;
-    f.lo = lo;
     f.l = idx - before[lo];
     f.cnt = __ldg(a.cg_count + lo);
     f.g = __ldg(a.cg_group + lo);

@@ -264,6 +264,32 @@ struct cta_span {
         if (hi - base < it.kb1)
             it.kb1 = (int)(hi - base);
     }
+    /* Walking the span one item ahead: fetch_first() gives the first
+     * item's reads (moek_fetch_item), take(idx, nx) item idx from nx, which
+     * it refills with the next item's reads. Those go out as item idx
+     * starts and land while it streams; waited for at each item's start
+     * they took 11% of the warp samples of qwen3 T=8's down GEMM (items
+     * of 12 K blocks), though a full queue hid most of it there, and the
+     * consumers' wait cost the prefill tiles 1-2% (RESULTS.md, run 23). */
+    __device__ __forceinline__ moek_item_src
+    fetch_first(const moek_gemm_args &a, int ncg, const int *sb) const
+    {
+        moek_item_src f = {};
+        if (first < end)
+            f = moek_fetch_item(a, ncg, first, sb);
+        return f;
+    }
+    __device__ __forceinline__ moek_item take(const moek_gemm_args &a,
+                                              int ncg, int split, int idx,
+                                              const int *sb,
+                                              moek_item_src &nx) const
+    {
+        moek_item it = moek_item_from(a, split, nx);
+        clip(it, idx, a.kblocks);
+        if (idx + step < end)
+            nx = moek_fetch_item(a, ncg, idx + step, sb);
+        return it;
+    }
 };
 
 __device__ __forceinline__ cta_span class_span(int c0, int c1, bool sk,
@@ -348,19 +374,9 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
     using C = tile_cfg<BN>;
     const T *b = reinterpret_cast<const T *>(a.b);
     const int tid = threadIdx.x, c8 = tid & 7, r0 = tid >> 3;
-    moek_item_src nx = {};
-    if (sp.first < sp.end)
-        nx = moek_fetch_item(a, ncg, sp.first, sb);
+    moek_item_src nx = sp.fetch_first(a, ncg, sb);
     for (int idx = sp.first; idx < sp.end; idx += sp.step, pp.items++) {
-        moek_item it = moek_item_from(a, split, nx);
-        sp.clip(it, idx, a.kblocks);
-        /* The next item's group reads go out now and land while this item
-         * streams. Waited for at each item's start, they took 11% of the
-         * warp samples of qwen3 T=8's down GEMM (items of 12 K blocks),
-         * though a full queue hid most of it there; the consumers' own
-         * wait (below) cost the prefill tiles 1-2% (RESULTS.md, run 23). */
-        if (idx + sp.step < sp.end)
-            nx = moek_fetch_item(a, ncg, idx + sp.step, sb);
+        const moek_item it = sp.take(a, ncg, split, idx, sb, nx);
         long long off[N / 16];
 #pragma unroll
         for (int i = 0; i < N / 16; i++) {
@@ -577,8 +593,8 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
     const bool comb = a.epi == MOEK_EPI_COMBINE || a.epi == MOEK_EPI_SLOT;
     int2 *stg_base = reinterpret_cast<int2 *>(empty + C::STAGES) + cw * 2 * BN;
     moek_item_src nx = {};
-    if (!handoff(BN, CL) && sp.first < sp.end)
-        nx = moek_fetch_item(a, ncg, sp.first, sb);
+    if (!handoff(BN, CL))
+        nx = sp.fetch_first(a, ncg, sb);
     for (int idx = sp.first; idx < sp.end; idx += sp.step, pp.items++) {
         moek_item it;
         if constexpr (handoff(BN, CL)) {
@@ -588,12 +604,7 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
             moek_mbar_wait(&full[pp.stage], pp.phase);
             it = info[pp.items % INFO_ITEMS];
         } else {
-            /* As the producer: this item from the reads fetched during the
-             * last one, the next one's fetched now. */
-            it = moek_item_from(a, split, nx);
-            sp.clip(it, idx, a.kblocks);
-            if (idx + sp.step < sp.end)
-                nx = moek_fetch_item(a, ncg, idx + sp.step, sb);
+            it = sp.take(a, ncg, split, idx, sb, nx); /* one item ahead */
         }
         int2 *stg = stg_base + (pp.items & 1) * BN;
         constexpr int PC = (N + 127) / 128;
