@@ -28,10 +28,12 @@
  *                      builds the tile list with a lane per slot (ballots
  *                      and shuffles, no block scans): a decode step's whole
  *                      bookkeeping in one launch and one barrier.
- *   route_align_small  T <= 64: one block does both (a cluster of two past
- *                      32 tokens, so a warp routes one token), counts in
- *                      shared memory, the tile list by a warp per 32
- *                      groups (align_warps).
+ *   route_align_small  T <= 256 (512 where routing a token is short) and
+ *                      T k <= 4096: one launch does both, on one block up
+ *                      to 32 tokens, else a cluster of 2, 4 or 8 (a warp
+ *                      routes one token, two past 256), each CTA's slots
+ *                      in its shared memory, the tile list by a warp per
+ *                      32 groups of CTA 0 (align_warps).
  *   route_kernel + align_kernel
  *                      larger T: a warp per token over many blocks (counts in
  *                      global memory, zeroed by a memset node before), then
@@ -47,7 +49,10 @@
 #include "cuda_common.cuh"
 
 #define FULL 0xffffffffu
-#define SMALL_T 64
+/* route_align_small's bounds: every slot's expert, rank and weight sit in
+ * its CTA's shared memory (8 bytes each; sized for all slots in one CTA). */
+#define SMALL_T 512
+#define SMALL_SLOTS 4096
 
 /* Ordered 64-bit key of (score, expert): larger is better. */
 __device__ __forceinline__ unsigned long long route_key(float s, int e)
@@ -250,11 +255,13 @@ __device__ int pick_split(const moek_gemm_dims &dm, long long pairs, int sms,
 
 /* MoE: slots [s0, s1) to their sorted positions (token index and routing
  * weight per position, and with slot_pos each slot's position or -1), from
- * each slot's expert, rank inside it and weight (ids, rank, wts: global or
- * shared memory), start[g] the first position of group g. Whole block. */
+ * each slot's expert, rank inside it and weight (ids, rank, wts: int in
+ * global or 16-bit in shared memory), start[g] the first position of group
+ * g. Whole block. */
+template <typename I>
 __device__ void scatter_slots(const moek_align_args &a, const int *start,
-                              const int *ids, const int *rank,
-                              const float *wts, int s0, int s1)
+                              const I *ids, const I *rank, const float *wts,
+                              int s0, int s1)
 {
     for (int s = s0 + threadIdx.x; s < s1; s += blockDim.x) {
         const int r = rank[s];
@@ -488,7 +495,7 @@ __device__ __forceinline__ align_chunk chunk_of(const moek_align_args &a,
  * scatter. Groups are ordered
  * by (tile class, group) through sums packed 16 bits per class: the caller
  * has fewer than 2^16 token tiles in all (at most slots / bn + groups;
- * route_align_small: 64 * MOEK_MAX_TOPK + MOEK_MAX_EXPERTS). */
+ * route_align_small: SMALL_SLOTS + MOEK_MAX_EXPERTS). */
 __device__ void align_warps(const moek_align_args &a, const int *counts,
                             int *start, int W, int *s_run,
                             unsigned long long *s_sum)
@@ -574,7 +581,7 @@ __device__ void align_warps(const moek_align_args &a, const int *counts,
     }
 }
 
-/* A barrier of the CTA, or (NC = 2) of both CTAs of its cluster. */
+/* A barrier of the CTA, or (NC > 1) of every CTA of its cluster. */
 template <int NC> __device__ __forceinline__ void cta_or_cluster_sync()
 {
     if constexpr (NC > 1)
@@ -583,61 +590,102 @@ template <int NC> __device__ __forceinline__ void cta_or_cluster_sync()
         __syncthreads();
 }
 
-/* T <= 64: one block, or (NC = 2, more than 32 tokens) a cluster of two so
- * that every warp routes one token. A warp per token routes into CTA 0's
- * shared memory (counts, and each slot's expert, rank and weight; CTA 1
- * through distributed shared memory), CTA 0's first warps build the tile
- * list (align_warps), and CTA 0 scatters the slots. */
+/* T <= SMALL_T and T k <= SMALL_SLOTS: one block, or a cluster of NC (2,
+ * 4 or 8) so that a warp routes one token (two past 256). Each CTA routes
+ * its tokens into its own shared memory: per expert its count, per slot
+ * the expert, its rank among this CTA's slots of that expert, and the
+ * weight. Past one barrier of the cluster, each CTA reads the others'
+ * counts (coalesced: a few requests a warp) for the slots of the CTAs
+ * before it, and CTA 0 the totals; CTA 0's first warps build the tile list
+ * (align_warps) and each group's first position; past a second barrier,
+ * each CTA adds its offsets to those positions and scatters its own slots.
+ * Only counts and positions cross CTAs: with every slot's stores and
+ * atomics sent into CTA 0's shared memory, T=512 took 22-27 us in this
+ * kernel against 13-14 us for route_kernel + align_kernel (RESULTS.md,
+ * run 24). One launch in place of a memset and two kernels: qwen3 T=65 to
+ * 256 forwards 3-5 us faster. */
 template <int VPL, int NC>
 __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
     route_align_small(moek_route_args ra, moek_align_args aa)
 {
+    static_assert(MOEK_MAX_EXPERTS <= 32768 && SMALL_SLOTS <= 32768,
+                  "experts and ranks fit 16 bits");
     __shared__ int s_counts[MOEK_MAX_EXPERTS];
+    /* each group's first position: CTA 0's from align_warps, the others'
+     * that plus their offset */
     __shared__ int s_start[MOEK_MAX_EXPERTS];
-    __shared__ int s_id[SMALL_T * MOEK_MAX_TOPK];
-    __shared__ int s_rank[SMALL_T * MOEK_MAX_TOPK];
-    __shared__ float s_w[SMALL_T * MOEK_MAX_TOPK];
+    /* NC > 1: CTA 0 the totals over the cluster, the others their offsets
+     * (the slots of the CTAs before them) */
+    __shared__ int s_aux[NC > 1 ? MOEK_MAX_EXPERTS : 1];
+    __shared__ short s_id[SMALL_SLOTS];
+    __shared__ short s_rank[SMALL_SLOTS];
+    __shared__ float s_w[SMALL_SLOTS];
     __shared__ int s_run[MOEK_MAX_EXPERTS / 32];
     __shared__ unsigned long long s_sum[2 * (MOEK_MAX_EXPERTS / 32)];
     namespace cg = cooperative_groups;
-    int rank = 0, *counts = s_counts, *ids = s_id, *ranks = s_rank;
-    float *wts = s_w;
-    if constexpr (NC > 1) {
-        cg::cluster_group cl = cg::this_cluster();
-        rank = (int)cl.block_rank();
-        counts = cl.map_shared_rank(s_counts, 0);
-        ids = cl.map_shared_rank(s_id, 0);
-        ranks = cl.map_shared_rank(s_rank, 0);
-        wts = cl.map_shared_rank(s_w, 0);
-    }
+    int rank = 0;
+    if constexpr (NC > 1)
+        rank = (int)cg::this_cluster().block_rank();
     moek_pdl_wait();
     moek_pdl_trigger();
-    if (rank == 0)
-        for (int e = threadIdx.x; e < aa.groups; e += blockDim.x)
-            s_counts[e] = 0;
-    cta_or_cluster_sync<NC>();
+    const int G = aa.groups;
+    for (int e = threadIdx.x; e < G; e += blockDim.x)
+        s_counts[e] = 0;
+    __syncthreads();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int k = ra.topk, nw = blockDim.x >> 5;
+    /* CTA r routes tokens r nw .. r nw + nw - 1, then NC nw further on */
     for (int t = rank * nw + warp; t < ra.tokens; t += NC * nw) {
         int id;
         float w;
         route_pick<VPL>(ra, t, lane, &id, &w);
         if (lane < k) {
-            ids[t * k + lane] = id;
-            ranks[t * k + lane] = id >= 0 ? atomicAdd(&counts[id], 1) : -1;
-            wts[t * k + lane] = w;
+            s_id[t * k + lane] = (short)id;
+            s_rank[t * k + lane] =
+                (short)(id >= 0 ? atomicAdd(&s_counts[id], 1) : -1);
+            s_w[t * k + lane] = w;
         }
     }
-    /* CTA 1's stores and adds are visible to CTA 0 past the barrier; then
-     * CTA 1 is done (nothing reads its shared memory). */
-    cta_or_cluster_sync<NC>();
-    if (rank != 0)
-        return;
-    const int nq = (aa.groups + 31) / 32, W = nq < nw ? nq : nw;
-    if (warp < W)
-        align_warps(aa, s_counts, s_start, W, s_run, s_sum);
-    __syncthreads();
-    scatter_slots(aa, s_start, s_id, s_rank, s_w, 0, aa.slots);
+    cta_or_cluster_sync<NC>(); /* every count is final */
+    const int *counts = s_counts;
+    if constexpr (NC > 1) {
+        cg::cluster_group cl = cg::this_cluster();
+        for (int e = threadIdx.x; e < G; e += blockDim.x) {
+            int before = 0, total = 0;
+#pragma unroll
+            for (int c = 0; c < NC; c++) {
+                const int n = cl.map_shared_rank(s_counts, c)[e];
+                before += c < rank ? n : 0;
+                total += n;
+            }
+            s_aux[e] = rank == 0 ? total : before;
+        }
+        __syncthreads();
+        counts = s_aux;
+    }
+    if (rank == 0) {
+        const int nq = (G + 31) / 32, W = nq < nw ? nq : nw;
+        if (warp < W)
+            align_warps(aa, counts, s_start, W, s_run, s_sum);
+    }
+    cta_or_cluster_sync<NC>(); /* CTA 0's s_start is written */
+    if constexpr (NC > 1) {
+        if (rank != 0) {
+            const int *st0 = cg::this_cluster().map_shared_rank(s_start, 0);
+            for (int e = threadIdx.x; e < G; e += blockDim.x)
+                s_start[e] = st0[e] + s_aux[e];
+        }
+        /* done with the other CTAs' shared memory: CTA 0 may leave once
+         * every CTA has arrived (the wait below) */
+        asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+        __syncthreads();
+    }
+    for (int t0 = rank * nw; t0 < ra.tokens; t0 += NC * nw) {
+        const int t1 = t0 + nw < ra.tokens ? t0 + nw : ra.tokens;
+        scatter_slots(aa, s_start, s_id, s_rank, s_w, t0 * k, t1 * k);
+    }
+    if constexpr (NC > 1)
+        asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
 /* T k <= 32 (decode): a warp per token routes into shared memory, then one
@@ -786,16 +834,28 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
         return moek_launch(k, dim3(1), dim3(32 * ra.tokens), 0, stream, pdl,
                            ra, aa);
     }
-    if (ra.tokens <= SMALL_T) { /* a warp per token, over two CTAs past 32 */
-        static_assert(SMALL_T <= 2 * (MOEK_ALIGN_THREADS / 32),
-                      "two CTAs hold a warp per token");
-        const int nc = ra.tokens > MOEK_ALIGN_THREADS / 32 ? 2 : 1;
-        const int threads = 32 * ((ra.tokens + nc - 1) / nc);
+    /* A warp per token on 1, 2, 4 or 8 CTAs of 32 warps at most. Past 256
+     * tokens a warp routes two, which pays only where a token's routing is
+     * short (top-k times logits per lane at most 16): mixtral T=512 went
+     * 845 -> 837 us, while qwen3 (32) lost 1 us and deepseek (64) 11 us
+     * (RESULTS.md, run 24). */
+    constexpr int WARPS = MOEK_ALIGN_THREADS / 32;
+    static_assert(SMALL_T <= 2 * 8 * WARPS, "8 CTAs route SMALL_T");
+    if (ra.tokens * ra.topk <= SMALL_SLOTS &&
+        (ra.tokens <= 8 * WARPS ||
+         (ra.tokens <= SMALL_T && ra.topk * vpl <= 16))) {
+        const int T = ra.tokens;
+        const int nc = T <= WARPS ? 1 : T <= 2 * WARPS ? 2
+                                    : T <= 4 * WARPS ? 4 : 8;
+        const int per = (T + nc - 1) / nc;
+        const int threads = 32 * (per < WARPS ? per : WARPS);
         void (*k)(moek_route_args, moek_align_args) =
             by_vpl(vpl, [nc](auto v) {
                 constexpr int V = decltype(v)::value;
-                return nc == 2 ? route_align_small<V, 2>
-                               : route_align_small<V, 1>;
+                return nc == 8   ? route_align_small<V, 8>
+                       : nc == 4 ? route_align_small<V, 4>
+                       : nc == 2 ? route_align_small<V, 2>
+                                 : route_align_small<V, 1>;
             });
         return moek_launch_cl(k, dim3(nc), dim3(threads), 0, stream, pdl, nc,
                               ra, aa);

@@ -516,6 +516,46 @@ TEST(moe_align_chunks)
     run_moe(&w, &rng);
 }
 
+/* The one-launch routing of mid-size batches at its bounds: clusters of 4
+ * (T = 65, given routing with holes, so some slots go nowhere) and 8 CTAs
+ * (T = 129; T = 256 at top-16, 4096 slots, the most it holds), top-32 at
+ * T = 128, two tokens a warp where routing is short (T = 512 at top-2 of
+ * 8 experts; T = 400 at top-8 of 32), and the multi-block path just past
+ * each bound (T = 257 at top-8 of 128 experts and T = 300 of 512, whose
+ * routing is long; T = 513 at top-1; T = 257 at top-16, 4112 slots). */
+TEST(moe_mid_batches)
+{
+    need_gpu();
+    uint64_t rng = test_seed();
+    static const struct {
+        int E, k, T, route;
+        bool holes;
+    } cs[] = {{128, 8, 65, ROUTE_GIVEN, true},
+              {256, 8, 129, ROUTE_SOFTMAX, false},
+              {128, 16, 256, ROUTE_SIGMOID, false},
+              {64, 32, 128, ROUTE_SOFTMAX, false},
+              {8, 2, 512, ROUTE_GIVEN, true},
+              {32, 8, 400, ROUTE_SOFTMAX, false},
+              {128, 8, 257, ROUTE_GIVEN, true},
+              {512, 8, 300, ROUTE_SIGMOID, false},
+              {8, 1, 513, ROUTE_SIGMOID, false},
+              {128, 16, 257, ROUTE_SOFTMAX, false}};
+    for (int i = 0; i < 10; i++) {
+        moe_case c = {{cs[i].E, cs[i].k, 128, 64},
+                      i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
+                      cs[i].T,
+                      cs[i].route,
+                      i % 3 != 0,
+                      0,
+                      0,
+                      {0, false},
+                      false,
+                      cs[i].holes,
+                      NULL};
+        run_moe(&c, &rng);
+    }
+}
+
 /* T = 4096 (the multi-block routing path) and the NaN routing rule. */
 TEST(moe_many_tokens_and_nan)
 {
@@ -1607,6 +1647,7 @@ int main(int argc, char **argv)
                          TEST_CASE_TIMEOUT(moe_sweep, 300),
                          TEST_CASE_TIMEOUT(moe_decode_slots, 120),
                          TEST_CASE_TIMEOUT(moe_align_chunks, 120),
+                         TEST_CASE_TIMEOUT(moe_mid_batches, 120),
                          TEST_CASE_TIMEOUT(moe_many_tokens_and_nan, 300),
                          TEST_CASE_TIMEOUT(moe_every_tile, 300),
                          TEST_CASE_TIMEOUT(moe_cluster_tiles, 300),
