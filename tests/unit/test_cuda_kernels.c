@@ -520,9 +520,9 @@ TEST(moe_align_chunks)
  * (T = 65, given routing with holes, so some slots go nowhere) and 8 CTAs
  * (T = 129; T = 256 at top-16, 4096 slots, the most it holds), top-32 at
  * T = 128, two tokens a warp where routing is short (T = 512 at top-2 of
- * 8 experts; T = 400 at top-8 of 32), and the multi-block path just past
- * each bound (T = 257 at top-8 of 128 experts and T = 300 of 512, whose
- * routing is long; T = 513 at top-1; T = 257 at top-16, 4112 slots). */
+ * 8 experts; T = 400 at top-8 of 32), and the multi-block path past 256
+ * tokens where routing a token is long (T = 257 at top-8 and at top-16
+ * of 128 experts, T = 300 of 512) and past 512 tokens (T = 513 at top-1). */
 TEST(moe_mid_batches)
 {
     need_gpu();
@@ -690,8 +690,8 @@ TEST(moe_tile_classes)
         const tile_opts to = forced_tile_opts(&c, true);
         run_moe_tiles(&c, &to, &rng);
     }
-    /* A batch of 64 tokens (one block routes and aligns, the tile list by
-     * one warp: route_align_small) on each instance: on the 128-row one,
+    /* A batch of 64 tokens (a cluster of two CTAs routes and aligns:
+     * route_align_small) on each instance: on the 128-row one,
      * groups of three widths (1 row: 32, 40: 64, 87: 96). */
     static const int small_rows[16] = {0, 1, 0, 40, 0, 87};
     for (int i = 0; i < 3; i++) {
@@ -792,11 +792,13 @@ TEST(moe_cluster_tiles)
  * token's k rows). The default bound (an fp32 accumulator of a quarter of
  * L2) keeps this shape off it at 300 tokens and takes it at a million, on
  * sm_90 and 128-row tiles. Then, with the bound at 1 KB, top-k 8 on each
- * routing path that writes the slots' positions: the multi-block kernels
- * with the scatter in parts (300 tokens, 2400 slots) and in the align
- * block (100), the small-batch kernel over two CTAs (64) and one (20), and
- * the one-warp plan (3 tokens, 24 slots); given routing with a third of the
- * slots routed nowhere, which the finalize must skip; both dtypes. A shape
+ * routing path of this shape that writes the slots' positions: the
+ * one-launch kernel over eight CTAs (300 tokens, 2400 slots, two tokens a
+ * warp), four (100), two (64) and one (20), and the one-warp plan (3
+ * tokens, 24 slots); given routing with a third of the slots routed
+ * nowhere, which the finalize must skip; both dtypes. (The multi-block
+ * kernels' scatter in parts writes them in moe_qwen3's T = 4096, slot
+ * mode by the default bound.) A shape
  * with both GEMMs in CTA pairs, whose rows take the room of GEMM 1's copy
  * of x. Then a layer made with MOEK_CUDA_NO_SLOT_ROWS=1, and a workspace
  * without room for the rows: both keep the fp32 accumulator, and correct. */
