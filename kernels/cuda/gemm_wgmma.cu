@@ -593,7 +593,7 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
     const bool comb = a.epi == MOEK_EPI_COMBINE || a.epi == MOEK_EPI_SLOT;
     int2 *stg_base = reinterpret_cast<int2 *>(empty + C::STAGES) + cw * 2 * BN;
     moek_item_src nx = {};
-    if (!handoff(BN, CL))
+    if constexpr (!handoff(BN, CL))
         nx = sp.fetch_first(a, ncg, sb);
     for (int idx = sp.first; idx < sp.end; idx += sp.step, pp.items++) {
         moek_item it;

@@ -649,16 +649,14 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
     cta_or_cluster_sync<NC>(); /* every count is final */
     const int *counts = s_counts;
     if constexpr (NC > 1) {
+        /* CTA 0 sums every CTA's counts, CTA r those of CTAs 0 .. r - 1 */
         cg::cluster_group cl = cg::this_cluster();
+        const int upto = rank == 0 ? NC : rank;
         for (int e = threadIdx.x; e < G; e += blockDim.x) {
-            int before = 0, total = 0;
-#pragma unroll
-            for (int c = 0; c < NC; c++) {
-                const int n = cl.map_shared_rank(s_counts, c)[e];
-                before += c < rank ? n : 0;
-                total += n;
-            }
-            s_aux[e] = rank == 0 ? total : before;
+            int n = 0;
+            for (int c = 0; c < upto; c++)
+                n += cl.map_shared_rank(s_counts, c)[e];
+            s_aux[e] = n;
         }
         __syncthreads();
         counts = s_aux;
@@ -841,10 +839,9 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
      * (RESULTS.md, run 24). */
     constexpr int WARPS = MOEK_ALIGN_THREADS / 32;
     static_assert(SMALL_T <= 2 * 8 * WARPS, "8 CTAs route SMALL_T");
-    if (ra.tokens * ra.topk <= SMALL_SLOTS &&
-        (ra.tokens <= 8 * WARPS ||
-         (ra.tokens <= SMALL_T && ra.topk * vpl <= 16))) {
-        const int T = ra.tokens;
+    const int T = ra.tokens;
+    if (T * ra.topk <= SMALL_SLOTS &&
+        (T <= 8 * WARPS || (T <= SMALL_T && ra.topk * vpl <= 16))) {
         const int nc = T <= WARPS ? 1 : T <= 2 * WARPS ? 2
                                     : T <= 4 * WARPS ? 4 : 8;
         const int per = (T + nc - 1) / nc;
