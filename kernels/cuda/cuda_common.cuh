@@ -497,6 +497,7 @@ struct moek_cuda_moe_layer {
     bool pdl;
     bool early; /* GEMM 2 loads weights before GEMM 1 ends (early_a) */
     bool tiny;  /* decode batches take route_align_tiny */
+    int route_cl; /* aa.route_cl of its calls */
     bool tiled; /* w13 and w2p in tiles (moek_wt_index) */
     bool l2_hint; /* their loads evict first from L2 */
     int pairs; /* moek_cluster_mode its prefill tiles may take (layer.cu) */
@@ -551,6 +552,8 @@ struct moek_align_args {
     int sms;
     int split_min_kb; /* K blocks an item of a split GEMM keeps at least */
     bool tiny;        /* the one-warp plan for T k <= 32 may be used */
+    int route_cl;     /* most CTAs of route_align_small's cluster (1, 2, 4
+                         or 8: moek_route_cluster_cap) */
     moek_gemm_dims d[2];
     int ngemm;
     /* outputs */
@@ -571,6 +574,10 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
                               cudaStream_t stream, bool pdl);
 cudaError_t moek_launch_align_groups(const moek_align_args &aa,
                                      cudaStream_t stream, bool pdl);
+/* The most CTAs (8, 4, 2 or 1) of a routing cluster that the current
+ * device can run for a layer of `experts` experts, cc its compute
+ * capability (10 x major + minor). */
+int moek_route_cluster_cap(int experts, int cc);
 
 /* gemm_wgmma.cu / gemm_simt.cu */
 cudaError_t moek_gemm_wgmma_prepare(moek_dtype dt);

@@ -649,6 +649,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     aa.sms = L->sms;
     aa.split_min_kb = L->split_min_kb;
     aa.tiny = L->tiny;
+    aa.route_cl = L->route_cl;
     aa.d[0] = {g1.n_tiles, g1.kblocks, 0};
     aa.d[1] = {g2.n_tiles, g2.kblocks, cl2 || slots || g2.stream_k ? 0 : 1};
     aa.ngemm = 2;

@@ -33,7 +33,9 @@
  *                      to 32 tokens, else a cluster of 2, 4 or 8 (a warp
  *                      routes one token, two past 256), each CTA's slots
  *                      in its shared memory, the tile list by a warp per
- *                      32 groups of CTA 0 (align_warps).
+ *                      32 groups of CTA 0 (align_warps). A batch that
+ *                      needs more CTAs than the layer's cap (what the
+ *                      device can run together) takes the next path.
  *   route_kernel + align_kernel
  *                      larger T: a warp per token over many blocks (counts in
  *                      global memory, zeroed by a memset node before), then
@@ -653,9 +655,14 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
         cg::cluster_group cl = cg::this_cluster();
         const int upto = rank == 0 ? NC : rank;
         for (int e = threadIdx.x; e < G; e += blockDim.x) {
+            /* unrolled over NC, so the remote reads go out together (a
+             * loop to upto read them one after another: qwen3 T=256 2 us
+             * slower) */
             int n = 0;
-            for (int c = 0; c < upto; c++)
-                n += cl.map_shared_rank(s_counts, c)[e];
+#pragma unroll
+            for (int c = 0; c < NC; c++)
+                if (c < upto)
+                    n += cl.map_shared_rank(s_counts, c)[e];
             s_aux[e] = n;
         }
         __syncthreads();
@@ -814,18 +821,65 @@ template <typename F> static auto by_vpl(int vpl, F pick)
                       : pick(integral_constant<int, 16>());
 }
 
+/* Router logits per lane: the smallest power of two that covers E (the
+ * top-k loops are unrolled over them). */
+static int logits_per_lane(int experts)
+{
+    static_assert(MOEK_MAX_EXPERTS == 16 * 32, "VPL covers MOEK_MAX_EXPERTS");
+    return experts <= 32    ? 1
+           : experts <= 64  ? 2
+           : experts <= 128 ? 4
+           : experts <= 256 ? 8
+                            : 16;
+}
+
+/* route_align_small's instance for vpl logits per lane on nc CTAs. */
+static void (*small_kernel(int vpl, int nc))(moek_route_args, moek_align_args)
+{
+    return by_vpl(vpl, [nc](auto v) {
+        constexpr int V = decltype(v)::value;
+        void (*k)(moek_route_args, moek_align_args) =
+            nc == 8   ? route_align_small<V, 8>
+            : nc == 4 ? route_align_small<V, 4>
+            : nc == 2 ? route_align_small<V, 2>
+                      : route_align_small<V, 1>;
+        return k;
+    });
+}
+
+int moek_route_cluster_cap(int experts, int cc)
+{
+    if (cc < 90) /* thread-block clusters begin with sm_90 */
+        return 1;
+    const int vpl = logits_per_lane(experts);
+    for (int nc = 8; nc > 1; nc /= 2) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(nc);
+        cfg.blockDim = dim3(MOEK_ALIGN_THREADS);
+        cudaLaunchAttribute at;
+        at.id = cudaLaunchAttributeClusterDimension;
+        at.val.clusterDim.x = (unsigned)nc;
+        at.val.clusterDim.y = 1;
+        at.val.clusterDim.z = 1;
+        cfg.attrs = &at;
+        cfg.numAttrs = 1;
+        int n = 0;
+        if (cudaOccupancyMaxActiveClusters(
+                &n, (const void *)small_kernel(vpl, nc), &cfg) != cudaSuccess) {
+            cudaGetLastError();
+            n = 0;
+        }
+        if (n >= 1)
+            return nc;
+    }
+    return 1;
+}
+
 cudaError_t moek_launch_route(const moek_route_args &ra,
                               const moek_align_args &aa, int *counts_dev,
                               cudaStream_t stream, bool pdl)
 {
-    /* Router logits per lane: the smallest power of two that covers E
-     * (the top-k loops are unrolled over them). */
-    const int vpl = ra.experts <= 32    ? 1
-                    : ra.experts <= 64  ? 2
-                    : ra.experts <= 128 ? 4
-                    : ra.experts <= 256 ? 8
-                                        : 16;
-    static_assert(MOEK_MAX_EXPERTS == 16 * 32, "VPL covers MOEK_MAX_EXPERTS");
+    const int vpl = logits_per_lane(ra.experts);
     if (aa.tiny && ra.tokens * ra.topk <= 32) {
         void (*k)(moek_route_args, moek_align_args) = by_vpl(
             vpl, [](auto v) { return route_align_tiny<decltype(v)::value>; });
@@ -840,22 +894,16 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
     constexpr int WARPS = MOEK_ALIGN_THREADS / 32;
     static_assert(SMALL_T <= 2 * 8 * WARPS, "8 CTAs route SMALL_T");
     const int T = ra.tokens;
-    if (T * ra.topk <= SMALL_SLOTS &&
+    const int nc = T <= WARPS ? 1 : T <= 2 * WARPS ? 2 : T <= 4 * WARPS ? 4 : 8;
+    /* Past the layer's cluster cap (moek_route_cluster_cap: a device that
+     * cannot run that many CTAs together, or MOEK_CUDA_ROUTE_CLUSTER), the
+     * multi-block path. */
+    if (T * ra.topk <= SMALL_SLOTS && nc <= aa.route_cl &&
         (T <= 8 * WARPS || (T <= SMALL_T && ra.topk * vpl <= 16))) {
-        const int nc = T <= WARPS ? 1 : T <= 2 * WARPS ? 2
-                                    : T <= 4 * WARPS ? 4 : 8;
         const int per = (T + nc - 1) / nc;
         const int threads = 32 * (per < WARPS ? per : WARPS);
-        void (*k)(moek_route_args, moek_align_args) =
-            by_vpl(vpl, [nc](auto v) {
-                constexpr int V = decltype(v)::value;
-                return nc == 8   ? route_align_small<V, 8>
-                       : nc == 4 ? route_align_small<V, 4>
-                       : nc == 2 ? route_align_small<V, 2>
-                                 : route_align_small<V, 1>;
-            });
-        return moek_launch_cl(k, dim3(nc), dim3(threads), 0, stream, pdl, nc,
-                              ra, aa);
+        return moek_launch_cl(small_kernel(vpl, nc), dim3(nc), dim3(threads),
+                              0, stream, pdl, nc, ra, aa);
     }
     cudaError_t e = cudaMemsetAsync(counts_dev, 0,
                                     sizeof(int) * (size_t)aa.groups, stream);

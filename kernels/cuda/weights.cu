@@ -114,7 +114,9 @@ int device_setup(int device, int *sms, int *cc)
  * I, MOEK_CUDA_NO_SLOT_ROWS=1 keeps them off slot mode (layer.cu),
  * MOEK_CUDA_SLOT_MIN_KB=N moves its bound on the accumulator,
  * MOEK_CUDA_NO_STREAM_K=1 gives decode GEMM 2 a K split instead of
- * stream-K (layer.cu). Read once, when a layer or weight set is made. */
+ * stream-K (layer.cu), MOEK_CUDA_ROUTE_CLUSTER=N caps the one-launch
+ * routing kernel's cluster at N CTAs (route.cu; larger batches take the
+ * multi-block path). Read once, when a layer or weight set is made. */
 bool env_off(const char *name)
 {
     const char *e = getenv(name);
@@ -205,6 +207,12 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
         delete L;
         return r;
     }
+    /* The routing cluster: as large as the device runs, at most the
+     * switch's power of two. */
+    L->route_cl = moek_route_cluster_cap(shape->experts, L->cc);
+    for (int cap = env_int("MOEK_CUDA_ROUTE_CLUSTER", 8, 8);
+         L->route_cl > cap;)
+        L->route_cl /= 2;
     int l2 = 0;
     if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) !=
         cudaSuccess) {

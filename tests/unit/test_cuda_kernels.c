@@ -17,7 +17,7 @@
  * and the NaN rule), bf16 and fp16, every token tile and the portable SIMT
  * path, slot mode (GEMM 2's rows per slot, summed by the finalize) and the
  * fp32 accumulator it replaces, decode GEMM 2 in stream-K and in K splits,
- * a CUDA graph replayed on new data, the grouped GEMM with empty
+ * the routing cluster capped, a CUDA graph replayed on new data, the grouped GEMM with empty
  * groups, the token-tile table (refusals, the tile it picks, forwards through
  * it) and the autotuner, the row copy by kernel between pinned host
  * segments and the device, and the refusals (-ENOTSUP, -EINVAL, -ENOSPC,
@@ -516,13 +516,40 @@ TEST(moe_align_chunks)
     run_moe(&w, &rng);
 }
 
+/* Set environment variable name to value (NULL: unset); returns its former
+ * value (allocated, or NULL) for env_restore. */
+static char *env_set(const char *name, const char *value)
+{
+    const char *was = getenv(name);
+    char *keep = was ? strdup(was) : NULL;
+    CHECK(!was || keep);
+    if (value)
+        setenv(name, value, 1);
+    else
+        unsetenv(name);
+    return keep;
+}
+
+static void env_restore(const char *name, char *keep)
+{
+    if (keep)
+        setenv(name, keep, 1);
+    else
+        unsetenv(name);
+    free(keep);
+}
+
 /* The one-launch routing of mid-size batches at its bounds: clusters of 4
  * (T = 65, given routing with holes, so some slots go nowhere) and 8 CTAs
  * (T = 129; T = 256 at top-16, 4096 slots, the most it holds), top-32 at
  * T = 128, two tokens a warp where routing is short (T = 512 at top-2 of
- * 8 experts; T = 400 at top-8 of 32), and the multi-block path past 256
- * tokens where routing a token is long (T = 257 at top-8 and at top-16
- * of 128 experts, T = 300 of 512) and past 512 tokens (T = 513 at top-1). */
+ * 8 experts; T = 400 at top-8 of 32; T = 512 at top-8 of 64, 4096 slots),
+ * and the multi-block path past 256 tokens where routing a token is long
+ * (T = 257 at top-8 and at top-16 of 128 experts, T = 300 of 512), past
+ * 512 tokens (T = 513 at top-1) and past 4096 slots alone (T = 257 at
+ * top-16 of 32 experts, T = 129 at top-32 of 64). Then layers made with
+ * MOEK_CUDA_ROUTE_CLUSTER=1 and =2: T = 100 needs 4 CTAs, so it takes the
+ * multi-block path; T = 32 still one CTA, T = 64 two under the cap of 2. */
 TEST(moe_mid_batches)
 {
     need_gpu();
@@ -530,17 +557,26 @@ TEST(moe_mid_batches)
     static const struct {
         int E, k, T, route;
         bool holes;
-    } cs[] = {{128, 8, 65, ROUTE_GIVEN, true},
-              {256, 8, 129, ROUTE_SOFTMAX, false},
-              {128, 16, 256, ROUTE_SIGMOID, false},
-              {64, 32, 128, ROUTE_SOFTMAX, false},
-              {8, 2, 512, ROUTE_GIVEN, true},
-              {32, 8, 400, ROUTE_SOFTMAX, false},
-              {128, 8, 257, ROUTE_GIVEN, true},
-              {512, 8, 300, ROUTE_SIGMOID, false},
-              {8, 1, 513, ROUTE_SIGMOID, false},
-              {128, 16, 257, ROUTE_SOFTMAX, false}};
-    for (int i = 0; i < 10; i++) {
+        const char *cap;
+    } cs[] = {{128, 8, 65, ROUTE_GIVEN, true, NULL},
+              {256, 8, 129, ROUTE_SOFTMAX, false, NULL},
+              {128, 16, 256, ROUTE_SIGMOID, false, NULL},
+              {64, 32, 128, ROUTE_SOFTMAX, false, NULL},
+              {8, 2, 512, ROUTE_GIVEN, true, NULL},
+              {32, 8, 400, ROUTE_SOFTMAX, false, NULL},
+              {128, 8, 257, ROUTE_GIVEN, true, NULL},
+              {512, 8, 300, ROUTE_SIGMOID, false, NULL},
+              {8, 1, 513, ROUTE_SIGMOID, false, NULL},
+              {128, 16, 257, ROUTE_SOFTMAX, false, NULL},
+              {64, 8, 512, ROUTE_SIGMOID, false, NULL},
+              {32, 16, 257, ROUTE_GIVEN, true, NULL},
+              {64, 32, 129, ROUTE_SOFTMAX, false, NULL},
+              {128, 8, 100, ROUTE_SOFTMAX, false, "1"},
+              {32, 8, 100, ROUTE_GIVEN, true, "2"},
+              {128, 8, 32, ROUTE_SIGMOID, false, "1"},
+              {128, 8, 64, ROUTE_SOFTMAX, false, "2"}};
+    for (int i = 0; i < (int)(sizeof cs / sizeof cs[0]); i++) {
+        char *keep = env_set("MOEK_CUDA_ROUTE_CLUSTER", cs[i].cap);
         moe_case c = {{cs[i].E, cs[i].k, 128, 64},
                       i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
                       cs[i].T,
@@ -553,6 +589,7 @@ TEST(moe_mid_batches)
                       cs[i].holes,
                       NULL};
         run_moe(&c, &rng);
+        env_restore("MOEK_CUDA_ROUTE_CLUSTER", keep);
     }
 }
 
@@ -638,29 +675,6 @@ static tile_opts forced_tile_opts(const moe_case *c, bool check_tile)
                                  (long long)c->tokens * c->s.topk)),
         0, 0};
     return to;
-}
-
-/* Set environment variable name to value (NULL: unset); returns its former
- * value (allocated, or NULL) for env_restore. */
-static char *env_set(const char *name, const char *value)
-{
-    const char *was = getenv(name);
-    char *keep = was ? strdup(was) : NULL;
-    CHECK(!was || keep);
-    if (value)
-        setenv(name, value, 1);
-    else
-        unsetenv(name);
-    return keep;
-}
-
-static void env_restore(const char *name, char *keep)
-{
-    if (keep)
-        setenv(name, keep, 1);
-    else
-        unsetenv(name);
-    free(keep);
 }
 
 /* Token tiles of every width of the 128-, 192- and 256-row instances
@@ -796,9 +810,10 @@ TEST(moe_cluster_tiles)
  * one-launch kernel over eight CTAs (300 tokens, 2400 slots, two tokens a
  * warp), four (100), two (64) and one (20), and the one-warp plan (3
  * tokens, 24 slots); given routing with a third of the slots routed
- * nowhere, which the finalize must skip; both dtypes. (The multi-block
- * kernels' scatter in parts writes them in moe_qwen3's T = 4096, slot
- * mode by the default bound.) A shape
+ * nowhere, which the finalize must skip; both dtypes. Then the multi-block
+ * kernels, on a layer whose routing cluster MOEK_CUDA_ROUTE_CLUSTER=1 caps
+ * at one CTA: 100 tokens (the align block scatters every slot) and 300
+ * (2400 slots: two scatter parts beside it). A shape
  * with both GEMMs in CTA pairs, whose rows take the room of GEMM 1's copy
  * of x. Then a layer made with MOEK_CUDA_NO_SLOT_ROWS=1, and a workspace
  * without room for the rows: both keep the fp32 accumulator, and correct. */
@@ -829,6 +844,16 @@ TEST(moe_slot_rows)
         to.expect_slots = EXPECT_MODE(on);
         run_moe_tiles(&c, &to, &rng);
     }
+    char *cap = env_set("MOEK_CUDA_ROUTE_CLUSTER", "1");
+    for (int i = 0; i < 2; i++) {
+        moe_case c = {s, i ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
+                      i ? 300 : 100, i ? ROUTE_GIVEN : ROUTE_SOFTMAX, true,
+                      0, 64, {128, false}, false, i == 1, NULL};
+        tile_opts to = forced_tile_opts(&c, true);
+        to.expect_slots = EXPECT_MODE(on);
+        run_moe_tiles(&c, &to, &rng);
+    }
+    env_restore("MOEK_CUDA_ROUTE_CLUSTER", cap);
     moe_case both = {{16, 4, 456, 4168}, MOEK_DTYPE_BF16, 300, ROUTE_GIVEN,
                      false, 0, 32, {256, false}, false, true, NULL};
     tile_opts tb = forced_tile_opts(&both, true);
