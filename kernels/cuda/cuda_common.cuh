@@ -167,18 +167,6 @@ struct moek_gemm_args {
      * starts (moek_zero_acc): zero_n4 float4s at zero, or none. */
     float4 *zero;
     size_t zero_n4;
-    /* GEMM 2 starting per group (moek_dep, layer.cu): dep_mode 1, GEMM 1
-     * counts in dep[c] the consumer warpgroups done with compact group c's
-     * items (two per item) and in dep[dep_zero] its CTAs done zeroing acc;
-     * dep_mode 2, GEMM 2 waits for compact group c's count (from
-     * dep_before, GEMM 1's cg_before) before it reads the group's rows, and
-     * for dep_ctas zeroed slices before its first add; its CTAs take their
-     * work from the counter dep[dep_zero + 1] (gemm_wgmma.cu, unit_span).
-     * 0: neither. */
-    int dep_mode;
-    int *dep;
-    const int *dep_before;
-    int dep_zero, dep_ctas;
 };
 
 /* Tiled weights: every 128-row x 64-column block of a group's weights is
@@ -201,7 +189,6 @@ __host__ __device__ __forceinline__ size_t moek_wt_index(int g, int R, int k,
 }
 
 struct moek_item {
-    int c;    /* compact group */
     int g;    /* group (expert) */
     int pos;  /* first sorted row of the token tile */
     int mlen; /* valid rows in the token tile, 1..its width */
@@ -214,7 +201,7 @@ struct moek_item {
  * items (a binary search of cg_before), and the group's row count, expert
  * and first sorted row (three global loads). */
 struct moek_item_src {
-    int c, l, cnt, g, start;
+    int l, cnt, g, start;
 };
 
 /* Work item `idx`'s reads (see the top). sbefore: a shared-memory copy of
@@ -236,7 +223,6 @@ __device__ __forceinline__ moek_item_src moek_fetch_item(const moek_gemm_args &a
             hi = mid;
     }
     moek_item_src f;
-    f.c = lo;
     f.l = idx - before[lo];
     f.cnt = __ldg(a.cg_count + lo);
     f.g = __ldg(a.cg_group + lo);
@@ -270,7 +256,6 @@ __device__ __forceinline__ moek_item moek_item_from(const moek_gemm_args &a,
         it.kb0 = (int)((long long)s * a.kblocks / split);
         it.kb1 = (int)((long long)(s + 1) * a.kblocks / split);
     }
-    it.c = f.c;
     it.g = f.g;
     it.pos = f.start + p * bn;
     it.mlen = min(bn, cnt - p * bn);
@@ -427,47 +412,6 @@ __device__ __forceinline__ void moek_zero_acc(const moek_gemm_args &a, int t,
         a.zero[i] = z;
 }
 
-/*
- * moek_dep (GEMM 2 starting per group; layer.cu says where): a count in
- * global memory that one kernel adds to after its stores and a later one
- * waits on before its reads. moek_dep_add: the caller's group of threads
- * has finished its stores and met at a barrier; one thread of it adds.
- * moek_dep_wait: until *p >= v, by an acquire load (L1 never holds the
- * count); MOEK_WATCHDOG builds trap after 4 s, as moek_mbar_wait does.
- */
-__device__ __forceinline__ void moek_dep_add(int *p, int v)
-{
-    /* the release pattern: a fence, then the add; the barrier before put
-     * the group's stores ahead of this thread's fence */
-    asm volatile("fence.acq_rel.gpu;\n\t"
-                 "red.relaxed.gpu.global.add.s32 [%0], %1;" ::"l"(p),
-                 "r"(v)
-                 : "memory");
-}
-__device__ __forceinline__ void moek_dep_wait(const int *p, int v)
-{
-#ifdef MOEK_WATCHDOG
-    uint64_t t0 = 0;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-#endif
-    for (;;) {
-        int n;
-        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];"
-                     : "=r"(n)
-                     : "l"(p)
-                     : "memory");
-        if (n >= v)
-            return;
-        __nanosleep(100);
-#ifdef MOEK_WATCHDOG
-        uint64_t t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        if (t - t0 > 4000000000ull)
-            __trap();
-#endif
-    }
-}
-
 /* Programmatic dependent launch: wait for the previous kernel in the stream
  * (a no-op when the launch had no programmatic dependency), and let the next
  * one start its prologue. */
@@ -552,7 +496,6 @@ struct moek_cuda_moe_layer {
     moek_cuda_tuning tune;
     bool pdl;
     bool early; /* GEMM 2 loads weights before GEMM 1 ends (early_a) */
-    bool dep;   /* and starts per group (moek_dep; layer.cu) */
     bool tiny;  /* decode batches take route_align_tiny */
     int route_cl; /* aa.route_cl of its calls */
     bool tiled; /* w13 and w2p in tiles (moek_wt_index) */
@@ -625,7 +568,6 @@ struct moek_align_args {
     int *pos_token;
     float *pos_weight;
     int *slot_pos; /* slot -> its sorted position, -1 routed nowhere; or NULL */
-    int *dep; /* moek_gemm_args.dep, [groups + 2], zeroed here; or NULL */
 };
 cudaError_t moek_launch_route(const moek_route_args &ra,
                               const moek_align_args &aa, int *counts_dev,

@@ -82,9 +82,8 @@ constexpr int EPI_ROWS = 128; /* token rows per pass of the staged epilogue */
  * ncu's samples. Decode tiles of 16 rows, whose items are long, measured
  * slower with it (mixtral T=1, deepseek T=8: RESULTS.md, run 22). */
 constexpr int INFO_ITEMS = 16;
-/* the ring, then the producer's ticket (ticketed GEMM 2: one int, 16 bytes) */
-constexpr int INFO_BYTES = INFO_ITEMS * (int)sizeof(moek_item) + 16;
-[[maybe_unused]] __host__ __device__ constexpr bool handoff(int bn, int cl)
+constexpr int INFO_BYTES = INFO_ITEMS * (int)sizeof(moek_item);
+__host__ __device__ constexpr bool handoff(int bn, int cl)
 {
     return cl == 1 && bn >= 64;
 }
@@ -98,8 +97,8 @@ template <int BN> struct tile_cfg {
     /* SWIGLU's output staging (tiles of 128 rows and wider, where it costs
      * no stage): per consumer, 128 token rows of its 32 features. */
     static constexpr int EPI_BYTES = BN >= 128 ? 2 * EPI_ROWS * 64 : 0;
-    /* the item ring of handoff() and of ticketed GEMM 2 (any width) */
-    static constexpr int INFO = INFO_BYTES;
+    /* the item ring of handoff() */
+    static constexpr int INFO = handoff(BN, 1) ? INFO_BYTES : 0;
     static constexpr int FIT =
         (SMEM_MAX - 2048 - STG_BYTES - SB_BYTES - EPI_BYTES - INFO) / STAGE;
     static constexpr int STAGES = FIT > 12 ? 12 : FIT;
@@ -315,40 +314,6 @@ __device__ __forceinline__ cta_span class_span(int c0, int c1, bool sk,
     return s;
 }
 
-/*
- * Ticketed GEMM 2 (moek_dep; one class, no pairs): the CTAs take units of
- * the class's work from a counter as they come free, instead of a share
- * fixed by blockIdx.x, so those that start early in GEMM 1's last round do
- * more of it. Unit u of n_units: item c0 + u, or (stream-K) the K blocks
- * [u, u + 1) x total / n_units of the class's sequence. STREAM_K_UNITS
- * units per CTA.
- */
-constexpr int STREAM_K_UNITS = 4;
-__device__ __forceinline__ int unit_count(int c0, int c1, bool sk)
-{
-    return sk ? STREAM_K_UNITS * (int)gridDim.x : c1 - c0;
-}
-__device__ __forceinline__ cta_span unit_span(int c0, int c1, bool sk,
-                                              int kblocks, int u, int n)
-{
-    cta_span s;
-    s.c0 = c0;
-    s.step = 1;
-    if (!sk) {
-        s.first = c0 + u;
-        s.end = s.first + 1;
-        s.lo = -1;
-        s.hi = 0;
-        return s;
-    }
-    const long long total = (long long)(c1 - c0) * kblocks;
-    s.lo = total * u / n;
-    s.hi = total * (u + 1) / n;
-    s.first = c0 + (int)(s.lo / kblocks);
-    s.end = s.lo < s.hi ? c0 + (int)((s.hi + kblocks - 1) / kblocks) : s.first;
-    return s;
-}
-
 /* Pipeline position shared by the tile classes of one role. */
 struct pipe_pos {
     int stage, used;
@@ -396,9 +361,7 @@ __device__ __forceinline__ int preissue(const moek_gemm_args &a,
     return pre;
 }
 
-/* Producer, one tile class: the CTA's items (sp), token tiles of N rows;
- * or (dyn: ticketed GEMM 2) the units it takes of the class's items
- * [c0, c1), then an end mark in the item ring.
+/* Producer, one tile class: the CTA's items (sp), token tiles of N rows.
  * Thread t copies 16-byte chunk (t & 7) of token rows (t >> 3) + 16 i. */
 template <typename T, int BN, int N>
 __device__ __forceinline__ void produce(const moek_gemm_args &a,
@@ -406,17 +369,14 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
                                         uint64_t *full, uint64_t *empty,
                                         int ncg, int split, const cta_span &sp,
                                         int pre, pipe_pos &pp, const int *sb,
-                                        moek_item *info, bool dyn, int c0,
-                                        int c1, bool sk)
+                                        moek_item *info)
 {
     using C = tile_cfg<BN>;
     const T *b = reinterpret_cast<const T *>(a.b);
     const int tid = threadIdx.x, c8 = tid & 7, r0 = tid >> 3;
-    /* The item's first stage: its entry goes before the arrival (a
-     * release) the consumers wait on. Pre-issued stages had theirs written
-     * by preissue. */
-    const bool ring = handoff(BN, 1) || dyn;
-    const auto one = [&](const moek_item &it) {
+    moek_item_src nx = sp.fetch_first(a, ncg, sb);
+    for (int idx = sp.first; idx < sp.end; idx += sp.step, pp.items++) {
+        const moek_item it = sp.take(a, ncg, split, idx, sb, nx);
         long long off[N / 16];
 #pragma unroll
         for (int i = 0; i < N / 16; i++) {
@@ -434,19 +394,15 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
             if (pp.used >= pre) {
                 moek_mbar_wait(&empty[pp.stage], pp.phase ^ 1);
                 if (tid == 0) {
-                    if (ring && kb == it.kb0)
+                    /* The item's first stage: its entry goes before the
+                     * arrival (a release) the consumers wait on. Pre-issued
+                     * stages had theirs written by preissue. */
+                    if (handoff(BN, 1) && kb == it.kb0)
                         info[pp.items % INFO_ITEMS] = it;
                     moek_mbar_expect_tx(&full[pp.stage], A_BYTES);
                     load_w(a, tmap, sA, it, kb, &full[pp.stage]);
                 }
             }
-            /* GEMM 2 starting per group: the item's rows are GEMM 1's
-             * output for its group, complete once GEMM 1's two consumer
-             * warpgroups have counted each of the group's items */
-            if (a.dep_mode == 2 && kb == it.kb0)
-                moek_dep_wait(a.dep + it.c,
-                              2 * (__ldg(a.dep_before + it.c + 1) -
-                                   __ldg(a.dep_before + it.c)));
             const int kcol = kb * MOEK_KTILE + c8 * 8;
             const bool kok = kcol < a.k;
 #pragma unroll
@@ -459,52 +415,7 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
             }
             cp_async_arrive_noinc(&full[pp.stage]);
         }
-    };
-    if (!dyn) {
-        moek_item_src nx = sp.fetch_first(a, ncg, sb);
-        for (int idx = sp.first; idx < sp.end; idx += sp.step, pp.items++)
-            one(sp.take(a, ncg, split, idx, sb, nx));
-        return;
     }
-    /* Thread 0 takes the units for the warpgroup and passes each on
-     * through shared memory (the second barrier keeps the next from
-     * overwriting it before all have read it). It takes the next unit as
-     * this one starts, so the add's round trip passes while it streams. */
-    int *ticket = reinterpret_cast<int *>(info + INFO_ITEMS);
-    int *counter = a.dep + a.dep_zero + 1;
-    const int n = unit_count(c0, c1, sk);
-    if (tid == 0)
-        *ticket = atomicAdd(counter, 1);
-    for (;;) {
-        asm volatile("bar.sync 4, 128;" ::: "memory");
-        const int u = *ticket;
-        asm volatile("bar.sync 4, 128;" ::: "memory");
-        if (u >= n)
-            break;
-        int next = 0;
-        if (tid == 0)
-            next = atomicAdd(counter, 1);
-        const cta_span us = unit_span(c0, c1, sk, a.kblocks, u, n);
-        for (int idx = us.first; idx < us.end; idx++, pp.items++) {
-            moek_item it = moek_decode_item(a, ncg, split, idx, sb);
-            us.clip(it, idx, a.kblocks);
-            one(it);
-        }
-        if (tid == 0)
-            *ticket = next;
-    }
-    /* The end mark: an entry with no K blocks, on a stage's full barrier
-     * that every producer thread arrives on without data. */
-    if (pp.used >= pre)
-        moek_mbar_wait(&empty[pp.stage], pp.phase ^ 1);
-    if (tid == 0) {
-        moek_item e = {};
-        e.kb0 = e.kb1 = 0;
-        info[pp.items % INFO_ITEMS] = e;
-    }
-    moek_mbar_arrive(&full[pp.stage]);
-    if (tid == 0)
-        moek_mbar_arrive(&full[pp.stage]);
 }
 
 /* Producer of cluster mode, one tile class, run by warp 0 (lane 0 issues): the
@@ -672,8 +583,7 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
                                         uint64_t *full, uint64_t *empty,
                                         int ncg, int split, const cta_span &sp,
                                         pipe_pos &pp, const int *sb,
-                                        uint8_t *epi_buf, const moek_item *info,
-                                        bool dyn)
+                                        uint8_t *epi_buf, const moek_item *info)
 {
     using C = tile_cfg<BN>;
     const int tid = threadIdx.x, cw = (tid >> 7) - 1;
@@ -685,17 +595,14 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
     moek_item_src nx = {};
     if constexpr (!handoff(BN, CL))
         nx = sp.fetch_first(a, ncg, sb);
-    for (int idx = sp.first; dyn || idx < sp.end; idx += sp.step, pp.items++) {
+    for (int idx = sp.first; idx < sp.end; idx += sp.step, pp.items++) {
         moek_item it;
-        if (handoff(BN, CL) || dyn) {
+        if constexpr (handoff(BN, CL)) {
             /* The producer wrote the item's entry before its first stage's
              * arrival: no decode here (it cost the consumers a third of
-             * qwen3 T=512's down GEMM, by ncu's samples). Ticketed, only
-             * the producer knows the items; its end mark has no K blocks. */
+             * qwen3 T=512's down GEMM, by ncu's samples). */
             moek_mbar_wait(&full[pp.stage], pp.phase);
             it = info[pp.items % INFO_ITEMS];
-            if (dyn && it.kb0 >= it.kb1)
-                break;
         } else {
             it = sp.take(a, ncg, split, idx, sb, nx); /* one item ahead */
         }
@@ -750,9 +657,6 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
             if (a.epi == MOEK_EPI_SWIGLU) {
                 epi_swiglu_staged<T, N>(a, it, d, cw,
                                         epi_buf + cw * EPI_ROWS * 64);
-                /* its stores went out before its last warpgroup barrier */
-                if (a.dep_mode == 1 && (tid & 127) == 0)
-                    moek_dep_add(a.dep + it.c, 1);
                 continue;
             }
         }
@@ -787,11 +691,6 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
                              d[j * 4 + 2]);
             moek_epi_pair<T>(a, it, R_lo, j * 8 + c0 + 1, d[j * 4 + 1],
                              d[j * 4 + 3]);
-        }
-        if (a.dep_mode == 1) { /* every thread's stores before the count */
-            asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
-            if ((tid & 127) == 0)
-                moek_dep_add(a.dep + it.c, 1);
         }
     }
 }
@@ -864,7 +763,7 @@ __global__ void __launch_bounds__(384, 1)
      * token rows, the accumulator the consumers add into, and slot mode's
      * rows, which the consumers store over the copy of x GEMM 1 reads
      * (layer.cu). */
-    if (!a.early_a && a.dep_mode != 2)
+    if (!a.early_a)
         moek_pdl_wait();
     moek_pdl_trigger();
 
@@ -910,19 +809,14 @@ __global__ void __launch_bounds__(384, 1)
     uint8_t *epi_buf = reinterpret_cast<uint8_t *>(sb_mem) + SB_BYTES;
     moek_item *info = reinterpret_cast<moek_item *>(epi_buf + C::EPI_BYTES);
     pipe_pos pp = {0, 0, 0, 0};
-    /* Ticketed GEMM 2 (unit_span): where it starts per group, one class */
-    const bool dyn = a.dep_mode == 2 && NC == 1 && CL == 1;
     if (wg == 0) {
         int pre = 0;
-        /* Ticketed, a CTA streams its own units at once: no stages to
-         * issue ahead of a wait. */
-        if (a.early_a && !dyn) {
+        if (a.early_a) {
             int items = 0;
             for (int c = 0; c < NC; c++)
                 pre = preissue<BN, CL>(a, &tmap, smem, full, ncg, split,
                                        span(c), pre, sb, info, items);
-            if (a.dep_mode != 2) /* else each item waits for its group */
-                moek_pdl_wait();
+            moek_pdl_wait();
         }
         if constexpr (CL == 2) {
             /* Warp 0 walks the items, lane 0 issues; warps 1-3 wait at the
@@ -941,7 +835,7 @@ __global__ void __launch_bounds__(384, 1)
                 constexpr int J = decltype(c)::value;
                 produce<T, BN, moek_class_width(BN, J)>(
                     a, &tmap, smem, full, empty, ncg, split, span(J), pre, pp,
-                    sb, info, dyn, cb[J], cb[J + 1], sk);
+                    sb, info);
             });
         }
     } else {
@@ -949,31 +843,20 @@ __global__ void __launch_bounds__(384, 1)
          * zeroes (and whose SLOT stores go where GEMM 1 may read its copy
          * of x), wait for GEMM 1 themselves, not only through the
          * producer's token loads; GEMM 1 (never early_a) waited above. */
-        if (a.dep_mode == 2)
-            moek_dep_wait(a.dep + a.dep_zero, a.dep_ctas);
-        else if (a.early_a)
+        if (a.early_a)
             moek_pdl_wait();
         moek_zero_acc(a, tid - 128, 256);
-        if (a.dep_mode == 1) { /* this CTA's slice of acc is zero */
-            asm volatile("bar.sync 3, 256;" ::: "memory");
-            if (tid == 128)
-                moek_dep_add(a.dep + a.dep_zero, 1);
-        }
         each_class<BN>([&](auto c) {
             constexpr int J = decltype(c)::value;
             consume<T, BN, moek_class_width(BN, J), CL>(
                 a, smem, full, empty, ncg, split, span(J), pp, sb, epi_buf,
-                info, dyn);
+                info);
         });
     }
     /* The peer's last releases arrive on this CTA's barriers: stay until
      * both are done. */
     if (CL == 2)
         cluster_sync();
-    /* GEMM 2 starting per group ends after GEMM 1, as the kernels after it
-     * (which wait for this one) expect. */
-    if (a.dep_mode == 2)
-        moek_pdl_wait();
 #endif
 }
 
