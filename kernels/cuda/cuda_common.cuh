@@ -167,6 +167,19 @@ struct moek_gemm_args {
      * starts (moek_zero_acc): zero_n4 float4s at zero, or none. */
     float4 *zero;
     size_t zero_n4;
+    /* GEMM 2 starting per group (moek_dep, layer.cu): dep_mode 1, GEMM 1
+     * counts in dep[g] the consumer warpgroups done with group g's items
+     * (two per item) and in dep[dep_zero] its CTAs done zeroing acc;
+     * dep_mode 2, GEMM 2 waits for group g's count (twice its compact
+     * group's items in dep_before, GEMM 1's cg_before) before it reads the
+     * group's rows, and for dep_ctas zeroed slices before its first add;
+     * its CTAs take their work from the counter dep[dep_zero + 1]
+     * (gemm_wgmma.cu, unit_span). 0: neither. Each mode is its own kernel
+     * instance (gemm_wgmma.cu), so mode 0 runs the code it ran before. */
+    int dep_mode;
+    int *dep;
+    const int *dep_before;
+    int dep_zero, dep_ctas;
 };
 
 /* Tiled weights: every 128-row x 64-column block of a group's weights is
@@ -210,7 +223,8 @@ struct moek_item_src {
  * next item before streaming the current one does not wait for them. */
 __device__ __forceinline__ moek_item_src moek_fetch_item(const moek_gemm_args &a,
                                                          int ncg, int idx,
-                                                         const int *sbefore = nullptr)
+                                                         const int *sbefore = nullptr,
+                                                         int *compact = nullptr)
 {
     /* A generic pointer: shared memory or the global list. */
     const int *before = sbefore ? sbefore : a.cg_before;
@@ -223,6 +237,8 @@ __device__ __forceinline__ moek_item_src moek_fetch_item(const moek_gemm_args &a
             hi = mid;
     }
     moek_item_src f;
+    if (compact) /* a field of moek_item_src changed its callers' PTX */
+        *compact = lo;
     f.l = idx - before[lo];
     f.cnt = __ldg(a.cg_count + lo);
     f.g = __ldg(a.cg_group + lo);
@@ -412,6 +428,47 @@ __device__ __forceinline__ void moek_zero_acc(const moek_gemm_args &a, int t,
         a.zero[i] = z;
 }
 
+/*
+ * moek_dep (GEMM 2 starting per group; layer.cu says where): a count in
+ * global memory that one kernel adds to after its stores and a later one
+ * waits on before its reads. moek_dep_add: the caller's group of threads
+ * has finished its stores and met at a barrier; one thread of it adds.
+ * moek_dep_wait: until *p >= v, by an acquire load (L1 never holds the
+ * count); MOEK_WATCHDOG builds trap after 4 s, as moek_mbar_wait does.
+ */
+__device__ __forceinline__ void moek_dep_add(int *p, int v)
+{
+    /* the release pattern: a fence, then the add; the barrier before put
+     * the group's stores ahead of this thread's fence */
+    asm volatile("fence.acq_rel.gpu;\n\t"
+                 "red.relaxed.gpu.global.add.s32 [%0], %1;" ::"l"(p),
+                 "r"(v)
+                 : "memory");
+}
+__device__ __forceinline__ void moek_dep_wait(const int *p, int v)
+{
+#ifdef MOEK_WATCHDOG
+    uint64_t t0 = 0;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+#endif
+    for (;;) {
+        int n;
+        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];"
+                     : "=r"(n)
+                     : "l"(p)
+                     : "memory");
+        if (n >= v)
+            return;
+        __nanosleep(100);
+#ifdef MOEK_WATCHDOG
+        uint64_t t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        if (t - t0 > 4000000000ull)
+            __trap();
+#endif
+    }
+}
+
 /* Programmatic dependent launch: wait for the previous kernel in the stream
  * (a no-op when the launch had no programmatic dependency), and let the next
  * one start its prologue. */
@@ -496,6 +553,7 @@ struct moek_cuda_moe_layer {
     moek_cuda_tuning tune;
     bool pdl;
     bool early; /* GEMM 2 loads weights before GEMM 1 ends (early_a) */
+    bool dep;   /* and may start per group (moek_dep; layer.cu) */
     bool tiny;  /* decode batches take route_align_tiny */
     int route_cl; /* aa.route_cl of its calls */
     bool tiled; /* w13 and w2p in tiles (moek_wt_index) */
@@ -568,6 +626,7 @@ struct moek_align_args {
     int *pos_token;
     float *pos_weight;
     int *slot_pos; /* slot -> its sorted position, -1 routed nowhere; or NULL */
+    int *dep; /* moek_gemm_args.dep, [groups + 2], zeroed here; or NULL */
 };
 cudaError_t moek_launch_route(const moek_route_args &ra,
                               const moek_align_args &aa, int *counts_dev,

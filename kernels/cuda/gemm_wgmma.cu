@@ -49,6 +49,11 @@
  *     consumers of both CTAs have released it.
  * Stages: as many as fit in 227 KB (12 for BN = 16, 4 for BN = 256), so
  * 130-200 KB of weights are in flight per SM on the memory-bound path.
+ * GEMM 2 starting per group (moek_dep, layer.cu; tiles below 128 rows) is
+ * two more instances of each such width, by the template's DEP: 1 for
+ * GEMM 1, which counts each group's finished items, 2 for GEMM 2, whose
+ * producer waits for its item's group and takes its work from a counter
+ * (unit_span). DEP 0, every other call, compiles as it did before them.
  *
  * Variants are template instances by token tile BN; moek_launch_gemm_wgmma
  * picks one. The kernel body exists only in the sm_90a pass
@@ -88,7 +93,9 @@ __host__ __device__ constexpr bool handoff(int bn, int cl)
     return cl == 1 && bn >= 64;
 }
 
-template <int BN> struct tile_cfg {
+/* DEP: the kernel's moek_dep mode (moek_gemm_args.dep_mode); ticketed
+ * GEMM 2 (mode 2) has the item ring at every width, and its ticket. */
+template <int BN, int DEP = 0> struct tile_cfg {
     static constexpr int B_BYTES = BN * MOEK_KTILE * 2;
     static constexpr int STAGE = A_BYTES + B_BYTES;
     /* COMBINE's and SLOT's (token, weight) per token row: 2 consumers x 2
@@ -97,8 +104,9 @@ template <int BN> struct tile_cfg {
     /* SWIGLU's output staging (tiles of 128 rows and wider, where it costs
      * no stage): per consumer, 128 token rows of its 32 features. */
     static constexpr int EPI_BYTES = BN >= 128 ? 2 * EPI_ROWS * 64 : 0;
-    /* the item ring of handoff() */
-    static constexpr int INFO = handoff(BN, 1) ? INFO_BYTES : 0;
+    /* the item ring of handoff() or of mode 2, then mode 2's ticket */
+    static constexpr int INFO =
+        DEP == 2 ? INFO_BYTES + 16 : handoff(BN, 1) ? INFO_BYTES : 0;
     static constexpr int FIT =
         (SMEM_MAX - 2048 - STG_BYTES - SB_BYTES - EPI_BYTES - INFO) / STAGE;
     static constexpr int STAGES = FIT > 12 ? 12 : FIT;
@@ -314,6 +322,40 @@ __device__ __forceinline__ cta_span class_span(int c0, int c1, bool sk,
     return s;
 }
 
+/*
+ * Ticketed GEMM 2 (moek_dep mode 2; one class, no pairs): the CTAs take
+ * units of the class's work from a counter as they come free, instead of
+ * a share fixed by blockIdx.x, so those that start early in GEMM 1's last
+ * round do more of it. Unit u of n: item c0 + u, or (stream-K) the K
+ * blocks [u, u + 1) x total / n of the class's sequence, STREAM_K_UNITS
+ * units per CTA.
+ */
+constexpr int STREAM_K_UNITS = 4;
+__device__ __forceinline__ int unit_count(int c0, int c1, bool sk)
+{
+    return sk ? STREAM_K_UNITS * (int)gridDim.x : c1 - c0;
+}
+__device__ __forceinline__ cta_span unit_span(int c0, int c1, bool sk,
+                                              int kblocks, int u, int n)
+{
+    cta_span s;
+    s.c0 = c0;
+    s.step = 1;
+    if (!sk) {
+        s.first = c0 + u;
+        s.end = s.first + 1;
+        s.lo = -1;
+        s.hi = 0;
+        return s;
+    }
+    const long long total = (long long)(c1 - c0) * kblocks;
+    s.lo = total * u / n;
+    s.hi = total * (u + 1) / n;
+    s.first = c0 + (int)(s.lo / kblocks);
+    s.end = s.lo < s.hi ? c0 + (int)((s.hi + kblocks - 1) / kblocks) : s.first;
+    return s;
+}
+
 /* Pipeline position shared by the tile classes of one role. */
 struct pipe_pos {
     int stage, used;
@@ -361,60 +403,160 @@ __device__ __forceinline__ int preissue(const moek_gemm_args &a,
     return pre;
 }
 
-/* Producer, one tile class: the CTA's items (sp), token tiles of N rows.
+/* Producer, one tile class: the CTA's items (sp), token tiles of N rows;
+ * or (DEP 2: ticketed GEMM 2) the units it takes of the class's items
+ * [c0, c1), each item once its group's rows are written (moek_dep), then
+ * an end mark in the item ring.
  * Thread t copies 16-byte chunk (t & 7) of token rows (t >> 3) + 16 i. */
-template <typename T, int BN, int N>
+template <typename T, int BN, int N, int DEP>
 __device__ __forceinline__ void produce(const moek_gemm_args &a,
                                         const CUtensorMap *tmap, uint8_t *smem,
                                         uint64_t *full, uint64_t *empty,
                                         int ncg, int split, const cta_span &sp,
                                         int pre, pipe_pos &pp, const int *sb,
-                                        moek_item *info)
+                                        moek_item *info, int c0, int c1,
+                                        bool sk)
 {
-    using C = tile_cfg<BN>;
+    using C = tile_cfg<BN, DEP>;
     const T *b = reinterpret_cast<const T *>(a.b);
     const int tid = threadIdx.x, c8 = tid & 7, r0 = tid >> 3;
-    moek_item_src nx = sp.fetch_first(a, ncg, sb);
-    for (int idx = sp.first; idx < sp.end; idx += sp.step, pp.items++) {
-        const moek_item it = sp.take(a, ncg, split, idx, sb, nx);
-        long long off[N / 16];
-#pragma unroll
-        for (int i = 0; i < N / 16; i++) {
-            const int r = r0 + 16 * i;
-            off[i] = -1;
-            if (r < it.mlen) {
-                const int p = it.pos + r;
-                const int row = a.b_rows ? a.b_rows[p] : p;
-                off[i] = (long long)row * a.ldb;
-            }
-        }
-        for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
-            uint8_t *sA = smem + pp.stage * C::STAGE;
-            uint8_t *sB = sA + A_BYTES;
-            if (pp.used >= pre) {
-                moek_mbar_wait(&empty[pp.stage], pp.phase ^ 1);
-                if (tid == 0) {
-                    /* The item's first stage: its entry goes before the
-                     * arrival (a release) the consumers wait on. Pre-issued
-                     * stages had theirs written by preissue. */
-                    if (handoff(BN, 1) && kb == it.kb0)
-                        info[pp.items % INFO_ITEMS] = it;
-                    moek_mbar_expect_tx(&full[pp.stage], A_BYTES);
-                    load_w(a, tmap, sA, it, kb, &full[pp.stage]);
-                }
-            }
-            const int kcol = kb * MOEK_KTILE + c8 * 8;
-            const bool kok = kcol < a.k;
+    if constexpr (DEP != 2) {
+        /* the loop of every other mode, as it was before mode 2 (one()
+         * here changed its PTX) */
+        moek_item_src nx = sp.fetch_first(a, ncg, sb);
+        for (int idx = sp.first; idx < sp.end; idx += sp.step, pp.items++) {
+            const moek_item it = sp.take(a, ncg, split, idx, sb, nx);
+            long long off[N / 16];
 #pragma unroll
             for (int i = 0; i < N / 16; i++) {
                 const int r = r0 + 16 * i;
-                const bool ok = kok && off[i] >= 0;
-                const T *src = ok ? b + off[i] + kcol : b;
-                cp_async_16(sB + r * 128 + ((c8 ^ (r & 7)) << 4), src,
-                            ok ? 16 : 0);
+                off[i] = -1;
+                if (r < it.mlen) {
+                    const int p = it.pos + r;
+                    const int row = a.b_rows ? a.b_rows[p] : p;
+                    off[i] = (long long)row * a.ldb;
+                }
             }
-            cp_async_arrive_noinc(&full[pp.stage]);
+            for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
+                uint8_t *sA = smem + pp.stage * C::STAGE;
+                uint8_t *sB = sA + A_BYTES;
+                if (pp.used >= pre) {
+                    moek_mbar_wait(&empty[pp.stage], pp.phase ^ 1);
+                    if (tid == 0) {
+                        /* The item's first stage: its entry goes before
+                         * the arrival (a release) the consumers wait on.
+                         * Pre-issued stages had theirs written by
+                         * preissue. */
+                        if (handoff(BN, 1) && kb == it.kb0)
+                            info[pp.items % INFO_ITEMS] = it;
+                        moek_mbar_expect_tx(&full[pp.stage], A_BYTES);
+                        load_w(a, tmap, sA, it, kb, &full[pp.stage]);
+                    }
+                }
+                const int kcol = kb * MOEK_KTILE + c8 * 8;
+                const bool kok = kcol < a.k;
+#pragma unroll
+                for (int i = 0; i < N / 16; i++) {
+                    const int r = r0 + 16 * i;
+                    const bool ok = kok && off[i] >= 0;
+                    const T *src = ok ? b + off[i] + kcol : b;
+                    cp_async_16(sB + r * 128 + ((c8 ^ (r & 7)) << 4), src,
+                                ok ? 16 : 0);
+                }
+                cp_async_arrive_noinc(&full[pp.stage]);
+            }
         }
+    } else {
+        /* One item, once dep[it.g] reaches need. */
+        const auto one = [&](const moek_item &it, int need) {
+            long long off[N / 16];
+#pragma unroll
+            for (int i = 0; i < N / 16; i++) {
+                const int r = r0 + 16 * i;
+                off[i] = -1;
+                if (r < it.mlen) {
+                    const int p = it.pos + r;
+                    const int row = a.b_rows ? a.b_rows[p] : p;
+                    off[i] = (long long)row * a.ldb;
+                }
+            }
+            for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
+                uint8_t *sA = smem + pp.stage * C::STAGE;
+                uint8_t *sB = sA + A_BYTES;
+                if (pp.used >= pre) {
+                    moek_mbar_wait(&empty[pp.stage], pp.phase ^ 1);
+                    if (tid == 0) {
+                        /* the item's entry, before its first stage's
+                         * arrival; the ring at every width */
+                        if (kb == it.kb0)
+                            info[pp.items % INFO_ITEMS] = it;
+                        moek_mbar_expect_tx(&full[pp.stage], A_BYTES);
+                        load_w(a, tmap, sA, it, kb, &full[pp.stage]);
+                    }
+                }
+                /* the item's rows are GEMM 1's output for its group: one
+                 * thread polls, the barrier passes its acquire on */
+                if (kb == it.kb0) {
+                    if (tid == 0)
+                        moek_dep_wait(a.dep + it.g, need);
+                    asm volatile("bar.sync 4, 128;" ::: "memory");
+                }
+                const int kcol = kb * MOEK_KTILE + c8 * 8;
+                const bool kok = kcol < a.k;
+#pragma unroll
+                for (int i = 0; i < N / 16; i++) {
+                    const int r = r0 + 16 * i;
+                    const bool ok = kok && off[i] >= 0;
+                    const T *src = ok ? b + off[i] + kcol : b;
+                    cp_async_16(sB + r * 128 + ((c8 ^ (r & 7)) << 4), src,
+                                ok ? 16 : 0);
+                }
+                cp_async_arrive_noinc(&full[pp.stage]);
+            }
+        };
+        /* Thread 0 takes the units for the warpgroup and passes each on
+         * through shared memory (the second barrier keeps the next from
+         * overwriting it before all have read it). It takes the next unit
+         * as this one starts, so the add's round trip passes meanwhile. */
+        int *ticket = reinterpret_cast<int *>(info + INFO_ITEMS);
+        int *counter = a.dep + a.dep_zero + 1;
+        const int n = unit_count(c0, c1, sk);
+        if (tid == 0)
+            *ticket = atomicAdd(counter, 1);
+        for (;;) {
+            asm volatile("bar.sync 4, 128;" ::: "memory");
+            const int u = *ticket;
+            asm volatile("bar.sync 4, 128;" ::: "memory");
+            if (u >= n)
+                break;
+            int next = 0;
+            if (tid == 0)
+                next = atomicAdd(counter, 1);
+            const cta_span us = unit_span(c0, c1, sk, a.kblocks, u, n);
+            for (int idx = us.first; idx < us.end; idx++, pp.items++) {
+                int c = 0; /* the compact group */
+                const moek_item_src f = moek_fetch_item(a, ncg, idx, sb, &c);
+                moek_item it = moek_item_from(a, split, f);
+                us.clip(it, idx, a.kblocks);
+                /* GEMM 1's two consumer warpgroups count each item */
+                one(it, 2 * (__ldg(a.dep_before + c + 1) -
+                             __ldg(a.dep_before + c)));
+            }
+            if (tid == 0)
+                *ticket = next;
+        }
+        /* The end mark: an entry with no K blocks, on a stage's full
+         * barrier that every producer thread arrives on without data. */
+        if (pp.used >= pre)
+            moek_mbar_wait(&empty[pp.stage], pp.phase ^ 1);
+        if (tid == 0) {
+            moek_item e = {};
+            e.kb0 = e.kb1 = 0;
+            info[pp.items % INFO_ITEMS] = e;
+        }
+        moek_mbar_arrive(&full[pp.stage]);
+        if (tid == 0)
+            moek_mbar_arrive(&full[pp.stage]);
     }
 }
 
@@ -578,14 +720,16 @@ __device__ __forceinline__ void release(uint64_t *empty, int s)
  * dependent global loads (measured: qwen3 T=4096 down GEMM 473 -> 348 us
  * without those loads); two buffers by item parity, one warpgroup barrier
  * per item. */
-template <typename T, int BN, int N, int CL>
+template <typename T, int BN, int N, int CL, int DEP>
 __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
                                         uint64_t *full, uint64_t *empty,
                                         int ncg, int split, const cta_span &sp,
                                         pipe_pos &pp, const int *sb,
                                         uint8_t *epi_buf, const moek_item *info)
 {
-    using C = tile_cfg<BN>;
+    using C = tile_cfg<BN, DEP>;
+    /* items from the producer's ring (ticketed, only it knows them) */
+    constexpr bool RING = handoff(BN, CL) || DEP == 2;
     const int tid = threadIdx.x, cw = (tid >> 7) - 1;
     const int warp = (tid >> 5) & 3, lane = tid & 31;
     float d[N / 2];
@@ -593,16 +737,21 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
     const bool comb = a.epi == MOEK_EPI_COMBINE || a.epi == MOEK_EPI_SLOT;
     int2 *stg_base = reinterpret_cast<int2 *>(empty + C::STAGES) + cw * 2 * BN;
     moek_item_src nx = {};
-    if constexpr (!handoff(BN, CL))
+    if constexpr (!RING)
         nx = sp.fetch_first(a, ncg, sb);
-    for (int idx = sp.first; idx < sp.end; idx += sp.step, pp.items++) {
+    for (int idx = sp.first; DEP == 2 || idx < sp.end;
+         idx += sp.step, pp.items++) {
         moek_item it;
-        if constexpr (handoff(BN, CL)) {
+        if constexpr (RING) {
             /* The producer wrote the item's entry before its first stage's
              * arrival: no decode here (it cost the consumers a third of
-             * qwen3 T=512's down GEMM, by ncu's samples). */
+             * qwen3 T=512's down GEMM, by ncu's samples). Ticketed, its end
+             * mark has no K blocks. */
             moek_mbar_wait(&full[pp.stage], pp.phase);
             it = info[pp.items % INFO_ITEMS];
+            if constexpr (DEP == 2)
+                if (it.kb0 >= it.kb1)
+                    break;
         } else {
             it = sp.take(a, ncg, split, idx, sb, nx); /* one item ahead */
         }
@@ -657,6 +806,10 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
             if (a.epi == MOEK_EPI_SWIGLU) {
                 epi_swiglu_staged<T, N>(a, it, d, cw,
                                         epi_buf + cw * EPI_ROWS * 64);
+                /* its stores went out before its last warpgroup barrier */
+                if constexpr (DEP == 1)
+                    if ((tid & 127) == 0)
+                        moek_dep_add(a.dep + it.g, 1);
                 continue;
             }
         }
@@ -692,6 +845,11 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
             moek_epi_pair<T>(a, it, R_lo, j * 8 + c0 + 1, d[j * 4 + 1],
                              d[j * 4 + 3]);
         }
+        if constexpr (DEP == 1) { /* every thread's stores before the count */
+            asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
+            if ((tid & 127) == 0)
+                moek_dep_add(a.dep + it.g, 1);
+        }
     }
 }
 #endif
@@ -717,14 +875,20 @@ template <int BN, typename F> __device__ __forceinline__ void each_class(F &&f)
 template <int CL>
 using tmaps_b_t = std::conditional_t<CL == 2, moek_tmaps, CUtensorMap>;
 
-template <typename T, int BN, int CL>
+template <typename T, int BN, int CL, int DEP>
 __global__ void __launch_bounds__(384, 1)
     gemm_wgmma_kernel(const __grid_constant__ CUtensorMap tmap,
                       const __grid_constant__ tmaps_b_t<CL> tmaps_b,
                       const moek_gemm_args a)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using C = tile_cfg<BN>;
+    /* moek_dep's modes: 1 counts (GEMM 1), 2 waits and takes tickets (GEMM
+     * 2), one class and no pairs (launch_t) */
+    static_assert(DEP == 0 || (CL == 1 && moek_classes(BN) == 1), "moek_dep");
+    if constexpr (DEP == 1) /* its count follows SWIGLU's stores only */
+        if (a.epi != MOEK_EPI_SWIGLU)
+            __trap();
+    using C = tile_cfg<BN, DEP>;
     constexpr int NC = moek_classes(BN);
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = reinterpret_cast<uint8_t *>(
@@ -763,8 +927,9 @@ __global__ void __launch_bounds__(384, 1)
      * token rows, the accumulator the consumers add into, and slot mode's
      * rows, which the consumers store over the copy of x GEMM 1 reads
      * (layer.cu). */
-    if (!a.early_a)
-        moek_pdl_wait();
+    if constexpr (DEP != 2) /* mode 2 waits per item instead */
+        if (!a.early_a)
+            moek_pdl_wait();
     moek_pdl_trigger();
 
     const int ncg = a.plan[MOEK_PLAN_NCG];
@@ -811,7 +976,8 @@ __global__ void __launch_bounds__(384, 1)
     pipe_pos pp = {0, 0, 0, 0};
     if (wg == 0) {
         int pre = 0;
-        if (a.early_a) {
+        /* ticketed, a CTA streams its own units at once */
+        if (DEP != 2 && a.early_a) {
             int items = 0;
             for (int c = 0; c < NC; c++)
                 pre = preissue<BN, CL>(a, &tmap, smem, full, ncg, split,
@@ -833,9 +999,9 @@ __global__ void __launch_bounds__(384, 1)
         } else {
             each_class<BN>([&](auto c) {
                 constexpr int J = decltype(c)::value;
-                produce<T, BN, moek_class_width(BN, J)>(
+                produce<T, BN, moek_class_width(BN, J), DEP>(
                     a, &tmap, smem, full, empty, ncg, split, span(J), pre, pp,
-                    sb, info);
+                    sb, info, cb[J], cb[J + 1], sk);
             });
         }
     } else {
@@ -843,12 +1009,22 @@ __global__ void __launch_bounds__(384, 1)
          * zeroes (and whose SLOT stores go where GEMM 1 may read its copy
          * of x), wait for GEMM 1 themselves, not only through the
          * producer's token loads; GEMM 1 (never early_a) waited above. */
-        if (a.early_a)
+        if constexpr (DEP == 2) { /* one thread polls, as in produce() */
+            if (tid == 128)
+                moek_dep_wait(a.dep + a.dep_zero, a.dep_ctas);
+            asm volatile("bar.sync 3, 256;" ::: "memory");
+        } else if (a.early_a) {
             moek_pdl_wait();
+        }
         moek_zero_acc(a, tid - 128, 256);
+        if constexpr (DEP == 1) { /* this CTA's slice of acc is zero */
+            asm volatile("bar.sync 3, 256;" ::: "memory");
+            if (tid == 128)
+                moek_dep_add(a.dep + a.dep_zero, 1);
+        }
         each_class<BN>([&](auto c) {
             constexpr int J = decltype(c)::value;
-            consume<T, BN, moek_class_width(BN, J), CL>(
+            consume<T, BN, moek_class_width(BN, J), CL, DEP>(
                 a, smem, full, empty, ncg, split, span(J), pp, sb, epi_buf,
                 info);
         });
@@ -857,16 +1033,21 @@ __global__ void __launch_bounds__(384, 1)
      * both are done. */
     if (CL == 2)
         cluster_sync();
+    /* Mode 2 ends after GEMM 1, as the kernels after it (which wait for
+     * this one) expect. */
+    if constexpr (DEP == 2)
+        moek_pdl_wait();
 #endif
 }
 
-template <typename T, int BN, int CL>
+template <typename T, int BN, int CL, int DEP = 0>
 cudaError_t launch_bn(const void *tmap, const tmaps_b_t<CL> &tmaps_b,
                       const moek_gemm_args &a, int grid, cudaStream_t stream,
                       bool pdl)
 {
-    return moek_launch_cl(gemm_wgmma_kernel<T, BN, CL>, dim3(grid), dim3(384),
-                          (size_t)tile_cfg<BN>::SMEM, stream, pdl, CL,
+    return moek_launch_cl(gemm_wgmma_kernel<T, BN, CL, DEP>, dim3(grid),
+                          dim3(384), (size_t)tile_cfg<BN, DEP>::SMEM, stream,
+                          pdl, CL,
                           *reinterpret_cast<const CUtensorMap *>(tmap),
                           tmaps_b, a);
 }
@@ -887,6 +1068,22 @@ cudaError_t launch_t(const void *tmap, const moek_tmaps *tb,
         }
     }
     const CUtensorMap &m = *reinterpret_cast<const CUtensorMap *>(tmap);
+    if (a.dep_mode == 1) { /* moek_dep: tiles of one class */
+        switch (a.bn) {
+        case 16: return launch_bn<T, 16, 1, 1>(tmap, m, a, grid, stream, pdl);
+        case 32: return launch_bn<T, 32, 1, 1>(tmap, m, a, grid, stream, pdl);
+        case 64: return launch_bn<T, 64, 1, 1>(tmap, m, a, grid, stream, pdl);
+        default: return cudaErrorInvalidValue;
+        }
+    }
+    if (a.dep_mode == 2) {
+        switch (a.bn) {
+        case 16: return launch_bn<T, 16, 1, 2>(tmap, m, a, grid, stream, pdl);
+        case 32: return launch_bn<T, 32, 1, 2>(tmap, m, a, grid, stream, pdl);
+        case 64: return launch_bn<T, 64, 1, 2>(tmap, m, a, grid, stream, pdl);
+        default: return cudaErrorInvalidValue;
+        }
+    }
     switch (a.bn) {
     case 16: return launch_bn<T, 16, 1>(tmap, m, a, grid, stream, pdl);
     case 32: return launch_bn<T, 32, 1>(tmap, m, a, grid, stream, pdl);
@@ -898,11 +1095,11 @@ cudaError_t launch_t(const void *tmap, const moek_tmaps *tb,
     }
 }
 
-template <typename T, int BN, int CL> cudaError_t prepare_bn()
+template <typename T, int BN, int CL, int DEP = 0> cudaError_t prepare_bn()
 {
-    return cudaFuncSetAttribute(gemm_wgmma_kernel<T, BN, CL>,
+    return cudaFuncSetAttribute(gemm_wgmma_kernel<T, BN, CL, DEP>,
                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                tile_cfg<BN>::SMEM);
+                                tile_cfg<BN, DEP>::SMEM);
 }
 
 template <typename T> cudaError_t prepare_t()
@@ -916,7 +1113,13 @@ template <typename T> cudaError_t prepare_t()
         (e = prepare_bn<T, 256, 1>()) != cudaSuccess ||
         (e = prepare_bn<T, 128, 2>()) != cudaSuccess ||
         (e = prepare_bn<T, 192, 2>()) != cudaSuccess ||
-        (e = prepare_bn<T, 256, 2>()) != cudaSuccess)
+        (e = prepare_bn<T, 256, 2>()) != cudaSuccess ||
+        (e = prepare_bn<T, 16, 1, 1>()) != cudaSuccess ||
+        (e = prepare_bn<T, 32, 1, 1>()) != cudaSuccess ||
+        (e = prepare_bn<T, 64, 1, 1>()) != cudaSuccess ||
+        (e = prepare_bn<T, 16, 1, 2>()) != cudaSuccess ||
+        (e = prepare_bn<T, 32, 1, 2>()) != cudaSuccess ||
+        (e = prepare_bn<T, 64, 1, 2>()) != cudaSuccess)
         return e;
     return cudaSuccess;
 }

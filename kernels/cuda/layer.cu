@@ -14,7 +14,10 @@
  *   3. GEMM 2 (inter . w2^T, times the routing weight, fp32 atomic adds into
  *      acc [T, H]; with few tiles split over K, or stream-K where every
  *      routing of the call would split: moe_stream_k); its weight loads
- *      start before GEMM 1 ends (early_a);
+ *      start before GEMM 1 ends (early_a), and (MOEK_CUDA_DEP=1) where
+ *      GEMM 1 fills the card it may start each group as soon as GEMM 1
+ *      has written that group's rows, not when the whole of GEMM 1 is
+ *      done (moek_dep, below);
  *   4. finalize: out = acc rounded to the dtype.
  * Slot mode (prefill tiles, moe_slots) replaces the accumulator: GEMM 2
  * stores each slot's row, times its routing weight, in the dtype at the
@@ -112,6 +115,8 @@ struct moe_ws {
     int *counts, *ids, *rank, *plan, *cg_group, *cg_start, *cg_count,
         *cg_before, *pos_token;
     int *slot_pos;
+    int *dep; /* moek_dep's counts: per group, then acc's slices, then
+                 GEMM 2's ticket */
     float *wts, *pos_weight, *acc;
     void *inter;
     /* [T k, H] in the dtype, or NULL: cluster mode's copy of x in slot
@@ -148,6 +153,7 @@ size_t carve_moe(const moek_moe_shape &s, moek_dtype dt, int T, bool rows,
     x.cg_start = c.take<int>(sizeof(int) * s.experts);
     x.cg_count = c.take<int>(sizeof(int) * s.experts);
     x.cg_before = c.take<int>(sizeof(int) * 2 * (s.experts + 1));
+    x.dep = c.take<int>(sizeof(int) * (s.experts + 2));
     x.pos_token = c.take<int>(sizeof(int) * slots);
     x.pos_weight = c.take<float>(sizeof(float) * slots);
     x.slot_pos = c.take<int>(sizeof(int) * slots);
@@ -628,6 +634,61 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     g1.cg_before = w.cg_before;
     g2.cg_before = w.cg_before + (E + 1);
 
+    /* Grid bounds: GEMM 1 has at most moe_pairs_max token tiles times its
+     * weight tiles; GEMM 2 may split, so it takes every SM. */
+    const long long items1 = moe_pairs_max(s, bn, T) * g1.n_tiles;
+    const int grid1 = (int)(items1 < L->sms ? items1 : L->sms);
+    /* GEMM 2's early weight loads pay when GEMM 1 fills every SM; when it
+     * leaves SMs idle (qwen3 T=1: 96 items) they cost about 3 us
+     * (RESULTS.md, run 6). */
+    if (items1 < L->sms)
+        g2.early_a = 0;
+    /* GEMM 2 starting per group (moek_dep). With PDL, GEMM 2's CTAs take
+     * each SM that GEMM 1 leaves, but a CTA's first stages were all it
+     * could load before GEMM 1 ended (griddepcontrol.wait waits for the
+     * whole grid), so in GEMM 1's last round, part of the card idled.
+     * Here GEMM 1 counts each group's items as their rows are stored and
+     * its CTAs as their slices of acc are zero (the routing kernel zeroed
+     * the counts), and GEMM 2 waits for those counts instead: for its
+     * item's group before it reads the group's rows, for every slice
+     * before its first add. GEMM 2's CTAs then take their items (or, in
+     * stream-K, parts of a CTA's share) from a counter, so those that
+     * start early do more of them (gemm_wgmma.cu, unit_span). No
+     * deadlock: GEMM 2 launches only once every GEMM 1 CTA has started
+     * (each triggers right after its wait for the routing kernel), and
+     * GEMM 1 waits for nothing of GEMM 2. That order is also what lets
+     * GEMM 2 read the plan and take tickets from the counter the routing
+     * kernel zeroed, before any wait of its own (as early_a's loads do). Tiles of one class only (below 128 rows), not in cluster or slot
+     * mode (GEMM 2's rows come through TMA, or overwrite what GEMM 1
+     * reads), nor without early weight loads; on only with
+     * MOEK_CUDA_DEP=1, until its kernel instances are measured as built.
+     * Where it paid on the H200 against the plain path in a build whose
+     * every call had slowed (kernels/bench/RESULTS.md, run 25; each mode
+     * is now its own kernel instance and the plain one compiles as before,
+     * so measure again): GEMM
+     * 2 items of at least DEP_MIN_KB K blocks, which hide a unit's take
+     * and decode (qwen3's 12 lost 1-2%); GEMM 2 in whole items (deepseek
+     * T=8 to 512 gained 1.3-3.2%, while mixtral's stream-K at T=8 and 64
+     * lost 1.5% and 0.6%); in stream-K, one token only, whose GEMM 1 item
+     * count is known, where GEMM 1's last round leaves a third of the SMs
+     * idle (mixtral T=1's 448 items on 132 SMs leave 80: 4.2% gained;
+     * deepseek T=1's 256 leave 8: 1.4% lost). */
+    constexpr int DEP_MIN_KB = 32;
+    const long long last1 = items1 % grid1;
+    const bool dep_pays =
+        g2.kblocks >= DEP_MIN_KB &&
+        (!g2.stream_k ||
+         (T == 1 && last1 != 0 && 3 * last1 <= 2LL * grid1));
+    if (wgmma && pdl && L->dep && g2.early_a && moek_classes(bn) == 1 &&
+        !cl2 && !slots && dep_pays) {
+        g1.dep_mode = 1;
+        g2.dep_mode = 2;
+        g1.dep = g2.dep = w.dep;
+        g2.dep_before = g1.cg_before;
+        g1.dep_zero = g2.dep_zero = E;
+        g2.dep_ctas = grid1;
+    }
+
     moek_route_args ra = {};
     ra.logits = logits ? routing->logits_dev : nullptr;
     ra.scoring = routing->scoring;
@@ -666,6 +727,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     aa.pos_token = w.pos_token;
     aa.pos_weight = w.pos_weight;
     aa.slot_pos = slots ? w.slot_pos : nullptr;
+    aa.dep = g2.dep_mode ? w.dep : nullptr; /* zeroed by the routing kernel */
     MOEK_CU(moek_launch_route(ra, aa, w.counts, st, pdl));
     if (cl) { /* a warp per row (8 per block), at most 4 blocks per SM */
         const int blocks = (T * k + 7) / 8, row16 = H * 2 / 16;
@@ -676,15 +738,6 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
                             row16));
     }
 
-    /* Grid bounds: GEMM 1 has at most moe_pairs_max token tiles times its
-     * weight tiles; GEMM 2 may split, so it takes every SM. */
-    const long long items1 = moe_pairs_max(s, bn, T) * g1.n_tiles;
-    const int grid1 = (int)(items1 < L->sms ? items1 : L->sms);
-    /* GEMM 2's early weight loads pay when GEMM 1 fills every SM; when it
-     * leaves SMs idle (qwen3 T=1: 96 items) they cost about 3 us
-     * (RESULTS.md, run 6). */
-    if (items1 < L->sms)
-        g2.early_a = 0;
     MOEK_CU(run_gemm(L->dt, wgmma, &L->tm13, g1, grid1, st, pdl,
                      cl ? &tb1 : nullptr));
     MOEK_CU(run_gemm(L->dt, wgmma, &L->tm2, g2, L->sms, st, pdl,

@@ -583,6 +583,15 @@ __device__ void align_warps(const moek_align_args &a, const int *counts,
     }
 }
 
+/* A CTA of the call zeroes the counts of moek_dep and GEMM 2's ticket for
+ * the GEMMs that follow (they run after this kernel). */
+__device__ __forceinline__ void zero_dep(const moek_align_args &aa)
+{
+    if (aa.dep)
+        for (int e = threadIdx.x; e <= aa.groups + 1; e += blockDim.x)
+            aa.dep[e] = 0;
+}
+
 /* A barrier of the CTA, or (NC > 1) of every CTA of its cluster. */
 template <int NC> __device__ __forceinline__ void cta_or_cluster_sync()
 {
@@ -630,6 +639,8 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
         rank = (int)cg::this_cluster().block_rank();
     moek_pdl_wait();
     moek_pdl_trigger();
+    if (rank == 0)
+        zero_dep(aa);
     const int G = aa.groups;
     for (int e = threadIdx.x; e < G; e += blockDim.x)
         s_counts[e] = 0;
@@ -706,6 +717,7 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
     __shared__ float s_w[32];
     moek_pdl_wait();
     moek_pdl_trigger();
+    zero_dep(aa);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int k = ra.topk, n = ra.tokens * k;
     if (warp < ra.tokens) {
@@ -801,6 +813,8 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
 {
     moek_pdl_wait();
     moek_pdl_trigger();
+    if (blockIdx.x == 0)
+        zero_dep(aa);
     /* One block: the whole list. More: block 0 the tile list, the others
      * the slot scatter, a part each. */
     if (blockIdx.x == 0)

@@ -17,8 +17,9 @@
  * and the NaN rule), bf16 and fp16, every token tile and the portable SIMT
  * path, slot mode (GEMM 2's rows per slot, summed by the finalize) and the
  * fp32 accumulator it replaces, decode GEMM 2 in stream-K and in K splits,
- * the routing cluster capped, a CUDA graph replayed on new data, the grouped GEMM with empty
- * groups, the token-tile table (refusals, the tile it picks, forwards through
+ * GEMM 2 starting per group (MOEK_CUDA_DEP=1) or after the whole of GEMM
+ * 1, the routing cluster capped, a CUDA graph replayed on new data, the
+ * grouped GEMM with empty groups, the token-tile table (refusals, the tile it picks, forwards through
  * it) and the autotuner, the row copy by kernel between pinned host
  * segments and the device, and the refusals (-ENOTSUP, -EINVAL, -ENOSPC,
  * -ENODEV).
@@ -924,6 +925,38 @@ TEST(moe_stream_k)
     env_restore("MOEK_CUDA_SPLIT_MIN_KB", min_kb);
 }
 
+/* GEMM 2 starting per group (moek_dep, layer.cu, on with MOEK_CUDA_DEP=1:
+ * where GEMM 1 fills the card and GEMM 2's items are long, each GEMM 2
+ * item waits for its group's GEMM 1 items, not for the whole of GEMM 1,
+ * and GEMM 2's CTAs take their work from a counter), then the same cases
+ * without the switch: 8
+ * tokens over 64 experts in 16-row tiles (2176 GEMM 1 items, whole GEMM 2
+ * items); one token whose 192 GEMM 1 items leave SMs idle in their last
+ * round (GEMM 2 in stream-K, top-4); 64 tokens in forced 64-row tiles with whole
+ * GEMM 2 items (the consumers take each from the producer), given routing
+ * and slots routed nowhere; both dtypes. The unit test's debug build
+ * poisons the workspace, so a GEMM 2 that read a group's rows before
+ * GEMM 1 wrote them would fail the check. */
+TEST(moe_dep_groups)
+{
+    need_gpu();
+    uint64_t rng = test_seed();
+    const moe_case cases[] = {
+        {{64, 8, 1024, 2048}, MOEK_DTYPE_BF16, 8, ROUTE_SOFTMAX, true, 0, 0,
+         {0, false}, false, false, NULL},
+        {{16, 4, 256, 3072}, MOEK_DTYPE_FP16, 1, ROUTE_SIGMOID, true, 0, 0,
+         {0, false}, false, false, NULL},
+        {{128, 8, 512, 2048}, MOEK_DTYPE_BF16, 64, ROUTE_GIVEN, false, 0, 32,
+         {64, false}, false, true, NULL},
+    };
+    for (int off = 0; off < 2; off++) {
+        char *keep = env_set("MOEK_CUDA_DEP", off ? NULL : "1");
+        for (size_t i = 0; i < ARRAY_LEN(cases); i++)
+            run_moe(&cases[i], &rng);
+        env_restore("MOEK_CUDA_DEP", keep);
+    }
+}
+
 /* set_tiles refuses bad tables (and keeps the old one), n = 0 clears, the
  * tile of a call follows the rule with the largest min_tokens <= T, a
  * forced tile wins; forwards with a table match the reference. */
@@ -1336,13 +1369,12 @@ TEST(moe_shards)
     run_shards(MOEK_CUDA_ROUTE_GIVEN, &rng);
 }
 
-/* A forward captured once in a CUDA graph, replayed over new inputs. */
-TEST(moe_graph_replay)
+/* A forward of T tokens on a layer of shape s (made with MOEK_CUDA_DEP=1
+ * when dep), captured once in a CUDA graph and replayed over new inputs. */
+static void graph_replay(moek_moe_shape s, int T, bool dep, uint64_t *rngp)
 {
-    need_gpu();
-    uint64_t rng = test_seed();
-    const moek_moe_shape s = {32, 4, 256, 128};
-    const int T = 8, E = s.experts, k = s.topk, H = s.hidden, I = s.intermediate;
+    uint64_t rng = test_rand(rngp);
+    const int E = s.experts, k = s.topk, H = s.hidden, I = s.intermediate;
     const moek_dtype dt = MOEK_DTYPE_BF16;
     const size_t ih = (size_t)I * H;
     char *w[3];
@@ -1351,7 +1383,9 @@ TEST(moe_graph_replay)
         host_fill(w[i], dt, 100 + i, 0, E * ih, 0.1f);
     }
     moek_cuda_moe_layer *layer = NULL;
+    char *keep = env_set("MOEK_CUDA_DEP", dep ? "1" : NULL);
     CK(moek_cuda_moe_layer_new(&s, dt, w[0], w[1], w[2], 0, &layer));
+    env_restore("MOEK_CUDA_DEP", keep);
     moek_cuda_workspace *ws = NULL;
     CK(moek_cuda_workspace_new(0, moek_cuda_moe_workspace_size(layer, T), &ws));
     void *x = dmalloc((size_t)T * H * 2), *out = dmalloc((size_t)T * H * 2),
@@ -1362,7 +1396,7 @@ TEST(moe_graph_replay)
     CK(moek_cuda_graph_begin(stream));
     CK(moek_cuda_fused_moe(layer, ws, x, &rt, T, out, stream));
     CK(moek_cuda_graph_end(stream, &graph));
-    for (int rep = 0; rep < 2; rep++) {
+    for (int rep = 0; rep < 3; rep++) {
         uint64_t seed = test_rand(&rng);
         CK(moek_cuda_fill_uniform(x, dt, (size_t)T * H, seed, 1.0f, stream));
         CK(moek_cuda_fill_uniform(lg, MOEK_DTYPE_FP32, (size_t)T * E, seed + 1,
@@ -1398,6 +1432,18 @@ TEST(moe_graph_replay)
     moek_cuda_free(lg);
     moek_cuda_workspace_free(ws);
     moek_cuda_moe_layer_free(layer);
+}
+
+/* Graph replays of a decode forward whose GEMM 1 leaves SMs idle (68
+ * items), and of one token with MOEK_CUDA_DEP=1 whose 192 GEMM 1 items
+ * leave a third of the SMs idle in their last round, where GEMM 2 starts
+ * per group on counts each replay's routing zeroes again. */
+TEST(moe_graph_replay)
+{
+    need_gpu();
+    uint64_t rng = test_seed();
+    graph_replay((moek_moe_shape){32, 4, 256, 128}, 8, false, &rng);
+    graph_replay((moek_moe_shape){16, 4, 256, 3072}, 1, true, &rng);
 }
 
 /* ---- grouped GEMM ------------------------------------------------------- */
@@ -1675,6 +1721,7 @@ int main(int argc, char **argv)
                          TEST_CASE_TIMEOUT(moe_decode_slots, 120),
                          TEST_CASE_TIMEOUT(moe_align_chunks, 120),
                          TEST_CASE_TIMEOUT(moe_mid_batches, 120),
+                         TEST_CASE_TIMEOUT(moe_dep_groups, 120),
                          TEST_CASE_TIMEOUT(moe_many_tokens_and_nan, 300),
                          TEST_CASE_TIMEOUT(moe_every_tile, 300),
                          TEST_CASE_TIMEOUT(moe_cluster_tiles, 300),
