@@ -420,80 +420,35 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
     using C = tile_cfg<BN, DEP>;
     const T *b = reinterpret_cast<const T *>(a.b);
     const int tid = threadIdx.x, c8 = tid & 7, r0 = tid >> 3;
-    if constexpr (DEP != 2) {
-        /* the loop of every other mode, as it was before mode 2 (one()
-         * here changed its PTX) */
-        moek_item_src nx = sp.fetch_first(a, ncg, sb);
-        for (int idx = sp.first; idx < sp.end; idx += sp.step, pp.items++) {
-            const moek_item it = sp.take(a, ncg, split, idx, sb, nx);
-            long long off[N / 16];
+    /* One item (DEP 2: once dep[it.g] reaches need). */
+    const auto one = [&](const moek_item &it, int need) {
+        long long off[N / 16];
 #pragma unroll
-            for (int i = 0; i < N / 16; i++) {
-                const int r = r0 + 16 * i;
-                off[i] = -1;
-                if (r < it.mlen) {
-                    const int p = it.pos + r;
-                    const int row = a.b_rows ? a.b_rows[p] : p;
-                    off[i] = (long long)row * a.ldb;
-                }
-            }
-            for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
-                uint8_t *sA = smem + pp.stage * C::STAGE;
-                uint8_t *sB = sA + A_BYTES;
-                if (pp.used >= pre) {
-                    moek_mbar_wait(&empty[pp.stage], pp.phase ^ 1);
-                    if (tid == 0) {
-                        /* The item's first stage: its entry goes before
-                         * the arrival (a release) the consumers wait on.
-                         * Pre-issued stages had theirs written by
-                         * preissue. */
-                        if (handoff(BN, 1) && kb == it.kb0)
-                            info[pp.items % INFO_ITEMS] = it;
-                        moek_mbar_expect_tx(&full[pp.stage], A_BYTES);
-                        load_w(a, tmap, sA, it, kb, &full[pp.stage]);
-                    }
-                }
-                const int kcol = kb * MOEK_KTILE + c8 * 8;
-                const bool kok = kcol < a.k;
-#pragma unroll
-                for (int i = 0; i < N / 16; i++) {
-                    const int r = r0 + 16 * i;
-                    const bool ok = kok && off[i] >= 0;
-                    const T *src = ok ? b + off[i] + kcol : b;
-                    cp_async_16(sB + r * 128 + ((c8 ^ (r & 7)) << 4), src,
-                                ok ? 16 : 0);
-                }
-                cp_async_arrive_noinc(&full[pp.stage]);
+        for (int i = 0; i < N / 16; i++) {
+            const int r = r0 + 16 * i;
+            off[i] = -1;
+            if (r < it.mlen) {
+                const int p = it.pos + r;
+                const int row = a.b_rows ? a.b_rows[p] : p;
+                off[i] = (long long)row * a.ldb;
             }
         }
-    } else {
-        /* One item, once dep[it.g] reaches need. */
-        const auto one = [&](const moek_item &it, int need) {
-            long long off[N / 16];
-#pragma unroll
-            for (int i = 0; i < N / 16; i++) {
-                const int r = r0 + 16 * i;
-                off[i] = -1;
-                if (r < it.mlen) {
-                    const int p = it.pos + r;
-                    const int row = a.b_rows ? a.b_rows[p] : p;
-                    off[i] = (long long)row * a.ldb;
+        for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
+            uint8_t *sA = smem + pp.stage * C::STAGE;
+            uint8_t *sB = sA + A_BYTES;
+            if (pp.used >= pre) {
+                moek_mbar_wait(&empty[pp.stage], pp.phase ^ 1);
+                if (tid == 0) {
+                    /* The item's first stage: its entry goes before the
+                     * arrival (a release) the consumers wait on. Pre-issued
+                     * stages had theirs written by preissue. */
+                    if ((handoff(BN, 1) || DEP == 2) && kb == it.kb0)
+                        info[pp.items % INFO_ITEMS] = it;
+                    moek_mbar_expect_tx(&full[pp.stage], A_BYTES);
+                    load_w(a, tmap, sA, it, kb, &full[pp.stage]);
                 }
             }
-            for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
-                uint8_t *sA = smem + pp.stage * C::STAGE;
-                uint8_t *sB = sA + A_BYTES;
-                if (pp.used >= pre) {
-                    moek_mbar_wait(&empty[pp.stage], pp.phase ^ 1);
-                    if (tid == 0) {
-                        /* the item's entry, before its first stage's
-                         * arrival; the ring at every width */
-                        if (kb == it.kb0)
-                            info[pp.items % INFO_ITEMS] = it;
-                        moek_mbar_expect_tx(&full[pp.stage], A_BYTES);
-                        load_w(a, tmap, sA, it, kb, &full[pp.stage]);
-                    }
-                }
+            if constexpr (DEP == 2) {
                 /* the item's rows are GEMM 1's output for its group: one
                  * thread polls, the barrier passes its acquire on */
                 if (kb == it.kb0) {
@@ -501,19 +456,25 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
                         moek_dep_wait(a.dep + it.g, need);
                     asm volatile("bar.sync 4, 128;" ::: "memory");
                 }
-                const int kcol = kb * MOEK_KTILE + c8 * 8;
-                const bool kok = kcol < a.k;
-#pragma unroll
-                for (int i = 0; i < N / 16; i++) {
-                    const int r = r0 + 16 * i;
-                    const bool ok = kok && off[i] >= 0;
-                    const T *src = ok ? b + off[i] + kcol : b;
-                    cp_async_16(sB + r * 128 + ((c8 ^ (r & 7)) << 4), src,
-                                ok ? 16 : 0);
-                }
-                cp_async_arrive_noinc(&full[pp.stage]);
             }
-        };
+            const int kcol = kb * MOEK_KTILE + c8 * 8;
+            const bool kok = kcol < a.k;
+#pragma unroll
+            for (int i = 0; i < N / 16; i++) {
+                const int r = r0 + 16 * i;
+                const bool ok = kok && off[i] >= 0;
+                const T *src = ok ? b + off[i] + kcol : b;
+                cp_async_16(sB + r * 128 + ((c8 ^ (r & 7)) << 4), src,
+                            ok ? 16 : 0);
+            }
+            cp_async_arrive_noinc(&full[pp.stage]);
+        }
+    };
+    if constexpr (DEP != 2) {
+        moek_item_src nx = sp.fetch_first(a, ncg, sb);
+        for (int idx = sp.first; idx < sp.end; idx += sp.step, pp.items++)
+            one(sp.take(a, ncg, split, idx, sb, nx), 0);
+    } else {
         /* Thread 0 takes the units for the warpgroup and passes each on
          * through shared memory (the second barrier keeps the next from
          * overwriting it before all have read it). It takes the next unit
