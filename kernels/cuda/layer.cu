@@ -658,21 +658,22 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
      * (each triggers right after its wait for the routing kernel), and
      * GEMM 1 waits for nothing of GEMM 2. That order is also what lets
      * GEMM 2 read the plan and take tickets from the counter the routing
-     * kernel zeroed, before any wait of its own (as early_a's loads do). Tiles of one class only (below 128 rows), not in cluster or slot
+     * kernel zeroed, before any wait of its own (as early_a's loads do).
+     * Tiles of one class only (below 128 rows), not in cluster or slot
      * mode (GEMM 2's rows come through TMA, or overwrite what GEMM 1
      * reads), nor without early weight loads; on only with
      * MOEK_CUDA_DEP=1, until its kernel instances are measured as built.
-     * Where it paid on the H200 against the plain path in a build whose
+     * Where it paid on the H200 against the plain path, in a build whose
      * every call had slowed (kernels/bench/RESULTS.md, run 25; each mode
-     * is now its own kernel instance and the plain one compiles as before,
-     * so measure again): GEMM
-     * 2 items of at least DEP_MIN_KB K blocks, which hide a unit's take
-     * and decode (qwen3's 12 lost 1-2%); GEMM 2 in whole items (deepseek
-     * T=8 to 512 gained 1.3-3.2%, while mixtral's stream-K at T=8 and 64
-     * lost 1.5% and 0.6%); in stream-K, one token only, whose GEMM 1 item
-     * count is known, where GEMM 1's last round leaves a third of the SMs
-     * idle (mixtral T=1's 448 items on 132 SMs leave 80: 4.2% gained;
-     * deepseek T=1's 256 leave 8: 1.4% lost). */
+     * is now its own kernel instance and the plain one compiles as
+     * before, so measure again): GEMM 2 items of at least DEP_MIN_KB K
+     * blocks, which hide a unit's take and decode (qwen3's 12 lost 1-2%);
+     * GEMM 2 in whole items (deepseek T=8 to 512 gained 1.3-3.2%, while
+     * mixtral's stream-K at T=8 and 64 lost 1.5% and 0.6%); in stream-K,
+     * one token only, whose GEMM 1 item count is known, where GEMM 1's
+     * last round leaves a third of the SMs idle (mixtral T=1's 448 items
+     * on 132 SMs leave 80: 4.2% gained; deepseek T=1's 256 leave 8: 1.4%
+     * lost). */
     constexpr int DEP_MIN_KB = 32;
     const long long last1 = items1 % grid1;
     const bool dep_pays =
