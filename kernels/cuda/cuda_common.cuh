@@ -167,20 +167,22 @@ struct moek_gemm_args {
      * starts (moek_zero_acc): zero_n4 float4s at zero, or none. */
     float4 *zero;
     size_t zero_n4;
-    /* GEMM 2 starting per group (moek_dep, layer.cu): dep_mode 1, GEMM 1
-     * counts in dep[g] the consumer warpgroups done with group g's items
-     * (two per item) and in dep[dep_zero] its CTAs done zeroing acc;
-     * dep_mode 2, GEMM 2 waits for group g's count (twice its compact
-     * group's items in dep_before, GEMM 1's cg_before) before it reads the
-     * group's rows, and for dep_ctas zeroed slices before its first add;
-     * its CTAs take their work from the counter dep[dep_zero + 1]
-     * (gemm_wgmma.cu, unit_span). 0: neither. Each mode is its own kernel
-     * instance (gemm_wgmma.cu), so mode 0 runs the code it ran before. */
+    /* GEMM 2 starting per group (moek_dep, layer.cu; dep laid out as
+     * MOEK_DEP_*): dep_mode 1, GEMM 1 counts the consumer warpgroups done
+     * with each group's items (two per item) and its CTAs done zeroing acc;
+     * dep_mode 2, GEMM 2 waits for a group's count (twice its token tiles
+     * times dep_tiles, GEMM 1's weight tiles) before it reads the group's
+     * rows, and for dep_ctas zeroed slices before its first add; its CTAs
+     * take their work from the ticket (gemm_wgmma.cu, unit_span). 0:
+     * neither. Each mode is its own kernel instance (gemm_wgmma.cu), so
+     * mode 0 runs the code it ran before. */
     int dep_mode;
     int *dep;
-    const int *dep_before;
-    int dep_zero, dep_ctas;
+    int dep_tiles, dep_ctas;
 };
+/* moek_dep's counts (layer.cu's workspace, zeroed by the routing kernel):
+ * GEMM 1's CTAs done zeroing acc, GEMM 2's ticket, then one per group. */
+enum { MOEK_DEP_ZEROED = 0, MOEK_DEP_TICKET = 1, MOEK_DEP_GROUP = 2 };
 
 /* Tiled weights: every 128-row x 64-column block of a group's weights is
  * one contiguous 16 KB block in the exact shared-memory image a 128-byte
@@ -223,8 +225,7 @@ struct moek_item_src {
  * next item before streaming the current one does not wait for them. */
 __device__ __forceinline__ moek_item_src moek_fetch_item(const moek_gemm_args &a,
                                                          int ncg, int idx,
-                                                         const int *sbefore = nullptr,
-                                                         int *compact = nullptr)
+                                                         const int *sbefore = nullptr)
 {
     /* A generic pointer: shared memory or the global list. */
     const int *before = sbefore ? sbefore : a.cg_before;
@@ -237,8 +238,6 @@ __device__ __forceinline__ moek_item_src moek_fetch_item(const moek_gemm_args &a
             hi = mid;
     }
     moek_item_src f;
-    if (compact) /* a field of moek_item_src changed its callers' PTX */
-        *compact = lo;
     f.l = idx - before[lo];
     f.cnt = __ldg(a.cg_count + lo);
     f.g = __ldg(a.cg_group + lo);
@@ -428,47 +427,6 @@ __device__ __forceinline__ void moek_zero_acc(const moek_gemm_args &a, int t,
         a.zero[i] = z;
 }
 
-/*
- * moek_dep (GEMM 2 starting per group; layer.cu says where): a count in
- * global memory that one kernel adds to after its stores and a later one
- * waits on before its reads. moek_dep_add: the caller's group of threads
- * has finished its stores and met at a barrier; one thread of it adds.
- * moek_dep_wait: until *p >= v, by an acquire load (L1 never holds the
- * count); MOEK_WATCHDOG builds trap after 4 s, as moek_mbar_wait does.
- */
-__device__ __forceinline__ void moek_dep_add(int *p, int v)
-{
-    /* the release pattern: a fence, then the add; the barrier before put
-     * the group's stores ahead of this thread's fence */
-    asm volatile("fence.acq_rel.gpu;\n\t"
-                 "red.relaxed.gpu.global.add.s32 [%0], %1;" ::"l"(p),
-                 "r"(v)
-                 : "memory");
-}
-__device__ __forceinline__ void moek_dep_wait(const int *p, int v)
-{
-#ifdef MOEK_WATCHDOG
-    uint64_t t0 = 0;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-#endif
-    for (;;) {
-        int n;
-        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];"
-                     : "=r"(n)
-                     : "l"(p)
-                     : "memory");
-        if (n >= v)
-            return;
-        __nanosleep(100);
-#ifdef MOEK_WATCHDOG
-        uint64_t t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        if (t - t0 > 4000000000ull)
-            __trap();
-#endif
-    }
-}
-
 /* Programmatic dependent launch: wait for the previous kernel in the stream
  * (a no-op when the launch had no programmatic dependency), and let the next
  * one start its prologue. */
@@ -499,6 +457,17 @@ int moek_cuda_refuse(int err, const char *fmt, ...)
             return moek_cuda_fail(e_, #call);                                 \
     } while (0)
 
+/* A launch attribute: clusters of n CTAs along x. */
+static inline cudaLaunchAttribute moek_cluster_attr(int n)
+{
+    cudaLaunchAttribute at = {};
+    at.id = cudaLaunchAttributeClusterDimension;
+    at.val.clusterDim.x = (unsigned)n;
+    at.val.clusterDim.y = 1;
+    at.val.clusterDim.z = 1;
+    return at;
+}
+
 /* Launch with the programmatic-dependency attribute when pdl is set, in
  * clusters of `cluster` CTAs along x when it is above 1. */
 template <typename... KArgs, typename... Args>
@@ -519,13 +488,8 @@ static inline cudaError_t moek_launch_cl(void (*kernel)(KArgs...), dim3 grid,
         attr[n].val.programmaticStreamSerializationAllowed = 1;
         n++;
     }
-    if (cluster > 1) {
-        attr[n].id = cudaLaunchAttributeClusterDimension;
-        attr[n].val.clusterDim.x = (unsigned)cluster;
-        attr[n].val.clusterDim.y = 1;
-        attr[n].val.clusterDim.z = 1;
-        n++;
-    }
+    if (cluster > 1)
+        attr[n++] = moek_cluster_attr(cluster);
     cfg.attrs = attr;
     cfg.numAttrs = n;
     return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
@@ -626,7 +590,8 @@ struct moek_align_args {
     int *pos_token;
     float *pos_weight;
     int *slot_pos; /* slot -> its sorted position, -1 routed nowhere; or NULL */
-    int *dep; /* moek_gemm_args.dep, [groups + 2], zeroed here; or NULL */
+    int *dep; /* moek_gemm_args.dep, MOEK_DEP_GROUP + groups, zeroed
+                 here; or NULL */
 };
 cudaError_t moek_launch_route(const moek_route_args &ra,
                               const moek_align_args &aa, int *counts_dev,

@@ -92,6 +92,12 @@ __host__ __device__ constexpr bool handoff(int bn, int cl)
 {
     return cl == 1 && bn >= 64;
 }
+/* Whether the consumers take their items from the ring: handoff(), or
+ * ticketed GEMM 2 (moek_dep mode 2), whose items only the producer knows. */
+__host__ __device__ constexpr bool ring(int bn, int cl, int dep)
+{
+    return handoff(bn, cl) || dep == 2;
+}
 
 /* DEP: the kernel's moek_dep mode (moek_gemm_args.dep_mode); ticketed
  * GEMM 2 (mode 2) has the item ring at every width, and its ticket. */
@@ -104,9 +110,9 @@ template <int BN, int DEP = 0> struct tile_cfg {
     /* SWIGLU's output staging (tiles of 128 rows and wider, where it costs
      * no stage): per consumer, 128 token rows of its 32 features. */
     static constexpr int EPI_BYTES = BN >= 128 ? 2 * EPI_ROWS * 64 : 0;
-    /* the item ring of handoff() or of mode 2, then mode 2's ticket */
+    /* the item ring (ring()), then mode 2's ticket */
     static constexpr int INFO =
-        DEP == 2 ? INFO_BYTES + 16 : handoff(BN, 1) ? INFO_BYTES : 0;
+        (ring(BN, 1, DEP) ? INFO_BYTES : 0) + (DEP == 2 ? 16 : 0);
     static constexpr int FIT =
         (SMEM_MAX - 2048 - STG_BYTES - SB_BYTES - EPI_BYTES - INFO) / STAGE;
     static constexpr int STAGES = FIT > 12 ? 12 : FIT;
@@ -300,6 +306,22 @@ struct cta_span {
     }
 };
 
+/* Share u of n of the class's (item, K block) sequence [c0, c1) x kblocks:
+ * the K blocks [u, u + 1) x total / n, over the items they touch. */
+__device__ __forceinline__ cta_span k_share(int c0, int c1, int kblocks,
+                                           unsigned u, unsigned n)
+{
+    cta_span s;
+    s.c0 = c0;
+    const long long total = (long long)(c1 - c0) * kblocks;
+    s.lo = total * u / n;
+    s.hi = total * (u + 1) / n;
+    s.first = c0 + (int)(s.lo / kblocks);
+    s.end = s.lo < s.hi ? c0 + (int)((s.hi + kblocks - 1) / kblocks) : s.first;
+    s.step = 1;
+    return s;
+}
+
 __device__ __forceinline__ cta_span class_span(int c0, int c1, bool sk,
                                                int kblocks)
 {
@@ -313,13 +335,7 @@ __device__ __forceinline__ cta_span class_span(int c0, int c1, bool sk,
         s.hi = 0;
         return s;
     }
-    const long long total = (long long)(c1 - c0) * kblocks;
-    s.lo = total * blockIdx.x / gridDim.x;
-    s.hi = total * (blockIdx.x + 1) / gridDim.x;
-    s.first = c0 + (int)(s.lo / kblocks);
-    s.end = s.lo < s.hi ? c0 + (int)((s.hi + kblocks - 1) / kblocks) : s.first;
-    s.step = 1;
-    return s;
+    return k_share(c0, c1, kblocks, blockIdx.x, gridDim.x);
 }
 
 /*
@@ -338,21 +354,15 @@ __device__ __forceinline__ int unit_count(int c0, int c1, bool sk)
 __device__ __forceinline__ cta_span unit_span(int c0, int c1, bool sk,
                                               int kblocks, int u, int n)
 {
+    if (sk)
+        return k_share(c0, c1, kblocks, (unsigned)u, (unsigned)n);
     cta_span s;
     s.c0 = c0;
+    s.first = c0 + u;
+    s.end = s.first + 1;
     s.step = 1;
-    if (!sk) {
-        s.first = c0 + u;
-        s.end = s.first + 1;
-        s.lo = -1;
-        s.hi = 0;
-        return s;
-    }
-    const long long total = (long long)(c1 - c0) * kblocks;
-    s.lo = total * u / n;
-    s.hi = total * (u + 1) / n;
-    s.first = c0 + (int)(s.lo / kblocks);
-    s.end = s.lo < s.hi ? c0 + (int)((s.hi + kblocks - 1) / kblocks) : s.first;
+    s.lo = -1;
+    s.hi = 0;
     return s;
 }
 
@@ -442,7 +452,7 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
                     /* The item's first stage: its entry goes before the
                      * arrival (a release) the consumers wait on. Pre-issued
                      * stages had theirs written by preissue. */
-                    if ((handoff(BN, 1) || DEP == 2) && kb == it.kb0)
+                    if (ring(BN, 1, DEP) && kb == it.kb0)
                         info[pp.items % INFO_ITEMS] = it;
                     moek_mbar_expect_tx(&full[pp.stage], A_BYTES);
                     load_w(a, tmap, sA, it, kb, &full[pp.stage]);
@@ -453,7 +463,7 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
                  * thread polls, the barrier passes its acquire on */
                 if (kb == it.kb0) {
                     if (tid == 0)
-                        moek_dep_wait(a.dep + it.g, need);
+                        moek_dep_wait(a.dep + MOEK_DEP_GROUP + it.g, need);
                     asm volatile("bar.sync 4, 128;" ::: "memory");
                 }
             }
@@ -480,7 +490,7 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
          * overwriting it before all have read it). It takes the next unit
          * as this one starts, so the add's round trip passes meanwhile. */
         int *ticket = reinterpret_cast<int *>(info + INFO_ITEMS);
-        int *counter = a.dep + a.dep_zero + 1;
+        int *counter = a.dep + MOEK_DEP_TICKET;
         const int n = unit_count(c0, c1, sk);
         if (tid == 0)
             *ticket = atomicAdd(counter, 1);
@@ -495,13 +505,13 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
                 next = atomicAdd(counter, 1);
             const cta_span us = unit_span(c0, c1, sk, a.kblocks, u, n);
             for (int idx = us.first; idx < us.end; idx++, pp.items++) {
-                int c = 0; /* the compact group */
-                const moek_item_src f = moek_fetch_item(a, ncg, idx, sb, &c);
+                const moek_item_src f = moek_fetch_item(a, ncg, idx, sb);
                 moek_item it = moek_item_from(a, split, f);
                 us.clip(it, idx, a.kblocks);
-                /* GEMM 1's two consumer warpgroups count each item */
-                one(it, 2 * (__ldg(a.dep_before + c + 1) -
-                             __ldg(a.dep_before + c)));
+                /* GEMM 1's two consumer warpgroups count each of the
+                 * group's items: its token tiles (the same tile as here)
+                 * times GEMM 1's weight tiles (GEMM 1 never splits K) */
+                one(it, 2 * moek_token_tiles(f.cnt, a.bn) * a.dep_tiles);
             }
             if (tid == 0)
                 *ticket = next;
@@ -689,8 +699,7 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
                                         uint8_t *epi_buf, const moek_item *info)
 {
     using C = tile_cfg<BN, DEP>;
-    /* items from the producer's ring (ticketed, only it knows them) */
-    constexpr bool RING = handoff(BN, CL) || DEP == 2;
+    constexpr bool RING = ring(BN, CL, DEP);
     const int tid = threadIdx.x, cw = (tid >> 7) - 1;
     const int warp = (tid >> 5) & 3, lane = tid & 31;
     float d[N / 2];
@@ -770,7 +779,7 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
                 /* its stores went out before its last warpgroup barrier */
                 if constexpr (DEP == 1)
                     if ((tid & 127) == 0)
-                        moek_dep_add(a.dep + it.g, 1);
+                        moek_dep_add(a.dep + MOEK_DEP_GROUP + it.g, 1);
                 continue;
             }
         }
@@ -809,7 +818,7 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
         if constexpr (DEP == 1) { /* every thread's stores before the count */
             asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
             if ((tid & 127) == 0)
-                moek_dep_add(a.dep + it.g, 1);
+                moek_dep_add(a.dep + MOEK_DEP_GROUP + it.g, 1);
         }
     }
 }
@@ -972,7 +981,7 @@ __global__ void __launch_bounds__(384, 1)
          * producer's token loads; GEMM 1 (never early_a) waited above. */
         if constexpr (DEP == 2) { /* one thread polls, as in produce() */
             if (tid == 128)
-                moek_dep_wait(a.dep + a.dep_zero, a.dep_ctas);
+                moek_dep_wait(a.dep + MOEK_DEP_ZEROED, a.dep_ctas);
             asm volatile("bar.sync 3, 256;" ::: "memory");
         } else if (a.early_a) {
             moek_pdl_wait();
@@ -981,7 +990,7 @@ __global__ void __launch_bounds__(384, 1)
         if constexpr (DEP == 1) { /* this CTA's slice of acc is zero */
             asm volatile("bar.sync 3, 256;" ::: "memory");
             if (tid == 128)
-                moek_dep_add(a.dep + a.dep_zero, 1);
+                moek_dep_add(a.dep + MOEK_DEP_ZEROED, 1);
         }
         each_class<BN>([&](auto c) {
             constexpr int J = decltype(c)::value;
@@ -1013,6 +1022,19 @@ cudaError_t launch_bn(const void *tmap, const tmaps_b_t<CL> &tmaps_b,
                           tmaps_b, a);
 }
 
+/* moek_dep's instances: tiles of one class, no pairs. */
+template <typename T, int DEP>
+cudaError_t launch_dep(const CUtensorMap &m, const moek_gemm_args &a,
+                       int grid, cudaStream_t stream, bool pdl)
+{
+    switch (a.bn) {
+    case 16: return launch_bn<T, 16, 1, DEP>(&m, m, a, grid, stream, pdl);
+    case 32: return launch_bn<T, 32, 1, DEP>(&m, m, a, grid, stream, pdl);
+    case 64: return launch_bn<T, 64, 1, DEP>(&m, m, a, grid, stream, pdl);
+    default: return cudaErrorInvalidValue;
+    }
+}
+
 template <typename T>
 cudaError_t launch_t(const void *tmap, const moek_tmaps *tb,
                      const moek_gemm_args &a, int grid, cudaStream_t stream,
@@ -1029,22 +1051,10 @@ cudaError_t launch_t(const void *tmap, const moek_tmaps *tb,
         }
     }
     const CUtensorMap &m = *reinterpret_cast<const CUtensorMap *>(tmap);
-    if (a.dep_mode == 1) { /* moek_dep: tiles of one class */
-        switch (a.bn) {
-        case 16: return launch_bn<T, 16, 1, 1>(tmap, m, a, grid, stream, pdl);
-        case 32: return launch_bn<T, 32, 1, 1>(tmap, m, a, grid, stream, pdl);
-        case 64: return launch_bn<T, 64, 1, 1>(tmap, m, a, grid, stream, pdl);
-        default: return cudaErrorInvalidValue;
-        }
-    }
-    if (a.dep_mode == 2) {
-        switch (a.bn) {
-        case 16: return launch_bn<T, 16, 1, 2>(tmap, m, a, grid, stream, pdl);
-        case 32: return launch_bn<T, 32, 1, 2>(tmap, m, a, grid, stream, pdl);
-        case 64: return launch_bn<T, 64, 1, 2>(tmap, m, a, grid, stream, pdl);
-        default: return cudaErrorInvalidValue;
-        }
-    }
+    if (a.dep_mode == 1)
+        return launch_dep<T, 1>(m, a, grid, stream, pdl);
+    if (a.dep_mode == 2)
+        return launch_dep<T, 2>(m, a, grid, stream, pdl);
     switch (a.bn) {
     case 16: return launch_bn<T, 16, 1>(tmap, m, a, grid, stream, pdl);
     case 32: return launch_bn<T, 32, 1>(tmap, m, a, grid, stream, pdl);
@@ -1063,6 +1073,15 @@ template <typename T, int BN, int CL, int DEP = 0> cudaError_t prepare_bn()
                                 tile_cfg<BN, DEP>::SMEM);
 }
 
+template <typename T, int DEP> cudaError_t prepare_dep()
+{
+    cudaError_t e;
+    if ((e = prepare_bn<T, 16, 1, DEP>()) != cudaSuccess ||
+        (e = prepare_bn<T, 32, 1, DEP>()) != cudaSuccess)
+        return e;
+    return prepare_bn<T, 64, 1, DEP>();
+}
+
 template <typename T> cudaError_t prepare_t()
 {
     cudaError_t e;
@@ -1075,12 +1094,8 @@ template <typename T> cudaError_t prepare_t()
         (e = prepare_bn<T, 128, 2>()) != cudaSuccess ||
         (e = prepare_bn<T, 192, 2>()) != cudaSuccess ||
         (e = prepare_bn<T, 256, 2>()) != cudaSuccess ||
-        (e = prepare_bn<T, 16, 1, 1>()) != cudaSuccess ||
-        (e = prepare_bn<T, 32, 1, 1>()) != cudaSuccess ||
-        (e = prepare_bn<T, 64, 1, 1>()) != cudaSuccess ||
-        (e = prepare_bn<T, 16, 1, 2>()) != cudaSuccess ||
-        (e = prepare_bn<T, 32, 1, 2>()) != cudaSuccess ||
-        (e = prepare_bn<T, 64, 1, 2>()) != cudaSuccess)
+        (e = prepare_dep<T, 1>()) != cudaSuccess ||
+        (e = prepare_dep<T, 2>()) != cudaSuccess)
         return e;
     return cudaSuccess;
 }

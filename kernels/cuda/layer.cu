@@ -73,6 +73,12 @@ bool moe_wgmma(const moek_cuda_moe_layer *L)
     return L->cc == 90 && !L->tune.generic;
 }
 
+/* GEMM 1's weight tiles per expert (gate and up rows together). */
+int moe_tiles1(const moek_cuda_moe_layer *L)
+{
+    return (2 * L->shape.intermediate + MOEK_WTILE - 1) / MOEK_WTILE;
+}
+
 /* GEMM 2's weight tiles and K blocks per expert. */
 int moe_tiles2(const moek_cuda_moe_layer *L)
 {
@@ -90,6 +96,14 @@ long long moe_pairs_max(const moek_moe_shape &s, int bn, int T)
 {
     const long long slots = (long long)T * s.topk;
     return (slots < s.experts ? slots : s.experts) + slots / bn;
+}
+
+/* GEMM 1's grid: at most moe_pairs_max token tiles times its weight tiles,
+ * and every SM. */
+int moe_grid1(const moek_cuda_moe_layer *L, int bn, int T)
+{
+    const long long items1 = moe_pairs_max(L->shape, bn, T) * moe_tiles1(L);
+    return (int)(items1 < L->sms ? items1 : L->sms);
 }
 
 /* The tile of a forward of T tokens: one tile on the SIMT path; else the
@@ -115,8 +129,7 @@ struct moe_ws {
     int *counts, *ids, *rank, *plan, *cg_group, *cg_start, *cg_count,
         *cg_before, *pos_token;
     int *slot_pos;
-    int *dep; /* moek_dep's counts: per group, then acc's slices, then
-                 GEMM 2's ticket */
+    int *dep; /* moek_dep's counts (MOEK_DEP_*) */
     float *wts, *pos_weight, *acc;
     void *inter;
     /* [T k, H] in the dtype, or NULL: cluster mode's copy of x in slot
@@ -153,7 +166,7 @@ size_t carve_moe(const moek_moe_shape &s, moek_dtype dt, int T, bool rows,
     x.cg_start = c.take<int>(sizeof(int) * s.experts);
     x.cg_count = c.take<int>(sizeof(int) * s.experts);
     x.cg_before = c.take<int>(sizeof(int) * 2 * (s.experts + 1));
-    x.dep = c.take<int>(sizeof(int) * (s.experts + 2));
+    x.dep = c.take<int>(sizeof(int) * (MOEK_DEP_GROUP + s.experts));
     x.pos_token = c.take<int>(sizeof(int) * slots);
     x.pos_weight = c.take<float>(sizeof(float) * slots);
     x.slot_pos = c.take<int>(sizeof(int) * slots);
@@ -382,6 +395,53 @@ bool moe_stream_k(const moek_cuda_moe_layer *L, int bn, int T)
            moe_kblocks2(L) / L->split_min_kb >= 2;
 }
 
+/*
+ * GEMM 2 starting per group (moek_dep), for a call with PDL. With PDL,
+ * GEMM 2's CTAs take each SM that GEMM 1 leaves, but a CTA's first stages
+ * were all it could load before GEMM 1 ended (griddepcontrol.wait waits for the
+ * whole grid), so in GEMM 1's last round, part of the card idled.
+ * Here GEMM 1 counts each group's items as their rows are stored and
+ * its CTAs as their slices of acc are zero (the routing kernel zeroed
+ * the counts), and GEMM 2 waits for those counts instead: for its
+ * item's group before it reads the group's rows, for every slice
+ * before its first add. GEMM 2's CTAs then take their items (or, in
+ * stream-K, parts of a CTA's share) from a counter, so those that
+ * start early do more of them (gemm_wgmma.cu, unit_span). No
+ * deadlock: GEMM 2 launches only once every GEMM 1 CTA has started
+ * (each triggers right after its wait for the routing kernel), and
+ * GEMM 1 waits for nothing of GEMM 2. That order is also what lets
+ * GEMM 2 read the plan and take tickets from the counter the routing
+ * kernel zeroed, before any wait of its own (as early_a's loads do).
+ * Tiles of one class only (below 128 rows), not in cluster or slot
+ * mode (GEMM 2's rows come through TMA, or overwrite what GEMM 1
+ * reads), nor without early weight loads; on only with
+ * MOEK_CUDA_DEP=1, until its kernel instances are measured as built.
+ * Where it paid on the H200 against the plain path, in a build whose
+ * every call had slowed (kernels/bench/RESULTS.md, run 25; each mode
+ * is now its own kernel instance and the plain one compiles as
+ * before, so measure again): GEMM 2 items of at least DEP_MIN_KB K
+ * blocks, which hide a unit's take and decode (qwen3's 12 lost 1-2%);
+ * GEMM 2 in whole items (deepseek T=8 to 512 gained 1.3-3.2%, while
+ * mixtral's stream-K at T=8 and 64 lost 1.5% and 0.6%); in stream-K,
+ * one token only, whose GEMM 1 item count is known, where GEMM 1's
+ * last round leaves a third of the SMs idle (mixtral T=1's 448 items
+ * on 132 SMs leave 80: 4.2% gained; deepseek T=1's 256 leave 8: 1.4%
+ * lost).
+ */
+constexpr int DEP_MIN_KB = 32;
+bool moe_dep(const moek_cuda_moe_layer *L, int bn, int T)
+{
+    const int grid1 = moe_grid1(L, bn, T);
+    if (!moe_wgmma(L) || !L->dep || !L->early || grid1 < L->sms ||
+        moek_classes(bn) != 1 || moe_cluster(L, bn, T) != MOEK_CLUSTER_NONE ||
+        moe_slots(L, bn, T) || moe_kblocks2(L) < DEP_MIN_KB)
+        return false;
+    const long long last1 =
+        moe_pairs_max(L->shape, bn, T) * moe_tiles1(L) % grid1;
+    return !moe_stream_k(L, bn, T) ||
+           (T == 1 && last1 != 0 && 3 * last1 <= 2LL * grid1);
+}
+
 } // namespace
 
 int moek_cuda_workspace_new(int device, size_t bytes, moek_cuda_workspace **out)
@@ -498,6 +558,13 @@ bool moek_cuda_moe_layer_uses_stream_k(const moek_cuda_moe_layer *layer,
            moe_stream_k(layer, moe_tile(layer, tokens), tokens);
 }
 
+bool moek_cuda_moe_layer_uses_dep(const moek_cuda_moe_layer *layer,
+                                   int tokens)
+{
+    return layer && tokens > 0 &&
+           moe_dep(layer, moe_tile(layer, tokens), tokens);
+}
+
 bool moek_cuda_moe_layer_uses_slots(const moek_cuda_moe_layer *layer,
                                     int tokens)
 {
@@ -572,7 +639,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     g1.w = L->w13;
     g1.rows_pad = 2 * I;
     g1.n_valid = I;
-    g1.n_tiles = (2 * I + MOEK_WTILE - 1) / MOEK_WTILE;
+    g1.n_tiles = moe_tiles1(L);
     g1.k = H;
     g1.kblocks = (H + MOEK_KTILE - 1) / MOEK_KTILE;
     g1.chunk = raster_chunk(H, g1.n_tiles);
@@ -634,59 +701,18 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     g1.cg_before = w.cg_before;
     g2.cg_before = w.cg_before + (E + 1);
 
-    /* Grid bounds: GEMM 1 has at most moe_pairs_max token tiles times its
-     * weight tiles; GEMM 2 may split, so it takes every SM. */
-    const long long items1 = moe_pairs_max(s, bn, T) * g1.n_tiles;
-    const int grid1 = (int)(items1 < L->sms ? items1 : L->sms);
+    /* GEMM 2 may split, so it takes every SM. */
+    const int grid1 = moe_grid1(L, bn, T);
     /* GEMM 2's early weight loads pay when GEMM 1 fills every SM; when it
      * leaves SMs idle (qwen3 T=1: 96 items) they cost about 3 us
      * (RESULTS.md, run 6). */
-    if (items1 < L->sms)
+    if (grid1 < L->sms)
         g2.early_a = 0;
-    /* GEMM 2 starting per group (moek_dep). With PDL, GEMM 2's CTAs take
-     * each SM that GEMM 1 leaves, but a CTA's first stages were all it
-     * could load before GEMM 1 ended (griddepcontrol.wait waits for the
-     * whole grid), so in GEMM 1's last round, part of the card idled.
-     * Here GEMM 1 counts each group's items as their rows are stored and
-     * its CTAs as their slices of acc are zero (the routing kernel zeroed
-     * the counts), and GEMM 2 waits for those counts instead: for its
-     * item's group before it reads the group's rows, for every slice
-     * before its first add. GEMM 2's CTAs then take their items (or, in
-     * stream-K, parts of a CTA's share) from a counter, so those that
-     * start early do more of them (gemm_wgmma.cu, unit_span). No
-     * deadlock: GEMM 2 launches only once every GEMM 1 CTA has started
-     * (each triggers right after its wait for the routing kernel), and
-     * GEMM 1 waits for nothing of GEMM 2. That order is also what lets
-     * GEMM 2 read the plan and take tickets from the counter the routing
-     * kernel zeroed, before any wait of its own (as early_a's loads do).
-     * Tiles of one class only (below 128 rows), not in cluster or slot
-     * mode (GEMM 2's rows come through TMA, or overwrite what GEMM 1
-     * reads), nor without early weight loads; on only with
-     * MOEK_CUDA_DEP=1, until its kernel instances are measured as built.
-     * Where it paid on the H200 against the plain path, in a build whose
-     * every call had slowed (kernels/bench/RESULTS.md, run 25; each mode
-     * is now its own kernel instance and the plain one compiles as
-     * before, so measure again): GEMM 2 items of at least DEP_MIN_KB K
-     * blocks, which hide a unit's take and decode (qwen3's 12 lost 1-2%);
-     * GEMM 2 in whole items (deepseek T=8 to 512 gained 1.3-3.2%, while
-     * mixtral's stream-K at T=8 and 64 lost 1.5% and 0.6%); in stream-K,
-     * one token only, whose GEMM 1 item count is known, where GEMM 1's
-     * last round leaves a third of the SMs idle (mixtral T=1's 448 items
-     * on 132 SMs leave 80: 4.2% gained; deepseek T=1's 256 leave 8: 1.4%
-     * lost). */
-    constexpr int DEP_MIN_KB = 32;
-    const long long last1 = items1 % grid1;
-    const bool dep_pays =
-        g2.kblocks >= DEP_MIN_KB &&
-        (!g2.stream_k ||
-         (T == 1 && last1 != 0 && 3 * last1 <= 2LL * grid1));
-    if (wgmma && pdl && L->dep && g2.early_a && moek_classes(bn) == 1 &&
-        !cl2 && !slots && dep_pays) {
+    if (pdl && moe_dep(L, bn, T)) {
         g1.dep_mode = 1;
         g2.dep_mode = 2;
         g1.dep = g2.dep = w.dep;
-        g2.dep_before = g1.cg_before;
-        g1.dep_zero = g2.dep_zero = E;
+        g2.dep_tiles = g1.n_tiles;
         g2.dep_ctas = grid1;
     }
 

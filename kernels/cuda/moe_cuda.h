@@ -341,6 +341,12 @@ int moek_cuda_moe_layer_uses_cluster(const moek_cuda_moe_layer *layer,
 bool moek_cuda_moe_layer_uses_stream_k(const moek_cuda_moe_layer *layer,
                                        int tokens);
 
+/* Whether such a call on a stream of its own (PDL) starts GEMM 2 per group
+ * (layer.cu, moe_dep: sm_90, decode and mid-size tiles, only on a layer
+ * made with MOEK_CUDA_DEP=1). */
+bool moek_cuda_moe_layer_uses_dep(const moek_cuda_moe_layer *layer,
+                                  int tokens);
+
 /* Whether such a call runs in slot mode (sm_90, tiles of 128 rows and
  * wider, an fp32 accumulator of T x hidden floats of at least a quarter of
  * L2): GEMM 2 stores each slot's weighted row in the dtype and the

@@ -588,7 +588,8 @@ __device__ void align_warps(const moek_align_args &a, const int *counts,
 __device__ __forceinline__ void zero_dep(const moek_align_args &aa)
 {
     if (aa.dep)
-        for (int e = threadIdx.x; e <= aa.groups + 1; e += blockDim.x)
+        for (int e = threadIdx.x; e < MOEK_DEP_GROUP + aa.groups;
+             e += blockDim.x)
             aa.dep[e] = 0;
 }
 
@@ -870,11 +871,7 @@ int moek_route_cluster_cap(int experts, int cc)
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = dim3(nc);
         cfg.blockDim = dim3(MOEK_ALIGN_THREADS);
-        cudaLaunchAttribute at;
-        at.id = cudaLaunchAttributeClusterDimension;
-        at.val.clusterDim.x = (unsigned)nc;
-        at.val.clusterDim.y = 1;
-        at.val.clusterDim.z = 1;
+        cudaLaunchAttribute at = moek_cluster_attr(nc);
         cfg.attrs = &at;
         cfg.numAttrs = 1;
         int n = 0;

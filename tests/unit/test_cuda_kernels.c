@@ -19,10 +19,10 @@
  * fp32 accumulator it replaces, decode GEMM 2 in stream-K and in K splits,
  * GEMM 2 starting per group (MOEK_CUDA_DEP=1) or after the whole of GEMM
  * 1, the routing cluster capped, a CUDA graph replayed on new data, the
- * grouped GEMM with empty groups, the token-tile table (refusals, the tile it picks, forwards through
- * it) and the autotuner, the row copy by kernel between pinned host
- * segments and the device, and the refusals (-ENOTSUP, -EINVAL, -ENOSPC,
- * -ENODEV).
+ * grouped GEMM with empty groups, the token-tile table (refusals, the tile
+ * it picks, forwards through it) and the autotuner, the row copy by kernel
+ * between pinned host segments and the device, and the refusals (-ENOTSUP,
+ * -EINVAL, -ENOSPC, -ENODEV).
  */
 #include "tests/harness.h"
 #include "moe_kernels.h"
@@ -929,14 +929,15 @@ TEST(moe_stream_k)
  * where GEMM 1 fills the card and GEMM 2's items are long, each GEMM 2
  * item waits for its group's GEMM 1 items, not for the whole of GEMM 1,
  * and GEMM 2's CTAs take their work from a counter), then the same cases
- * without the switch: 8
- * tokens over 64 experts in 16-row tiles (2176 GEMM 1 items, whole GEMM 2
- * items); one token whose 192 GEMM 1 items leave SMs idle in their last
- * round (GEMM 2 in stream-K, top-4); 64 tokens in forced 64-row tiles with whole
- * GEMM 2 items (the consumers take each from the producer), given routing
- * and slots routed nowhere; both dtypes. The unit test's debug build
- * poisons the workspace, so a GEMM 2 that read a group's rows before
- * GEMM 1 wrote them would fail the check. */
+ * without the switch: 8 tokens over 64 experts in 16-row tiles (2176 GEMM
+ * 1 items, whole GEMM 2 items); one token whose 192 GEMM 1 items leave
+ * SMs idle in their last round (GEMM 2 in stream-K, top-4); 64 tokens in
+ * forced 64-row tiles with whole GEMM 2 items (the consumers take each
+ * from the producer), given routing and slots routed nowhere; both
+ * dtypes. With the switch, on sm_90, at least one case takes the mode
+ * (which ones depends on the SM count); without it, none. The unit test's
+ * debug build poisons the workspace, so a GEMM 2 that read a group's rows
+ * before GEMM 1 wrote them would fail the check. */
 TEST(moe_dep_groups)
 {
     need_gpu();
@@ -951,8 +952,17 @@ TEST(moe_dep_groups)
     };
     for (int off = 0; off < 2; off++) {
         char *keep = env_set("MOEK_CUDA_DEP", off ? NULL : "1");
-        for (size_t i = 0; i < ARRAY_LEN(cases); i++)
-            run_moe(&cases[i], &rng);
+        int taken = 0;
+        for (size_t i = 0; i < ARRAY_LEN(cases); i++) {
+            const moe_case *c = &cases[i];
+            moek_cuda_moe_layer *l =
+                small_layer(&c->s, c->dt, test_rand(&rng));
+            CK(moek_cuda_moe_layer_tune(l, &c->tune));
+            taken += moek_cuda_moe_layer_uses_dep(l, c->tokens);
+            moek_cuda_moe_layer_free(l);
+            run_moe(c, &rng);
+        }
+        CHECK(off ? taken == 0 : taken > 0 || device_cc() != 90);
         env_restore("MOEK_CUDA_DEP", keep);
     }
 }
