@@ -14,10 +14,10 @@
  *   3. GEMM 2 (inter . w2^T, times the routing weight, fp32 atomic adds into
  *      acc [T, H]; with few tiles split over K, or stream-K where every
  *      routing of the call would split: moe_stream_k); its weight loads
- *      start before GEMM 1 ends (early_a), and (MOEK_CUDA_DEP=1) where
- *      GEMM 1 fills the card it may start each group as soon as GEMM 1
- *      has written that group's rows, not when the whole of GEMM 1 is
- *      done (moek_dep, below);
+ *      start before GEMM 1 ends (early_a), and where GEMM 1 fills the
+ *      card it may start each group as soon as GEMM 1 has written that
+ *      group's rows, not when the whole of GEMM 1 is done (moek_dep,
+ *      below);
  *   4. finalize: out = acc rounded to the dtype.
  * Slot mode (prefill tiles, moe_slots) replaces the accumulator: GEMM 2
  * stores each slot's row, times its routing weight, in the dtype at the
@@ -414,27 +414,28 @@ bool moe_stream_k(const moek_cuda_moe_layer *L, int bn, int T)
  * kernel zeroed, before any wait of its own (as early_a's loads do).
  * Tiles of one class only (below 128 rows), not in cluster or slot
  * mode (GEMM 2's rows come through TMA, or overwrite what GEMM 1
- * reads), nor without early weight loads; on only with
- * MOEK_CUDA_DEP=1, until its kernel instances are measured as built.
- * Where it paid on the H200 against the plain path, in a build whose
- * every call had slowed (kernels/bench/RESULTS.md, run 25; each mode
- * is now its own kernel instance and the plain one compiles as
- * before, so measure again): GEMM 2 items of at least DEP_MIN_KB K
- * blocks, which hide a unit's take and decode (qwen3's 12 lost 1-2%);
- * GEMM 2 in whole items (deepseek T=8 to 512 gained 1.3-3.2%, while
- * mixtral's stream-K at T=8 and 64 lost 1.5% and 0.6%); in stream-K,
- * one token only, whose GEMM 1 item count is known, where GEMM 1's
- * last round leaves a third of the SMs idle (mixtral T=1's 448 items
- * on 132 SMs leave 80: 4.2% gained; deepseek T=1's 256 leave 8: 1.4%
- * lost).
+ * reads), nor without early weight loads (MOEK_CUDA_NO_DEP=1 turns it
+ * off). Measured on the H200 against the same build with it off
+ * (kernels/bench/RESULTS.md, run 26): GEMM 2 in whole items gains
+ * (deepseek T=3 to 512 0.9-2.4%), but where they are short (qwen3's 12 K
+ * blocks) only while experts get few rows (qwen3 T=8 to 64, up to 4 slots
+ * an expert: 0.7-1.9%; T=100 even, T=512 0.4% lost); in stream-K it
+ * loses (mixtral T=8 and 64 1.2% and 1.3%, deepseek T=1 2%) but for one
+ * token whose GEMM 1 item count is known and whose last round of GEMM 1
+ * leaves a third of the SMs idle (mixtral T=1's 448 items on 132 SMs leave
+ * 80: 1.0% gained; deepseek T=1's 256 leave 8).
  */
-constexpr int DEP_MIN_KB = 32;
+constexpr int DEP_MIN_KB = 32, DEP_SHORT_SLOTS = 4;
 bool moe_dep(const moek_cuda_moe_layer *L, int bn, int T)
 {
     const int grid1 = moe_grid1(L, bn, T);
     if (!moe_wgmma(L) || !L->dep || !L->early || grid1 < L->sms ||
         moek_classes(bn) != 1 || moe_cluster(L, bn, T) != MOEK_CLUSTER_NONE ||
-        moe_slots(L, bn, T) || moe_kblocks2(L) < DEP_MIN_KB)
+        moe_slots(L, bn, T))
+        return false;
+    const long long slots = (long long)T * L->shape.topk;
+    if (moe_kblocks2(L) < DEP_MIN_KB &&
+        slots > DEP_SHORT_SLOTS * (long long)L->shape.experts)
         return false;
     const long long last1 =
         moe_pairs_max(L->shape, bn, T) * moe_tiles1(L) % grid1;

@@ -342,8 +342,8 @@ bool moek_cuda_moe_layer_uses_stream_k(const moek_cuda_moe_layer *layer,
                                        int tokens);
 
 /* Whether such a call on a stream of its own (PDL) starts GEMM 2 per group
- * (layer.cu, moe_dep: sm_90, decode and mid-size tiles, only on a layer
- * made with MOEK_CUDA_DEP=1). */
+ * (layer.cu, moe_dep: sm_90, decode and mid-size tiles, not on a layer
+ * made with MOEK_CUDA_NO_DEP=1). */
 bool moek_cuda_moe_layer_uses_dep(const moek_cuda_moe_layer *layer,
                                   int tokens);
 

@@ -17,9 +17,9 @@
  * and the NaN rule), bf16 and fp16, every token tile and the portable SIMT
  * path, slot mode (GEMM 2's rows per slot, summed by the finalize) and the
  * fp32 accumulator it replaces, decode GEMM 2 in stream-K and in K splits,
- * GEMM 2 starting per group (MOEK_CUDA_DEP=1) or after the whole of GEMM
- * 1, the routing cluster capped, a CUDA graph replayed on new data, the
- * grouped GEMM with empty groups, the token-tile table (refusals, the tile
+ * GEMM 2 starting per group or (MOEK_CUDA_NO_DEP=1) after the whole of
+ * GEMM 1, the routing cluster capped, a CUDA graph replayed on new data,
+ * the grouped GEMM with empty groups, the token-tile table (refusals, the tile
  * it picks, forwards through it) and the autotuner, the row copy by kernel
  * between pinned host segments and the device, and the refusals (-ENOTSUP,
  * -EINVAL, -ENOSPC, -ENODEV).
@@ -925,17 +925,16 @@ TEST(moe_stream_k)
     env_restore("MOEK_CUDA_SPLIT_MIN_KB", min_kb);
 }
 
-/* GEMM 2 starting per group (moek_dep, layer.cu, on with MOEK_CUDA_DEP=1:
- * where GEMM 1 fills the card and GEMM 2's items are long, each GEMM 2
- * item waits for its group's GEMM 1 items, not for the whole of GEMM 1,
- * and GEMM 2's CTAs take their work from a counter), then the same cases
- * without the switch: 8 tokens over 64 experts in 16-row tiles (2176 GEMM
- * 1 items, whole GEMM 2 items); one token whose 192 GEMM 1 items leave
- * SMs idle in their last round (GEMM 2 in stream-K, top-4); 64 tokens in
- * forced 64-row tiles with whole GEMM 2 items (the consumers take each
- * from the producer), given routing and slots routed nowhere; both
- * dtypes. With the switch, on sm_90, at least one case takes the mode
- * (which ones depends on the SM count); without it, none. The unit test's
+/* GEMM 2 starting per group (moek_dep, layer.cu: where GEMM 1 fills the
+ * card, each GEMM 2 item waits for its group's GEMM 1 items, not for the
+ * whole of GEMM 1, and GEMM 2's CTAs take their work from a counter), then
+ * the same cases with MOEK_CUDA_NO_DEP=1: 8 tokens over 64 experts in
+ * 16-row tiles (2176 GEMM 1 items, whole GEMM 2 items); one token whose
+ * 192 GEMM 1 items leave SMs idle in their last round (GEMM 2 in stream-K,
+ * top-4); 64 tokens in forced 64-row tiles with whole GEMM 2 items (the
+ * consumers take each from the producer), given routing and slots routed
+ * nowhere; both dtypes. Without the switch, on sm_90, at least one case takes the mode
+ * (which ones depends on the SM count); with it, none. The unit test's
  * debug build poisons the workspace, so a GEMM 2 that read a group's rows
  * before GEMM 1 wrote them would fail the check. */
 TEST(moe_dep_groups)
@@ -951,7 +950,7 @@ TEST(moe_dep_groups)
          {64, false}, false, true, NULL},
     };
     for (int off = 0; off < 2; off++) {
-        char *keep = env_set("MOEK_CUDA_DEP", off ? NULL : "1");
+        char *keep = env_set("MOEK_CUDA_NO_DEP", off ? "1" : NULL);
         int taken = 0;
         for (size_t i = 0; i < ARRAY_LEN(cases); i++) {
             const moe_case *c = &cases[i];
@@ -963,7 +962,7 @@ TEST(moe_dep_groups)
             run_moe(c, &rng);
         }
         CHECK(off ? taken == 0 : taken > 0 || device_cc() != 90);
-        env_restore("MOEK_CUDA_DEP", keep);
+        env_restore("MOEK_CUDA_NO_DEP", keep);
     }
 }
 
@@ -1379,8 +1378,8 @@ TEST(moe_shards)
     run_shards(MOEK_CUDA_ROUTE_GIVEN, &rng);
 }
 
-/* A forward of T tokens on a layer of shape s (made with MOEK_CUDA_DEP=1
- * when dep), captured once in a CUDA graph and replayed over new inputs. */
+/* A forward of T tokens on a layer of shape s (made with MOEK_CUDA_NO_DEP=1
+ * unless dep), captured once in a CUDA graph and replayed over new inputs. */
 static void graph_replay(moek_moe_shape s, int T, bool dep, uint64_t *rngp)
 {
     uint64_t rng = test_rand(rngp);
@@ -1393,9 +1392,9 @@ static void graph_replay(moek_moe_shape s, int T, bool dep, uint64_t *rngp)
         host_fill(w[i], dt, 100 + i, 0, E * ih, 0.1f);
     }
     moek_cuda_moe_layer *layer = NULL;
-    char *keep = env_set("MOEK_CUDA_DEP", dep ? "1" : NULL);
+    char *keep = env_set("MOEK_CUDA_NO_DEP", dep ? NULL : "1");
     CK(moek_cuda_moe_layer_new(&s, dt, w[0], w[1], w[2], 0, &layer));
-    env_restore("MOEK_CUDA_DEP", keep);
+    env_restore("MOEK_CUDA_NO_DEP", keep);
     moek_cuda_workspace *ws = NULL;
     CK(moek_cuda_workspace_new(0, moek_cuda_moe_workspace_size(layer, T), &ws));
     void *x = dmalloc((size_t)T * H * 2), *out = dmalloc((size_t)T * H * 2),
@@ -1445,9 +1444,9 @@ static void graph_replay(moek_moe_shape s, int T, bool dep, uint64_t *rngp)
 }
 
 /* Graph replays of a decode forward whose GEMM 1 leaves SMs idle (68
- * items), and of one token with MOEK_CUDA_DEP=1 whose 192 GEMM 1 items
- * leave a third of the SMs idle in their last round, where GEMM 2 starts
- * per group on counts each replay's routing zeroes again. */
+ * items; GEMM 2 after the whole of GEMM 1), and of one token whose 192
+ * GEMM 1 items leave a third of the SMs idle in their last round, where
+ * GEMM 2 starts per group on counts each replay's routing zeroes again. */
 TEST(moe_graph_replay)
 {
     need_gpu();
