@@ -163,10 +163,13 @@ TEST(full_queue_answers_busy_and_loses_nothing)
     enum { N = 24 };
     struct itest_fwd f[N];
     moe_request *rq[N];
-    for (int i = 0; i < N; i++) {
+    /* Every request is made (a region each, a round trip) before the
+     * first is sent, so the sends come back to back, faster than even a
+     * GPU serves them: a queue of 3 must fill. */
+    for (int i = 0; i < N; i++)
         itest_fwd_make(c, &L, 64, &seed, &f[i]);
+    for (int i = 0; i < N; i++)
         CHECK(moe_forward_submit(c, &f[i].args, &rq[i]) == 0);
-    }
     int ok = 0, busy = 0;
     for (int i = 0; i < N; i++) {
         int rc = moe_wait(c, &rq[i], 30000, NULL);
