@@ -19,8 +19,8 @@
  * fp32 accumulator it replaces, decode GEMM 2 in stream-K and in K splits,
  * GEMM 2 starting per group or (MOEK_CUDA_NO_DEP=1) after the whole of
  * GEMM 1, the routing cluster capped, a CUDA graph replayed on new data,
- * the grouped GEMM with empty groups, the token-tile table (refusals, the tile
- * it picks, forwards through it) and the autotuner, the row copy by kernel
+ * the grouped GEMM with empty groups, the token-tile table (refusals, the
+ * tile it picks, forwards through it) and the autotuner, the row copy by kernel
  * between pinned host segments and the device, and the refusals (-ENOTSUP,
  * -EINVAL, -ENOSPC, -ENODEV).
  */
@@ -933,10 +933,12 @@ TEST(moe_stream_k)
  * 192 GEMM 1 items leave SMs idle in their last round (GEMM 2 in stream-K,
  * top-4); 64 tokens in forced 64-row tiles with whole GEMM 2 items (the
  * consumers take each from the producer), given routing and slots routed
- * nowhere; both dtypes. Without the switch, on sm_90, at least one case takes the mode
- * (which ones depends on the SM count); with it, none. The unit test's
- * debug build poisons the workspace, so a GEMM 2 that read a group's rows
- * before GEMM 1 wrote them would fail the check. */
+ * nowhere; both dtypes. Without the switch, on sm_90, at least one case
+ * takes the mode (which ones depends on the SM count); with it, none. The
+ * unit test's debug build poisons the workspace, so a GEMM 2 that read a
+ * group's rows before GEMM 1 wrote them would fail the check. The real
+ * shapes' cases (moe_qwen3 and the others) take it by default too, qwen3's
+ * short GEMM 2 items at T = 8 and 64 among them. */
 TEST(moe_dep_groups)
 {
     need_gpu();
