@@ -322,19 +322,25 @@ __device__ __forceinline__ cta_span k_share(int c0, int c1, int kblocks,
     return s;
 }
 
-__device__ __forceinline__ cta_span class_span(int c0, int c1, bool sk,
-                                               int kblocks)
+/* Whole items first, first + step, ... < end of a class starting at c0. */
+__device__ __forceinline__ cta_span item_span(int c0, int first, int end,
+                                              int step)
 {
     cta_span s;
     s.c0 = c0;
-    if (!sk) {
-        s.first = class_first(c0);
-        s.end = c1;
-        s.step = (int)gridDim.x;
-        s.lo = -1;
-        s.hi = 0;
-        return s;
-    }
+    s.first = first;
+    s.end = end;
+    s.step = step;
+    s.lo = -1;
+    s.hi = 0;
+    return s;
+}
+
+__device__ __forceinline__ cta_span class_span(int c0, int c1, bool sk,
+                                               int kblocks)
+{
+    if (!sk)
+        return item_span(c0, class_first(c0), c1, (int)gridDim.x);
     return k_share(c0, c1, kblocks, blockIdx.x, gridDim.x);
 }
 
@@ -356,14 +362,7 @@ __device__ __forceinline__ cta_span unit_span(int c0, int c1, bool sk,
 {
     if (sk)
         return k_share(c0, c1, kblocks, (unsigned)u, (unsigned)n);
-    cta_span s;
-    s.c0 = c0;
-    s.first = c0 + u;
-    s.end = s.first + 1;
-    s.step = 1;
-    s.lo = -1;
-    s.hi = 0;
-    return s;
+    return item_span(c0, c0 + u, c0 + u + 1, 1);
 }
 
 /* Pipeline position shared by the tile classes of one role. */

@@ -98,11 +98,15 @@ long long moe_pairs_max(const moek_moe_shape &s, int bn, int T)
     return (slots < s.experts ? slots : s.experts) + slots / bn;
 }
 
-/* GEMM 1's grid: at most moe_pairs_max token tiles times its weight tiles,
- * and every SM. */
+/* GEMM 1's items at most: moe_pairs_max token tiles times its weight
+ * tiles. Its grid: that many CTAs, or every SM. */
+long long moe_items1(const moek_cuda_moe_layer *L, int bn, int T)
+{
+    return moe_pairs_max(L->shape, bn, T) * moe_tiles1(L);
+}
 int moe_grid1(const moek_cuda_moe_layer *L, int bn, int T)
 {
-    const long long items1 = moe_pairs_max(L->shape, bn, T) * moe_tiles1(L);
+    const long long items1 = moe_items1(L, bn, T);
     return (int)(items1 < L->sms ? items1 : L->sms);
 }
 
@@ -412,8 +416,8 @@ bool moe_stream_k(const moek_cuda_moe_layer *L, int bn, int T)
  * GEMM 1 waits for nothing of GEMM 2. That order is also what lets
  * GEMM 2 read the plan and take tickets from the counter the routing
  * kernel zeroed, before any wait of its own (as early_a's loads do).
- * Tiles of one class only (below 128 rows), not in cluster or slot
- * mode (GEMM 2's rows come through TMA, or overwrite what GEMM 1
+ * Tiles of one class only (below 128 rows, so never in cluster or slot
+ * mode, whose GEMM 2 rows come through TMA or overwrite what GEMM 1
  * reads), nor without early weight loads (MOEK_CUDA_NO_DEP=1 turns it
  * off). Measured on the H200 against the same build with it off
  * (kernels/bench/RESULTS.md, run 26): GEMM 2 in whole items gains
@@ -428,19 +432,18 @@ bool moe_stream_k(const moek_cuda_moe_layer *L, int bn, int T)
 constexpr int DEP_MIN_KB = 32, DEP_SHORT_SLOTS = 4;
 bool moe_dep(const moek_cuda_moe_layer *L, int bn, int T)
 {
-    const int grid1 = moe_grid1(L, bn, T);
-    if (!moe_wgmma(L) || !L->dep || !L->early || grid1 < L->sms ||
-        moek_classes(bn) != 1 || moe_cluster(L, bn, T) != MOEK_CLUSTER_NONE ||
-        moe_slots(L, bn, T))
+    const long long items1 = moe_items1(L, bn, T);
+    if (!moe_wgmma(L) || !L->dep || !L->early || items1 < L->sms ||
+        moek_classes(bn) != 1)
         return false;
     const long long slots = (long long)T * L->shape.topk;
     if (moe_kblocks2(L) < DEP_MIN_KB &&
         slots > DEP_SHORT_SLOTS * (long long)L->shape.experts)
         return false;
-    const long long last1 =
-        moe_pairs_max(L->shape, bn, T) * moe_tiles1(L) % grid1;
+    /* GEMM 1 runs on every SM: its last round's items */
+    const long long last1 = items1 % L->sms;
     return !moe_stream_k(L, bn, T) ||
-           (T == 1 && last1 != 0 && 3 * last1 <= 2LL * grid1);
+           (T == 1 && last1 != 0 && 3 * last1 <= 2LL * L->sms);
 }
 
 } // namespace

@@ -20,9 +20,9 @@
  * GEMM 2 starting per group or (MOEK_CUDA_NO_DEP=1) after the whole of
  * GEMM 1, the routing cluster capped, a CUDA graph replayed on new data,
  * the grouped GEMM with empty groups, the token-tile table (refusals, the
- * tile it picks, forwards through it) and the autotuner, the row copy by kernel
- * between pinned host segments and the device, and the refusals (-ENOTSUP,
- * -EINVAL, -ENOSPC, -ENODEV).
+ * tile it picks, forwards through it) and the autotuner, the row copy by
+ * kernel between pinned host segments and the device, and the refusals
+ * (-ENOTSUP, -EINVAL, -ENOSPC, -ENODEV).
  */
 #include "tests/harness.h"
 #include "moe_kernels.h"
@@ -117,6 +117,8 @@ typedef struct tile_opts {
     size_t ws_short;    /* bytes less than moek_cuda_moe_workspace_size */
     int expect_slots;   /* EXPECT_MODE(b): moek_cuda_moe_layer_uses_slots
                            must be b; 0: any */
+    int *dep_calls;     /* or NULL: counts the calls that start GEMM 2 per
+                           group (moek_cuda_moe_layer_uses_dep) */
 } tile_opts;
 #define EXPECT_MODE(m) ((m) + 1)
 
@@ -205,6 +207,8 @@ static void run_moe_tiles(const moe_case *c, const tile_opts *to, uint64_t *rng)
                    moek_cuda_moe_layer_uses_cluster(layer, T), c);
         check_mode("slot mode", to->expect_slots,
                    moek_cuda_moe_layer_uses_slots(layer, T), c);
+        if (to->dep_calls)
+            *to->dep_calls += moek_cuda_moe_layer_uses_dep(layer, T);
     }
 
     void *x = dmalloc((size_t)T * H * es), *out = dmalloc((size_t)T * H * es);
@@ -576,7 +580,7 @@ TEST(moe_mid_batches)
               {32, 8, 100, ROUTE_GIVEN, true, "2"},
               {128, 8, 32, ROUTE_SIGMOID, false, "1"},
               {128, 8, 64, ROUTE_SOFTMAX, false, "2"}};
-    for (int i = 0; i < (int)(sizeof cs / sizeof cs[0]); i++) {
+    for (size_t i = 0; i < ARRAY_LEN(cs); i++) {
         char *keep = env_set("MOEK_CUDA_ROUTE_CLUSTER", cs[i].cap);
         moe_case c = {{cs[i].E, cs[i].k, 128, 64},
                       i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
@@ -674,7 +678,7 @@ static tile_opts forced_tile_opts(const moe_case *c, bool check_tile)
         NULL, 0, check_tile && device_cc() == 90 ? bn : 0,
         EXPECT_MODE(cluster_mode(c->s.hidden, c->s.intermediate, bn,
                                  (long long)c->tokens * c->s.topk)),
-        0, 0};
+        0, 0, NULL};
     return to;
 }
 
@@ -777,7 +781,7 @@ TEST(moe_cluster_tiles)
     /* 20 slots under a forced 256-row tile: fewer than a tile's worth, so
      * no cluster mode (layer.cu, moe_cluster), and correct. */
     const tile_opts none = {NULL, 0, 0, EXPECT_MODE(MOEK_CLUSTER_NONE), 0,
-                            0};
+                            0, NULL};
     moe_case few = {s, MOEK_DTYPE_BF16, 5, ROUTE_SOFTMAX, true, 0, 0,
                     {256, false}, false, false, NULL};
     run_moe_tiles(&few, &none, &rng);
@@ -799,7 +803,7 @@ TEST(moe_cluster_tiles)
     moe_case tight = {s, MOEK_DTYPE_BF16, 300, ROUTE_SOFTMAX, true, 0, 32,
                       {256, false}, false, false, NULL};
     const tile_opts ts = {NULL, 0, 0, 0,
-                          (size_t)2 * 300 * s.topk * s.hidden, 0};
+                          (size_t)2 * 300 * s.topk * s.hidden, 0, NULL};
     run_moe_tiles(&tight, &ts, &rng);
 }
 
@@ -870,7 +874,8 @@ TEST(moe_slot_rows)
     moe_case tight = {s, MOEK_DTYPE_BF16, 300, ROUTE_SOFTMAX, true, 0, 64,
                       {128, false}, false, false, NULL};
     const tile_opts ts = {NULL, 0, 0, 0,
-                          on ? (size_t)2 * 300 * s.topk * s.hidden : 0, 0};
+                          on ? (size_t)2 * 300 * s.topk * s.hidden : 0, 0,
+                          NULL};
     run_moe_tiles(&tight, &ts, &rng);
     env_restore("MOEK_CUDA_SLOT_MIN_KB", min_kb);
 }
@@ -954,15 +959,9 @@ TEST(moe_dep_groups)
     for (int off = 0; off < 2; off++) {
         char *keep = env_set("MOEK_CUDA_NO_DEP", off ? "1" : NULL);
         int taken = 0;
-        for (size_t i = 0; i < ARRAY_LEN(cases); i++) {
-            const moe_case *c = &cases[i];
-            moek_cuda_moe_layer *l =
-                small_layer(&c->s, c->dt, test_rand(&rng));
-            CK(moek_cuda_moe_layer_tune(l, &c->tune));
-            taken += moek_cuda_moe_layer_uses_dep(l, c->tokens);
-            moek_cuda_moe_layer_free(l);
-            run_moe(c, &rng);
-        }
+        const tile_opts to = {.dep_calls = &taken};
+        for (size_t i = 0; i < ARRAY_LEN(cases); i++)
+            run_moe_tiles(&cases[i], &to, &rng);
         CHECK(off ? taken == 0 : taken > 0 || device_cc() != 90);
         env_restore("MOEK_CUDA_NO_DEP", keep);
     }
@@ -1059,7 +1058,8 @@ TEST(moe_tile_table)
     for (size_t i = 0; i < ARRAY_LEN(runs); i++) {
         moe_case c = {{16, 4, 384, 320}, runs[i].dt, runs[i].tokens,
                       ROUTE_SOFTMAX, true, 0, 64, {0, false}, false, false, NULL};
-        tile_opts to = {runs[i].rules, runs[i].n, runs[i].expect, 0, 0, 0};
+        tile_opts to = {runs[i].rules, runs[i].n, runs[i].expect, 0, 0, 0,
+                        NULL};
         run_moe_tiles(&c, &to, &rng);
     }
 }
