@@ -23,6 +23,10 @@
  * and the logits. Columns: us | % of floor (floor / time) | TFLOP/s | GB/s |
  * the peers (peers.py, same card, same run, read from --peers) | best peer
  * time over ours (> 1: we are faster). --sweep also times every token tile.
+ *
+ * Built with EXTRA_NVCCFLAGS=-DMOEK_TRACE (kernels/cuda/trace.cuh) and run
+ * with MOEK_TRACE_OUT=PREFIX, each case also writes the kernels' events of
+ * one more replay of set 0 to PREFIX-MODEL-T.csv (ns from the first).
  */
 #include "moe_kernels.h"
 #include "cuda/moe_cuda.h"
@@ -276,8 +280,72 @@ static double experts_hit(const model *m, moek_cuda_moe_layer *layer,
     return sum / NSETS;
 }
 
+/* trace.cuh's switches, one per translation unit: present only in a
+ * build with -DMOEK_TRACE. */
+extern int moek_trace_set_gemm(void *buf) __attribute__((weak));
+extern int moek_trace_set_route(void *buf) __attribute__((weak));
+extern int moek_trace_set_layer(void *buf) __attribute__((weak));
+typedef struct trace_ev {
+    unsigned long long t;
+    int kind, sm, cta, a, b, pad;
+} trace_ev;
+/* trace.cuh's buffer: kernels x CTAs x sequence numbers */
+#define TRACE_EVENTS ((size_t)6 * 1024 * 512)
+
+static int trace_set(void *buf)
+{
+    return moek_trace_set_gemm(buf) || moek_trace_set_route(buf) ||
+           moek_trace_set_layer(buf);
+}
+
+/* One replay of graph with the events on, written to PREFIX-NAME-T.csv. */
+static void trace_replay(void *graph, void *stream, const char *name, int T)
+{
+    const char *prefix = getenv("MOEK_TRACE_OUT");
+    if (!prefix || !*prefix)
+        return;
+    if (!moek_trace_set_gemm || !moek_trace_set_route ||
+        !moek_trace_set_layer) {
+        fprintf(stderr, "MOEK_TRACE_OUT: this build has no trace "
+                        "(EXTRA_NVCCFLAGS=-DMOEK_TRACE)\n");
+        return;
+    }
+    const size_t bytes = sizeof(trace_ev) * TRACE_EVENTS;
+    trace_ev *dev = dmalloc(bytes);
+    CR(cudaMemset(dev, 0, bytes));
+    if (trace_set(dev)) {
+        fprintf(stderr, "trace: cannot set the buffer\n");
+        exit(1);
+    }
+    CK(moek_cuda_graph_launch(graph, stream));
+    CR(cudaStreamSynchronize((cudaStream_t)stream));
+    CK(trace_set(NULL) ? -EIO : 0);
+    trace_ev *ev = xmalloc(bytes);
+    CR(cudaMemcpy(ev, dev, bytes, cudaMemcpyDeviceToHost));
+    unsigned long long t0 = ~0ULL;
+    for (size_t i = 0; i < TRACE_EVENTS; i++)
+        if (ev[i].t && ev[i].t < t0)
+            t0 = ev[i].t;
+    char path[512];
+    snprintf(path, sizeof path, "%s-%s-%d.csv", prefix, name, T);
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        perror(path);
+        exit(1);
+    }
+    fprintf(f, "ns,kind,sm,cta,a,b\n");
+    for (size_t i = 0; i < TRACE_EVENTS; i++)
+        if (ev[i].t)
+            fprintf(f, "%llu,%d,%d,%d,%d,%d\n", ev[i].t - t0, ev[i].kind,
+                    ev[i].sm, ev[i].cta, ev[i].a, ev[i].b);
+    fclose(f);
+    free(ev);
+    moek_cuda_free(dev);
+}
+
 static double time_case(moek_cuda_moe_layer *layer, moek_cuda_workspace *ws,
-                        inputs *in, int T, void *stream, double budget_ms)
+                        inputs *in, int T, void *stream, double budget_ms,
+                        const char *name)
 {
     void *graphs[NSETS];
     for (int r = 0; r < NSETS; r++) {
@@ -288,6 +356,8 @@ static double time_case(moek_cuda_moe_layer *layer, moek_cuda_workspace *ws,
         CK(moek_cuda_graph_end(stream, &graphs[r]));
     }
     double us = time_graphs(graphs, NSETS, stream, budget_ms);
+    if (name)
+        trace_replay(graphs[0], stream, name, T);
     for (int r = 0; r < NSETS; r++)
         moek_cuda_graph_free(graphs[r]);
     return us;
@@ -409,7 +479,7 @@ int main(int argc, char **argv)
             double err = check_case(m, layer, ws, &in, wseed, T,
                                     E >= 128 && H >= 4096 ? 1 : 2, stream);
             double hit = experts_hit(m, layer, ws, &in, T, stream);
-            double us = time_case(layer, ws, &in, T, stream, 400.0);
+            double us = time_case(layer, ws, &in, T, stream, 400.0, m->name);
             double bytes = hit * 3.0 * H * I * 2 + (double)T * H * 4 +
                            (double)T * E * 4;
             double flops = 6.0 * T * s->topk * (double)H * I;
@@ -448,7 +518,7 @@ int main(int argc, char **argv)
                     moek_cuda_tuning tu = {tiles[i], false};
                     CK(moek_cuda_moe_layer_tune(layer, &tu));
                     printf(" %d:%.1f", tiles[i],
-                           time_case(layer, ws, &in, T, stream, 100.0));
+                           time_case(layer, ws, &in, T, stream, 100.0, NULL));
                 }
                 moek_cuda_tuning tu = {0, false};
                 CK(moek_cuda_moe_layer_tune(layer, &tu));

@@ -66,6 +66,7 @@
 
 #include "cuda_common.cuh"
 #include "mbarrier.cuh"
+#include "trace.cuh"
 #include "wgmma_ops.cuh"
 
 namespace {
@@ -399,6 +400,9 @@ __device__ __forceinline__ int preissue(const moek_gemm_args &a,
             info[items % INFO_ITEMS] = it;
         for (int kb = it.kb0; kb < it.kb1 && pre < C::STAGES; kb++, pre++) {
             if (threadIdx.x == 0) {
+                if (pre == 0)
+                    moek_trace(MOEK_TR_GEMM + 10 * a.which + MOEK_TR_FIRST,
+                               1);
                 /* CL = 2: the stage's one arrival comes with its token rows
                  * (produce_mc), which the peer's multicast also fills. */
                 if (CL == 2)
@@ -453,6 +457,10 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
                      * stages had theirs written by preissue. */
                     if (ring(BN, 1, DEP) && kb == it.kb0)
                         info[pp.items % INFO_ITEMS] = it;
+                    if (pp.used == 0)
+                        moek_trace(MOEK_TR_GEMM + 10 * a.which +
+                                       MOEK_TR_FIRST,
+                                   1);
                     moek_mbar_expect_tx(&full[pp.stage], A_BYTES);
                     load_w(a, tmap, sA, it, kb, &full[pp.stage]);
                 }
@@ -744,6 +752,10 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
         int prev = -1;
         for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
             moek_mbar_wait(&full[pp.stage], pp.phase);
+            if (tid == 128 && kb == it.kb0)
+                moek_trace(MOEK_TR_GEMM + 10 * a.which + MOEK_TR_ITEM,
+                           MOEK_TRACE_SEQ_ITEM(pp.items), it.g,
+                           it.kb1 - it.kb0);
             /* The token rows were written by cp.async (generic proxy);
              * wgmma reads through the async proxy. */
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -761,6 +773,9 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
             prev = pp.stage;
         }
         wgmma_wait<0>();
+        if (tid == 128)
+            moek_trace(MOEK_TR_GEMM + 10 * a.which + MOEK_TR_ITEM_END,
+                       MOEK_TRACE_SEQ_ITEM(pp.items) + 1, it.g);
         if (prev >= 0 && lane == 0)
             release<CL>(empty, prev);
         if (comb) {
@@ -886,6 +901,8 @@ __global__ void __launch_bounds__(384, 1)
                              : "memory");
     }
     __syncthreads();
+    if (tid == 0) /* trace.cuh */
+        moek_trace(MOEK_TR_GEMM + 10 * a.which + MOEK_TR_ENTRY, 0);
     /* The peer multicasts into this CTA's stages and arrives on its
      * barriers: both must be initialised first. */
     if (CL == 2)
@@ -997,6 +1014,8 @@ __global__ void __launch_bounds__(384, 1)
                 a, smem, full, empty, ncg, split, span(J), pp, sb, epi_buf,
                 info);
         });
+        if (tid == 128)
+            moek_trace(MOEK_TR_GEMM + 10 * a.which + MOEK_TR_EXIT, 2);
     }
     /* The peer's last releases arrive on this CTA's barriers: stay until
      * both are done. */
@@ -1127,3 +1146,5 @@ cudaError_t moek_launch_gemm_wgmma(moek_dtype dt, const void *tmap,
                ? launch_t<__nv_bfloat16>(tmap, tmaps_b, a, grid, stream, pdl)
                : launch_t<__half>(tmap, tmaps_b, a, grid, stream, pdl);
 }
+
+MOEK_TRACE_UNIT(gemm)

@@ -34,6 +34,7 @@
 #include <new>
 
 #include "cuda_common.cuh"
+#include "trace.cuh"
 
 namespace {
 
@@ -219,6 +220,7 @@ __global__ void finalize_kernel(const float4 *acc, uint2 *out, size_t n4)
 {
     moek_pdl_wait();
     moek_pdl_trigger();
+    MOEK_TRACE_SCOPE(MOEK_TR_FINAL, 0);
     const auto store = [out](size_t j, float4 v) {
         out[j] = make_uint2(moek_dt<T>::pack2(v.x, v.y),
                             moek_dt<T>::pack2(v.z, v.w));
@@ -249,6 +251,7 @@ __global__ void finalize_slots_kernel(const uint4 *rows, const int *slot_pos,
 {
     moek_pdl_wait();
     moek_pdl_trigger();
+    MOEK_TRACE_SCOPE(MOEK_TR_FINAL, 0);
     for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
         const int *sp = slot_pos + (size_t)t * k;
         for (int c = threadIdx.x; c < h8; c += blockDim.x) {
@@ -294,6 +297,7 @@ __global__ void permute_rows_kernel(const uint4 *__restrict__ x,
 {
     moek_pdl_wait();
     moek_pdl_trigger();
+    MOEK_TRACE_SCOPE(MOEK_TR_PERMUTE, 0);
     const int rows = plan[MOEK_PLAN_ROWS];
     const int lane = threadIdx.x & 31;
     const int nw = (int)(gridDim.x * blockDim.x) >> 5;
@@ -895,3 +899,5 @@ int moek_cuda_grouped_gemm(moek_cuda_gemm_weights *W, moek_cuda_workspace *ws,
     MOEK_CU(run_gemm(W->dt, wgmma, &W->tm, g, grid, st, pdl));
     return 0;
 }
+
+MOEK_TRACE_UNIT(layer)

@@ -49,6 +49,7 @@
 #include <type_traits>
 
 #include "cuda_common.cuh"
+#include "trace.cuh"
 
 #define FULL 0xffffffffu
 /* route_align_small's bounds: every slot's expert, rank and weight sit in
@@ -640,6 +641,7 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
         rank = (int)cg::this_cluster().block_rank();
     moek_pdl_wait();
     moek_pdl_trigger();
+    MOEK_TRACE_SCOPE(MOEK_TR_ROUTE, 0);
     if (rank == 0)
         zero_dep(aa);
     const int G = aa.groups;
@@ -718,6 +720,7 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
     __shared__ float s_w[32];
     moek_pdl_wait();
     moek_pdl_trigger();
+    MOEK_TRACE_SCOPE(MOEK_TR_ROUTE, 0);
     zero_dep(aa);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int k = ra.topk, n = ra.tokens * k;
@@ -803,6 +806,7 @@ __global__ void __launch_bounds__(256) route_kernel(moek_route_args ra)
 {
     moek_pdl_wait();
     moek_pdl_trigger();
+    MOEK_TRACE_SCOPE(MOEK_TR_ROUTE, 0);
     const int lane = threadIdx.x & 31;
     const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (t < ra.tokens)
@@ -814,6 +818,7 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
 {
     moek_pdl_wait();
     moek_pdl_trigger();
+    MOEK_TRACE_SCOPE(MOEK_TR_ALIGN, 2);
     if (blockIdx.x == 0)
         zero_dep(aa);
     /* One block: the whole list. More: block 0 the tile list, the others
@@ -944,3 +949,5 @@ cudaError_t moek_launch_align_groups(const moek_align_args &aa,
     return moek_launch(align_kernel, dim3(1), dim3(MOEK_ALIGN_THREADS), 0,
                        stream, pdl, aa);
 }
+
+MOEK_TRACE_UNIT(route)

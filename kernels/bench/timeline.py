@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""timeline.py: where one forward's time goes, from bench_moe's trace.
+
+    MOEK_TRACE_OUT=/tmp/tr bench_moe --only qwen3-30b-a3b --tokens 8
+        (a build with EXTRA_NVCCFLAGS=-DMOEK_TRACE: kernels/cuda/trace.cuh)
+    python3 kernels/bench/timeline.py /tmp/tr-qwen3-30b-a3b-8.csv ...
+
+Per file: when each kernel's CTAs start and end (us from the first event),
+each GEMM's items (consumer 0's first stage to its last MMA: the weight
+bytes of an item over that time, against one SM's share of the read
+ceiling given by --read-gbs), the gaps between a CTA's items (its
+epilogue, then the wait for the next item's first stage), what each SM
+does between GEMM 1 and GEMM 2, and the SM time left idle after each
+GEMM's first CTA leaves.
+"""
+import argparse
+import csv
+import statistics
+import sys
+from collections import defaultdict
+
+ROUTE, ALIGN, GEMM, FINAL, PERMUTE = 1, 3, 10, 40, 50
+ENTRY, FIRST, ITEM, ITEM_END, EXIT = 0, 1, 2, 3, 4
+STAGE_BYTES = 128 * 64 * 2  # one weight tile's K block (MOEK_WTILE x MOEK_KTILE)
+
+
+def pct(v, q):
+    v = sorted(v)
+    return v[min(len(v) - 1, int(q * len(v)))] if v else float("nan")
+
+
+def fmt(v):
+    if not v:
+        return "-"
+    return "p10 %.2f p50 %.2f p90 %.2f max %.2f" % (
+        pct(v, 0.1), pct(v, 0.5), pct(v, 0.9), max(v))
+
+
+def span(rows, kind):
+    t = [r["us"] for r in rows if r["kind"] == kind]
+    return (min(t), max(t), len(t)) if t else None
+
+
+def report(path, read_gbs, sms):
+    rows = []
+    with open(path) as f:
+        for r in csv.DictReader(f):
+            rows.append({k: int(v) for k, v in r.items()})
+    for r in rows:
+        r["us"] = r["ns"] / 1000.0
+    end = max(r["us"] for r in rows)
+    print("# %s: %d events, %.2f us first to last" % (path, len(rows), end))
+    for name, base in (("routing", ROUTE), ("align", ALIGN),
+                       ("copy of x", PERMUTE),
+                       ("finalize", FINAL)):
+        s, e = span(rows, base), span(rows, base + 1)
+        if s:
+            print("%-10s CTAs %d, start %.2f-%.2f, end %.2f-%.2f" %
+                  (name, s[2], s[0], s[1], e[0] if e else -1,
+                   e[1] if e else -1))
+    share = read_gbs / sms  # GB/s of one SM
+    exits = {}
+    for g in (0, 1):
+        k = GEMM + 10 * g
+        ent = span(rows, k + ENTRY)
+        if not ent:
+            continue
+        first = span(rows, k + FIRST)
+        ex = [r["us"] for r in rows if r["kind"] == k + EXIT]
+        print("GEMM %d    CTAs %d, enter %.2f-%.2f, first load %.2f, "
+              "consumers leave %.2f-%.2f (p50 %.2f)" %
+              (g + 1, ent[2], ent[0], ent[1], first[0] if first else -1,
+               min(ex), max(ex), pct(ex, 0.5)))
+        # items per CTA, in order
+        per = defaultdict(list)
+        for r in rows:
+            if r["kind"] in (k + ITEM, k + ITEM_END, k + EXIT):
+                per[r["cta"]].append(r)
+        dur, rate, gaps, kbs = [], [], [], []
+        first_item = []
+        for cta, ev in per.items():
+            ev.sort(key=lambda r: r["ns"])
+            start = None
+            last_end = None
+            for r in ev:
+                if r["kind"] == k + ITEM:
+                    start = r
+                    if last_end is not None:
+                        gaps.append(r["us"] - last_end)
+                    else:
+                        first_item.append(r["us"])
+                elif r["kind"] == k + ITEM_END and start is not None:
+                    d = r["us"] - start["us"]
+                    dur.append(d)
+                    kbs.append(start["b"])
+                    if d > 0:
+                        rate.append(start["b"] * STAGE_BYTES / d / 1e3)
+                    last_end = r["us"]
+                    start = None
+        print("          items %d, K blocks %s" % (len(dur), fmt(kbs)))
+        print("          item us %s" % fmt(dur))
+        print("          item GB/s %s (one SM's share of %.0f: %.1f)" %
+              (fmt(rate), read_gbs, share))
+        print("          first item at %s" % fmt(first_item))
+        print("          between items us %s" % fmt(gaps))
+        idle = sum(max(ex) - t for t in ex)
+        print("          after the first consumer leaves: %.2f us, %.1f "
+              "SM-us idle (%.2f us of the whole card)" %
+              (max(ex) - min(ex), idle, idle / sms))
+        exits[g] = {r["sm"]: r["us"] for r in rows if r["kind"] == k + EXIT}
+    its = [r for r in rows if r["kind"] in (GEMM + ITEM, GEMM + 10 + ITEM)]
+    ends = [r["us"] for r in rows
+            if r["kind"] in (GEMM + ITEM_END, GEMM + 10 + ITEM_END)]
+    if its and ends:
+        t0, t1 = min(r["us"] for r in its), max(ends)
+        gb = sum(r["b"] for r in its) * STAGE_BYTES / 1e9
+        print("weights   %.1f MB from the first item's first stage (%.2f) to "
+              "the last MMA (%.2f): %.0f GB/s" %
+              (gb * 1e3, t0, t1, gb / ((t1 - t0) * 1e-6)))
+    if 0 in exits and 1 in exits:
+        k = GEMM + 10
+        g2_first = {}
+        for r in rows:
+            if r["kind"] == k + ITEM:
+                sm = r["sm"]
+                if sm not in g2_first or r["us"] < g2_first[sm]:
+                    g2_first[sm] = r["us"]
+        hand = [g2_first[sm] - t for sm, t in exits[0].items()
+                if sm in g2_first]
+        print("handoff   GEMM 1 consumer leaves -> GEMM 2's first item on "
+              "that SM, us %s" % fmt(hand))
+    print()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("csv", nargs="+")
+    ap.add_argument("--read-gbs", type=float, default=4515.0)
+    ap.add_argument("--sms", type=int, default=132)
+    a = ap.parse_args()
+    for p in a.csv:
+        report(p, a.read_gbs, a.sms)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
