@@ -55,9 +55,9 @@ def report(path, read_gbs, sms):
                        ("finalize", FINAL)):
         s, e = span(rows, base), span(rows, base + 1)
         if s:
-            print("%-10s CTAs %d, start %.2f-%.2f, end %.2f-%.2f" %
-                  (name, s[2], s[0], s[1], e[0] if e else -1,
-                   e[1] if e else -1))
+            print("%-10s CTAs %d, start %.2f-%.2f, end %s" %
+                  (name, s[2], s[0], s[1],
+                   "%.2f-%.2f" % (e[0], e[1]) if e else "-"))
     share = read_gbs / sms  # GB/s of one SM
     exits = {}
     for g in (0, 1):
@@ -67,9 +67,11 @@ def report(path, read_gbs, sms):
             continue
         first = span(rows, k + FIRST)
         ex = [r["us"] for r in rows if r["kind"] == k + EXIT]
-        print("GEMM %d    CTAs %d, enter %.2f-%.2f, first load %.2f, "
+        # cluster mode's producer (produce_mc) records no first load
+        print("GEMM %d    CTAs %d, enter %.2f-%.2f, first load %s, "
               "consumers leave %.2f-%.2f (p50 %.2f)" %
-              (g + 1, ent[2], ent[0], ent[1], first[0] if first else -1,
+              (g + 1, ent[2], ent[0], ent[1],
+               "%.2f" % first[0] if first else "-",
                min(ex), max(ex), pct(ex, 0.5)))
         # items per CTA, in order
         per = defaultdict(list)

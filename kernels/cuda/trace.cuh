@@ -9,7 +9,9 @@
  * NULL stops it). Each event has its own place, from its kernel (kind /
  * 10), CTA and a sequence number the caller gives, so recording one is a
  * store, with no atomic to wait for in the middle of a pipeline; the host
- * zeroes the buffer first and keeps the entries with a time. Kinds:
+ * zeroes the buffer first and keeps the entries with a time. A CTA past
+ * MOEK_TRACE_CTAS, or an event past MOEK_TRACE_SEQ (a GEMM CTA's items past
+ * its 252nd), records nothing. Kinds:
  * MOEK_TR_* below; bench_moe with MOEK_TRACE_OUT writes the events of one
  * forward, kernels/bench/timeline.py reads them.
  */
