@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """timeline.py: where one forward's time goes, from bench_moe's trace.
 
-    MOEK_TRACE_OUT=/tmp/tr bench_moe --only qwen3-30b-a3b --tokens 8
+    MOEK_TRACE_OUT=trace bench_moe --only qwen3-30b-a3b --tokens 8
         (a build with EXTRA_NVCCFLAGS=-DMOEK_TRACE: kernels/cuda/trace.cuh)
-    python3 kernels/bench/timeline.py /tmp/tr-qwen3-30b-a3b-8.csv ...
+    python3 kernels/bench/timeline.py trace-qwen3-30b-a3b-8.csv ...
 
 Per file: when each kernel's CTAs start and end (us from the first event),
 each GEMM's items (consumer 0's first stage to its last MMA: the weight
