@@ -30,6 +30,7 @@
  */
 #include "moe_kernels.h"
 #include "cuda/moe_cuda.h"
+#include "cuda/trace.h"
 #include "bench_check.h"
 #include "ceilings.h"
 
@@ -285,13 +286,6 @@ static double experts_hit(const model *m, moek_cuda_moe_layer *layer,
 extern int moek_trace_set_gemm(void *buf) __attribute__((weak));
 extern int moek_trace_set_route(void *buf) __attribute__((weak));
 extern int moek_trace_set_layer(void *buf) __attribute__((weak));
-typedef struct trace_ev {
-    unsigned long long t;
-    int kind, sm, cta, a, b, pad;
-} trace_ev;
-/* trace.cuh's buffer: kernels x CTAs x sequence numbers */
-#define TRACE_EVENTS ((size_t)6 * 1024 * 512)
-
 static int trace_set(void *buf)
 {
     return moek_trace_set_gemm(buf) || moek_trace_set_route(buf) ||
@@ -310,8 +304,8 @@ static void trace_replay(void *graph, void *stream, const char *name, int T)
                         "(EXTRA_NVCCFLAGS=-DMOEK_TRACE)\n");
         return;
     }
-    const size_t bytes = sizeof(trace_ev) * TRACE_EVENTS;
-    trace_ev *dev = dmalloc(bytes);
+    const size_t bytes = sizeof(moek_trace_ev) * MOEK_TRACE_EVENTS;
+    moek_trace_ev *dev = dmalloc(bytes);
     CR(cudaMemset(dev, 0, bytes));
     if (trace_set(dev)) {
         fprintf(stderr, "trace: cannot set the buffer\n");
@@ -320,10 +314,10 @@ static void trace_replay(void *graph, void *stream, const char *name, int T)
     CK(moek_cuda_graph_launch(graph, stream));
     CR(cudaStreamSynchronize((cudaStream_t)stream));
     CK(trace_set(NULL) ? -EIO : 0);
-    trace_ev *ev = xmalloc(bytes);
+    moek_trace_ev *ev = xmalloc(bytes);
     CR(cudaMemcpy(ev, dev, bytes, cudaMemcpyDeviceToHost));
     unsigned long long t0 = ~0ULL;
-    for (size_t i = 0; i < TRACE_EVENTS; i++)
+    for (size_t i = 0; i < MOEK_TRACE_EVENTS; i++)
         if (ev[i].t && ev[i].t < t0)
             t0 = ev[i].t;
     char path[512];
@@ -334,7 +328,7 @@ static void trace_replay(void *graph, void *stream, const char *name, int T)
         exit(1);
     }
     fprintf(f, "ns,kind,sm,cta,a,b\n");
-    for (size_t i = 0; i < TRACE_EVENTS; i++)
+    for (size_t i = 0; i < MOEK_TRACE_EVENTS; i++)
         if (ev[i].t)
             fprintf(f, "%llu,%d,%d,%d,%d,%d\n", ev[i].t - t0, ev[i].kind,
                     ev[i].sm, ev[i].cta, ev[i].a, ev[i].b);

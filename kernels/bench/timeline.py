@@ -19,6 +19,7 @@ import statistics
 import sys
 from collections import defaultdict
 
+# kinds: kernels/cuda/trace.h (MOEK_TR_*)
 ROUTE, ALIGN, GEMM, FINAL, PERMUTE = 1, 3, 10, 40, 50
 ENTRY, FIRST, ITEM, ITEM_END, EXIT = 0, 1, 2, 3, 4
 STAGE_BYTES = 128 * 64 * 2  # one weight tile's K block (MOEK_WTILE x MOEK_KTILE)

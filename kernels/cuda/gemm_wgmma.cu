@@ -401,8 +401,7 @@ __device__ __forceinline__ int preissue(const moek_gemm_args &a,
         for (int kb = it.kb0; kb < it.kb1 && pre < C::STAGES; kb++, pre++) {
             if (threadIdx.x == 0) {
                 if (pre == 0)
-                    moek_trace(MOEK_TR_GEMM + 10 * a.which + MOEK_TR_FIRST,
-                               1);
+                    moek_trace_gemm(a.which, MOEK_TR_FIRST, 1);
                 /* CL = 2: the stage's one arrival comes with its token rows
                  * (produce_mc), which the peer's multicast also fills. */
                 if (CL == 2)
@@ -458,9 +457,7 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
                     if (ring(BN, 1, DEP) && kb == it.kb0)
                         info[pp.items % INFO_ITEMS] = it;
                     if (pp.used == 0)
-                        moek_trace(MOEK_TR_GEMM + 10 * a.which +
-                                       MOEK_TR_FIRST,
-                                   1);
+                        moek_trace_gemm(a.which, MOEK_TR_FIRST, 1);
                     moek_mbar_expect_tx(&full[pp.stage], A_BYTES);
                     load_w(a, tmap, sA, it, kb, &full[pp.stage]);
                 }
@@ -753,9 +750,9 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
         for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
             moek_mbar_wait(&full[pp.stage], pp.phase);
             if (tid == 128 && kb == it.kb0)
-                moek_trace(MOEK_TR_GEMM + 10 * a.which + MOEK_TR_ITEM,
-                           MOEK_TRACE_SEQ_ITEM(pp.items), it.g,
-                           it.kb1 - it.kb0);
+                moek_trace_gemm(a.which, MOEK_TR_ITEM,
+                                MOEK_TRACE_SEQ_ITEM(pp.items), it.g,
+                                it.kb1 - it.kb0);
             /* The token rows were written by cp.async (generic proxy);
              * wgmma reads through the async proxy. */
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -774,8 +771,8 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
         }
         wgmma_wait<0>();
         if (tid == 128)
-            moek_trace(MOEK_TR_GEMM + 10 * a.which + MOEK_TR_ITEM_END,
-                       MOEK_TRACE_SEQ_ITEM(pp.items) + 1, it.g);
+            moek_trace_gemm(a.which, MOEK_TR_ITEM_END,
+                            MOEK_TRACE_SEQ_ITEM(pp.items) + 1, it.g);
         if (prev >= 0 && lane == 0)
             release<CL>(empty, prev);
         if (comb) {
@@ -902,7 +899,7 @@ __global__ void __launch_bounds__(384, 1)
     }
     __syncthreads();
     if (tid == 0) /* trace.cuh */
-        moek_trace(MOEK_TR_GEMM + 10 * a.which + MOEK_TR_ENTRY, 0);
+        moek_trace_gemm(a.which, MOEK_TR_ENTRY, 0);
     /* The peer multicasts into this CTA's stages and arrives on its
      * barriers: both must be initialised first. */
     if (CL == 2)
@@ -1015,7 +1012,7 @@ __global__ void __launch_bounds__(384, 1)
                 info);
         });
         if (tid == 128)
-            moek_trace(MOEK_TR_GEMM + 10 * a.which + MOEK_TR_EXIT, 2);
+            moek_trace_gemm(a.which, MOEK_TR_EXIT, 2);
     }
     /* The peer's last releases arrive on this CTA's barriers: stay until
      * both are done. */

@@ -11,36 +11,13 @@
  * store, with no atomic to wait for in the middle of a pipeline; the host
  * zeroes the buffer first and keeps the entries with a time. A CTA past
  * MOEK_TRACE_CTAS, or an event past MOEK_TRACE_SEQ (a GEMM CTA's items past
- * its 252nd), records nothing. Kinds:
- * MOEK_TR_* below; bench_moe with MOEK_TRACE_OUT writes the events of one
- * forward, kernels/bench/timeline.py reads them.
+ * its 252nd), records nothing. The event, its kinds and the buffer's
+ * layout are in trace.h; bench_moe with MOEK_TRACE_OUT writes the events
+ * of one forward, kernels/bench/timeline.py reads them.
  */
 #pragma once
 
-struct moek_trace_ev {
-    unsigned long long t; /* %globaltimer, ns; 0: no event */
-    int kind, sm, cta, a, b, pad;
-};
-enum {
-    MOEK_TR_ROUTE = 1,    /* +0 a routing kernel's CTA starts (after its
-                             wait for the kernel before), +1 ends */
-    MOEK_TR_ALIGN = 3,    /* +0 a CTA of the align kernel after it, +1 */
-    MOEK_TR_GEMM = 10,    /* + 10 which (GEMM 1, 2) + ... */
-    MOEK_TR_ENTRY = 0,    /* a CTA enters (before any wait) */
-    MOEK_TR_FIRST = 1,    /* the producer issues its first weight load */
-    MOEK_TR_ITEM = 2,     /* consumer 0 has an item's first stage (a: group,
-                             b: its K blocks) */
-    MOEK_TR_ITEM_END = 3, /* consumer 0's MMAs of it are done */
-    MOEK_TR_EXIT = 4,     /* consumer 0 leaves */
-    MOEK_TR_FINAL = 40,   /* +0 a finalize CTA starts, +1 ends */
-    MOEK_TR_PERMUTE = 50, /* +0 a CTA of the copy of x starts, +1 ends */
-};
-/* The buffer: [kernel (kind / 10)][CTA][sequence number] events. */
-#define MOEK_TRACE_KERNELS 6
-#define MOEK_TRACE_CTAS 1024
-#define MOEK_TRACE_SEQ 512
-/* a GEMM's sequence numbers: entry, first load, exit, then two per item */
-#define MOEK_TRACE_SEQ_ITEM(i) (8 + 2 * (i))
+#include "trace.h"
 
 #ifdef MOEK_TRACE
 namespace {
@@ -60,6 +37,13 @@ __device__ __forceinline__ void moek_trace(int kind, int seq, int a = 0,
     buf[((size_t)(kind / 10) * MOEK_TRACE_CTAS + blockIdx.x) *
             MOEK_TRACE_SEQ +
         seq] = {t, kind, (int)sm, (int)blockIdx.x, a, b, 0};
+}
+/* GEMM `which` (moek_gemm_args.which: 0, 1), event `what` (MOEK_TR_ENTRY
+ * ...) */
+__device__ __forceinline__ void moek_trace_gemm(int which, int what, int seq,
+                                                int a = 0, int b = 0)
+{
+    moek_trace(MOEK_TR_GEMM + 10 * which + what, seq, a, b);
 }
 /* thread 0 of the CTA: kind (sequence number seq) as it is made, kind + 1
  * (seq + 1) as it goes */
@@ -88,6 +72,7 @@ struct moek_trace_scope {
     }
 #else
 #define moek_trace(...) ((void)0)
+#define moek_trace_gemm(...) ((void)0)
 #define MOEK_TRACE_SCOPE(kind, seq) ((void)0)
 #define MOEK_TRACE_UNIT(name)
 #endif

@@ -1,0 +1,42 @@
+/*
+ * trace.h: the layout of trace.cuh's event buffer, shared by the kernels
+ * (trace.cuh) and the host that reads it (kernels/bench/bench_moe.c).
+ * Plain C.
+ */
+#ifndef MOEK_TRACE_H
+#define MOEK_TRACE_H
+
+typedef struct moek_trace_ev {
+    unsigned long long t; /* %globaltimer, ns; 0: no event */
+    int kind, sm, cta, a, b, pad;
+} moek_trace_ev;
+
+/* Kinds (kernels/bench/timeline.py reads the same numbers). */
+enum {
+    MOEK_TR_ROUTE = 1,    /* +0 a routing kernel's CTA starts (after its
+                             wait for the kernel before), +1 ends;
+                             sequence numbers 0, 1 */
+    MOEK_TR_ALIGN = 3,    /* +0 a CTA of the align kernel after it, +1;
+                             the same kernel slot (kind / 10), so
+                             sequence numbers 2, 3 */
+    MOEK_TR_GEMM = 10,    /* + 10 which (GEMM 1, 2) + ... */
+    MOEK_TR_ENTRY = 0,    /* a CTA enters (before any wait) */
+    MOEK_TR_FIRST = 1,    /* the producer issues its first weight load */
+    MOEK_TR_ITEM = 2,     /* consumer 0 has an item's first stage (a: group,
+                             b: its K blocks) */
+    MOEK_TR_ITEM_END = 3, /* consumer 0's MMAs of it are done */
+    MOEK_TR_EXIT = 4,     /* consumer 0 leaves */
+    MOEK_TR_FINAL = 40,   /* +0 a finalize CTA starts, +1 ends */
+    MOEK_TR_PERMUTE = 50, /* +0 a CTA of the copy of x starts, +1 ends */
+};
+
+/* The buffer: [kernel (kind / 10)][CTA][sequence number] events. */
+#define MOEK_TRACE_KERNELS 6
+#define MOEK_TRACE_CTAS 1024
+#define MOEK_TRACE_SEQ 512
+#define MOEK_TRACE_EVENTS                                                     \
+    ((unsigned long)MOEK_TRACE_KERNELS * MOEK_TRACE_CTAS * MOEK_TRACE_SEQ)
+/* a GEMM's sequence numbers: entry, first load, exit, then two per item */
+#define MOEK_TRACE_SEQ_ITEM(i) (8 + 2 * (i))
+
+#endif
