@@ -9,7 +9,8 @@ Per file: when each kernel's CTAs start and end (us from the first event),
 each GEMM's items (consumer 0's first stage to its last MMA: the weight
 bytes of an item over that time, against one SM's share of the read
 ceiling given by --read-gbs), the gaps between a CTA's items (its
-epilogue, then the wait for the next item's first stage), what each SM
+epilogue, then the wait for the next item's first stage; when the producer
+issued that stage's first load, and its latency), what each SM
 does between GEMM 1 and GEMM 2, and the SM time left idle after each
 GEMM's first CTA leaves.
 """
@@ -21,7 +22,7 @@ from collections import defaultdict
 
 # kinds: kernels/cuda/trace.h (MOEK_TR_*)
 ROUTE, ALIGN, GEMM, FINAL, PERMUTE = 1, 3, 10, 40, 50
-ENTRY, FIRST, ITEM, ITEM_END, EXIT = 0, 1, 2, 3, 4
+ENTRY, FIRST, ITEM, ITEM_END, EXIT, EPI_END, ISSUE = 0, 1, 2, 3, 4, 5, 6
 STAGE_BYTES = 128 * 64 * 2  # one weight tile's K block (MOEK_WTILE x MOEK_KTILE)
 
 
@@ -106,6 +107,31 @@ def report(path, read_gbs, sms):
               (fmt(rate), read_gbs, share))
         print("          first item at %s" % fmt(first_item))
         print("          between items us %s" % fmt(gaps))
+        # the same gap in parts: consumer 0's epilogue, then its wait for
+        # the next item's first stage; and that stage's first load, issued
+        # by the producer before (+) or after (-) the item's last MMA, and
+        # its latency (issue to consumer 0 having the stage)
+        byk = defaultdict(lambda: defaultdict(list))
+        for r in rows:
+            if r["kind"] in (k + ITEM, k + ITEM_END, k + EPI_END, k + ISSUE):
+                byk[r["cta"]][r["kind"] - k].append(r["us"])
+        epi, wait, lead, lat = [], [], [], []
+        for ev in byk.values():
+            it, en, ep, iss = (sorted(ev[x]) for x in
+                               (ITEM, ITEM_END, EPI_END, ISSUE))
+            for n in range(1, len(it)):
+                if n - 1 < len(en) and n - 1 < len(ep):
+                    epi.append(ep[n - 1] - en[n - 1])
+                    wait.append(it[n] - ep[n - 1])
+                if n < len(iss) and n - 1 < len(en):
+                    lead.append(en[n - 1] - iss[n])
+                    lat.append(it[n] - iss[n])
+        if epi or lead:
+            print("            epilogue us %s" % fmt(epi))
+            print("            then waits us %s" % fmt(wait))
+            print("            next item's first load issued us before the "
+                  "last MMA %s" % fmt(lead))
+            print("            its latency us %s" % fmt(lat))
         idle = sum(max(ex) - t for t in ex)
         print("          after the first consumer leaves: %.2f us, %.1f "
               "SM-us idle (%.2f us of the whole card)" %

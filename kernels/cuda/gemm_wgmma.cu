@@ -402,6 +402,9 @@ __device__ __forceinline__ int preissue(const moek_gemm_args &a,
             if (threadIdx.x == 0) {
                 if (pre == 0)
                     moek_trace_gemm(a.which, MOEK_TR_FIRST, 1);
+                if (kb == it.kb0)
+                    moek_trace_gemm(a.which, MOEK_TR_ISSUE,
+                                    MOEK_TRACE_SEQ_ITEM(items) + 3, it.g);
                 /* CL = 2: the stage's one arrival comes with its token rows
                  * (produce_mc), which the peer's multicast also fills. */
                 if (CL == 2)
@@ -458,6 +461,10 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
                         info[pp.items % INFO_ITEMS] = it;
                     if (pp.used == 0)
                         moek_trace_gemm(a.which, MOEK_TR_FIRST, 1);
+                    if (kb == it.kb0)
+                        moek_trace_gemm(a.which, MOEK_TR_ISSUE,
+                                        MOEK_TRACE_SEQ_ITEM(pp.items) + 3,
+                                        it.g);
                     moek_mbar_expect_tx(&full[pp.stage], A_BYTES);
                     load_w(a, tmap, sA, it, kb, &full[pp.stage]);
                 }
@@ -553,7 +560,8 @@ __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
     using C = tile_cfg<BN>;
     constexpr int HALF = N / 2;
     static_assert(HALF % 8 == 0, "token tile halves of whole swizzle atoms");
-    for (; idx < end; idx += gridDim.x) {
+    /* pp.items numbers the items for the trace alone */
+    for (; idx < end; idx += gridDim.x, pp.items++) {
         const moek_item it = moek_decode_item(a, ncg, 1, idx, sb);
         for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
             uint8_t *sA = smem + pp.stage * C::STAGE;
@@ -561,6 +569,9 @@ __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
             if (pp.used >= pre)
                 moek_mbar_wait(&empty[pp.stage], pp.phase ^ 1);
             if (threadIdx.x == 0) {
+                if (kb == it.kb0 && pp.used >= pre)
+                    moek_trace_gemm(a.which, MOEK_TR_ISSUE,
+                                    MOEK_TRACE_SEQ_ITEM(pp.items) + 3, it.g);
                 if (pp.used >= pre) {
                     moek_mbar_expect_tx(&full[pp.stage], A_BYTES + N * 128);
                     load_w(a, tmap, sA, it, kb, &full[pp.stage]);
@@ -715,6 +726,9 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
         nx = sp.fetch_first(a, ncg, sb);
     for (int idx = sp.first; DEP == 2 || idx < sp.end;
          idx += sp.step, pp.items++) {
+        if (tid == 128 && pp.items > 0) /* the item before's epilogue */
+            moek_trace_gemm(a.which, MOEK_TR_EPI_END,
+                            MOEK_TRACE_SEQ_ITEM(pp.items - 1) + 2);
         moek_item it;
         if constexpr (RING) {
             /* The producer wrote the item's entry before its first stage's

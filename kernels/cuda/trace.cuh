@@ -11,7 +11,7 @@
  * store, with no atomic to wait for in the middle of a pipeline; the host
  * zeroes the buffer first and keeps the entries with a time. A CTA past
  * MOEK_TRACE_CTAS, or an event past MOEK_TRACE_SEQ (a GEMM CTA's items past
- * its 252nd), records nothing. The event, its kinds and the buffer's
+ * its 126th), records nothing. The event, its kinds and the buffer's
  * layout are in trace.h; bench_moe with MOEK_TRACE_OUT writes the events
  * of one forward, kernels/bench/timeline.py reads them.
  */
