@@ -22,7 +22,7 @@ from collections import defaultdict
 
 # kinds: kernels/cuda/trace.h (MOEK_TR_*)
 ROUTE, ALIGN, GEMM, FINAL, PERMUTE = 1, 3, 10, 40, 50
-ENTRY, FIRST, ITEM, ITEM_END, EXIT, EPI_END, ISSUE = 0, 1, 2, 3, 4, 5, 6
+ENTRY, FIRST, EXIT, ITEM, ITEM_END, EPI_END, ISSUE = 0, 1, 2, 3, 4, 5, 6
 STAGE_BYTES = 128 * 64 * 2  # one weight tile's K block (MOEK_WTILE x MOEK_KTILE)
 
 
@@ -75,57 +75,47 @@ def report(path, read_gbs, sms):
               (g + 1, ent[2], ent[0], ent[1],
                "%.2f" % first[0] if first else "-",
                min(ex), max(ex), pct(ex, 0.5)))
-        # items per CTA, in order
-        per = defaultdict(list)
+        # consumer 0's item events and the producer's issues, per CTA and
+        # kind, in order: item n is the n-th of each kind
+        per = defaultdict(lambda: defaultdict(list))
         for r in rows:
-            if r["kind"] in (k + ITEM, k + ITEM_END, k + EXIT):
-                per[r["cta"]].append(r)
-        dur, rate, gaps, kbs = [], [], [], []
-        first_item = []
-        for cta, ev in per.items():
-            ev.sort(key=lambda r: r["ns"])
-            start = None
-            last_end = None
-            for r in ev:
-                if r["kind"] == k + ITEM:
-                    start = r
-                    if last_end is not None:
-                        gaps.append(r["us"] - last_end)
-                    else:
-                        first_item.append(r["us"])
-                elif r["kind"] == k + ITEM_END and start is not None:
-                    d = r["us"] - start["us"]
-                    dur.append(d)
-                    kbs.append(start["b"])
-                    if d > 0:
-                        rate.append(start["b"] * STAGE_BYTES / d / 1e3)
-                    last_end = r["us"]
-                    start = None
-        print("          items %d, K blocks %s" % (len(dur), fmt(kbs)))
-        print("          item us %s" % fmt(dur))
-        print("          item GB/s %s (one SM's share of %.0f: %.1f)" %
-              (fmt(rate), read_gbs, share))
-        print("          first item at %s" % fmt(first_item))
-        print("          between items us %s" % fmt(gaps))
-        # the same gap in parts: consumer 0's epilogue, then its wait for
-        # the next item's first stage; and that stage's first load, issued
-        # by the producer before (+) or after (-) the item's last MMA, and
-        # its latency (issue to consumer 0 having the stage)
-        byk = defaultdict(lambda: defaultdict(list))
-        for r in rows:
-            if r["kind"] in (k + ITEM, k + ITEM_END, k + EPI_END, k + ISSUE):
-                byk[r["cta"]][r["kind"] - k].append(r["us"])
+            if k + ITEM <= r["kind"] <= k + ISSUE:
+                per[r["cta"]][r["kind"] - k].append(r)
+        dur, rate, gaps, kbs, first_item = [], [], [], [], []
         epi, wait, lead, lat = [], [], [], []
-        for ev in byk.values():
-            it, en, ep, iss = (sorted(ev[x]) for x in
-                               (ITEM, ITEM_END, EPI_END, ISSUE))
+        for ev in per.values():
+            it, en, ep, iss = ([r["us"] for r in sorted(ev[x],
+                                                        key=lambda r: r["ns"])]
+                               for x in (ITEM, ITEM_END, EPI_END, ISSUE))
+            kb = [r["b"] for r in sorted(ev[ITEM], key=lambda r: r["ns"])]
+            if it:
+                first_item.append(it[0])
+            for n in range(min(len(it), len(en))):
+                d = en[n] - it[n]
+                dur.append(d)
+                kbs.append(kb[n])
+                if d > 0:
+                    rate.append(kb[n] * STAGE_BYTES / d / 1e3)
+            # the gap before item n in parts: consumer 0's epilogue of item
+            # n - 1, then its wait for item n's first stage; that stage's
+            # first load, issued by the producer before (+) or after (-)
+            # item n - 1's last MMA, and its latency (issue to consumer 0
+            # having the stage)
             for n in range(1, len(it)):
+                if n - 1 < len(en):
+                    gaps.append(it[n] - en[n - 1])
                 if n - 1 < len(en) and n - 1 < len(ep):
                     epi.append(ep[n - 1] - en[n - 1])
                     wait.append(it[n] - ep[n - 1])
                 if n < len(iss) and n - 1 < len(en):
                     lead.append(en[n - 1] - iss[n])
                     lat.append(it[n] - iss[n])
+        print("          items %d, K blocks %s" % (len(dur), fmt(kbs)))
+        print("          item us %s" % fmt(dur))
+        print("          item GB/s %s (one SM's share of %.0f: %.1f)" %
+              (fmt(rate), read_gbs, share))
+        print("          first item at %s" % fmt(first_item))
+        print("          between items us %s" % fmt(gaps))
         if epi or lead:
             print("            epilogue us %s" % fmt(epi))
             print("            then waits us %s" % fmt(wait))

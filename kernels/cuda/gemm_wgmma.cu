@@ -403,8 +403,7 @@ __device__ __forceinline__ int preissue(const moek_gemm_args &a,
                 if (pre == 0)
                     moek_trace_gemm(a.which, MOEK_TR_FIRST, 1);
                 if (kb == it.kb0)
-                    moek_trace_gemm(a.which, MOEK_TR_ISSUE,
-                                    MOEK_TRACE_SEQ_ITEM(items) + 3, it.g);
+                    moek_trace_item(a.which, MOEK_TR_ISSUE, items, it.g);
                 /* CL = 2: the stage's one arrival comes with its token rows
                  * (produce_mc), which the peer's multicast also fills. */
                 if (CL == 2)
@@ -462,8 +461,7 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
                     if (pp.used == 0)
                         moek_trace_gemm(a.which, MOEK_TR_FIRST, 1);
                     if (kb == it.kb0)
-                        moek_trace_gemm(a.which, MOEK_TR_ISSUE,
-                                        MOEK_TRACE_SEQ_ITEM(pp.items) + 3,
+                        moek_trace_item(a.which, MOEK_TR_ISSUE, pp.items,
                                         it.g);
                     moek_mbar_expect_tx(&full[pp.stage], A_BYTES);
                     load_w(a, tmap, sA, it, kb, &full[pp.stage]);
@@ -569,10 +567,10 @@ __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
             if (pp.used >= pre)
                 moek_mbar_wait(&empty[pp.stage], pp.phase ^ 1);
             if (threadIdx.x == 0) {
-                if (kb == it.kb0 && pp.used >= pre)
-                    moek_trace_gemm(a.which, MOEK_TR_ISSUE,
-                                    MOEK_TRACE_SEQ_ITEM(pp.items) + 3, it.g);
                 if (pp.used >= pre) {
+                    if (kb == it.kb0)
+                        moek_trace_item(a.which, MOEK_TR_ISSUE, pp.items,
+                                        it.g);
                     moek_mbar_expect_tx(&full[pp.stage], A_BYTES + N * 128);
                     load_w(a, tmap, sA, it, kb, &full[pp.stage]);
                 } else {
@@ -727,8 +725,7 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
     for (int idx = sp.first; DEP == 2 || idx < sp.end;
          idx += sp.step, pp.items++) {
         if (tid == 128 && pp.items > 0) /* the item before's epilogue */
-            moek_trace_gemm(a.which, MOEK_TR_EPI_END,
-                            MOEK_TRACE_SEQ_ITEM(pp.items - 1) + 2);
+            moek_trace_item(a.which, MOEK_TR_EPI_END, pp.items - 1);
         moek_item it;
         if constexpr (RING) {
             /* The producer wrote the item's entry before its first stage's
@@ -764,8 +761,7 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
         for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
             moek_mbar_wait(&full[pp.stage], pp.phase);
             if (tid == 128 && kb == it.kb0)
-                moek_trace_gemm(a.which, MOEK_TR_ITEM,
-                                MOEK_TRACE_SEQ_ITEM(pp.items), it.g,
+                moek_trace_item(a.which, MOEK_TR_ITEM, pp.items, it.g,
                                 it.kb1 - it.kb0);
             /* The token rows were written by cp.async (generic proxy);
              * wgmma reads through the async proxy. */
@@ -785,8 +781,7 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
         }
         wgmma_wait<0>();
         if (tid == 128)
-            moek_trace_gemm(a.which, MOEK_TR_ITEM_END,
-                            MOEK_TRACE_SEQ_ITEM(pp.items) + 1, it.g);
+            moek_trace_item(a.which, MOEK_TR_ITEM_END, pp.items, it.g);
         if (prev >= 0 && lane == 0)
             release<CL>(empty, prev);
         if (comb) {

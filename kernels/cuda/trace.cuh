@@ -45,6 +45,12 @@ __device__ __forceinline__ void moek_trace_gemm(int which, int what, int seq,
 {
     moek_trace(MOEK_TR_GEMM + 10 * which + what, seq, a, b);
 }
+/* the same for item `item`'s event `what` (MOEK_TR_ITEM .. MOEK_TR_ISSUE) */
+__device__ __forceinline__ void moek_trace_item(int which, int what, int item,
+                                                int a = 0, int b = 0)
+{
+    moek_trace_gemm(which, what, MOEK_TRACE_SEQ_ITEM(item, what), a, b);
+}
 /* thread 0 of the CTA: kind (sequence number seq) as it is made, kind + 1
  * (seq + 1) as it goes */
 struct moek_trace_scope {
@@ -73,6 +79,7 @@ struct moek_trace_scope {
 #else
 #define moek_trace(...) ((void)0)
 #define moek_trace_gemm(...) ((void)0)
+#define moek_trace_item(...) ((void)0)
 #define MOEK_TRACE_SCOPE(kind, seq) ((void)0)
 #define MOEK_TRACE_UNIT(name)
 #endif

@@ -22,13 +22,14 @@ enum {
     MOEK_TR_GEMM = 10,    /* + 10 which (GEMM 1, 2) + ... */
     MOEK_TR_ENTRY = 0,    /* a CTA enters (before any wait) */
     MOEK_TR_FIRST = 1,    /* the producer issues its first weight load */
-    MOEK_TR_ITEM = 2,     /* consumer 0 has an item's first stage (a: group,
+    MOEK_TR_EXIT = 2,     /* consumer 0 leaves */
+    /* an item's events, consecutive (MOEK_TRACE_SEQ_ITEM): */
+    MOEK_TR_ITEM = 3,     /* consumer 0 has an item's first stage (a: group,
                              b: its K blocks) */
-    MOEK_TR_ITEM_END = 3, /* consumer 0's MMAs of it are done */
-    MOEK_TR_EXIT = 4,     /* consumer 0 leaves */
-    MOEK_TR_EPI_END = 5,  /* consumer 0 is done with an item's epilogue */
-    MOEK_TR_ISSUE = 6,    /* the producer issues an item's first weight
-                             load (a: group) */
+    MOEK_TR_ITEM_END = 4, /* consumer 0's MMAs of it are done */
+    MOEK_TR_EPI_END = 5,  /* consumer 0 is done with its epilogue */
+    MOEK_TR_ISSUE = 6,    /* the producer issues its first weight load (a:
+                             group) */
     MOEK_TR_FINAL = 40,   /* +0 a finalize CTA starts, +1 ends */
     MOEK_TR_PERMUTE = 50, /* +0 a CTA of the copy of x starts, +1 ends */
 };
@@ -39,8 +40,8 @@ enum {
 #define MOEK_TRACE_SEQ 512
 #define MOEK_TRACE_EVENTS                                                     \
     ((unsigned long)MOEK_TRACE_KERNELS * MOEK_TRACE_CTAS * MOEK_TRACE_SEQ)
-/* a GEMM's sequence numbers: entry, first load, exit, then four per item
- * (ITEM, ITEM_END, EPI_END, ISSUE) */
-#define MOEK_TRACE_SEQ_ITEM(i) (8 + 4 * (i))
+/* a GEMM's sequence numbers: entry, first load, exit, then item i's
+ * event `what` (MOEK_TR_ITEM .. MOEK_TR_ISSUE) */
+#define MOEK_TRACE_SEQ_ITEM(i, what) (8 + 4 * (i) + (what) - MOEK_TR_ITEM)
 
 #endif
