@@ -432,21 +432,29 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
                                         bool sk)
 {
     using C = tile_cfg<BN, DEP>;
+    constexpr int RN = N / 16; /* token rows per thread */
     const T *b = reinterpret_cast<const T *>(a.b);
     const int tid = threadIdx.x, c8 = tid & 7, r0 = tid >> 3;
-    /* One item (DEP 2: once dep[it.g] reaches need). */
-    const auto one = [&](const moek_item &it, int need) {
-        long long off[N / 16];
+    /* Item it's token rows for this thread (through b_rows), or -1 past
+     * its mlen. */
+    const auto rows_of = [&](const moek_item &it, int (&rows)[RN]) {
 #pragma unroll
-        for (int i = 0; i < N / 16; i++) {
+        for (int i = 0; i < RN; i++) {
             const int r = r0 + 16 * i;
-            off[i] = -1;
+            rows[i] = -1;
             if (r < it.mlen) {
                 const int p = it.pos + r;
-                const int row = a.b_rows ? a.b_rows[p] : p;
-                off[i] = (long long)row * a.ldb;
+                rows[i] = a.b_rows ? a.b_rows[p] : p;
             }
         }
+    };
+    /* One item (DEP 2: once dep[it.g] reaches need). */
+    const auto one = [&](const moek_item &it, const int (&rows)[RN],
+                         int need) {
+        long long off[RN];
+#pragma unroll
+        for (int i = 0; i < RN; i++)
+            off[i] = rows[i] < 0 ? -1 : (long long)rows[i] * a.ldb;
         for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
             uint8_t *sA = smem + pp.stage * C::STAGE;
             uint8_t *sB = sA + A_BYTES;
@@ -491,8 +499,44 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
     };
     if constexpr (DEP != 2) {
         moek_item_src nx = sp.fetch_first(a, ncg, sb);
-        for (int idx = sp.first; idx < sp.end; idx += sp.step, pp.items++)
-            one(sp.take(a, ncg, split, idx, sb, nx), 0);
+        if constexpr (moek_classes(BN) > 1) {
+            /* Prefill tiles read the next item's rows as an item starts.
+             * Read as the item itself starts, they can wait behind the
+             * cp.async of the stages in flight: the item's first stage
+             * went out 4 us after the item before's last MMA (qwen3
+             * T=4096), and reading ahead made qwen3 T=1024 and T=4096
+             * 1.2-1.5% faster (RESULTS.md, run 29). Decode tiles, whose
+             * first item would wait for the second's reads, measured 1-2
+             * us slower so. */
+            moek_item it = {};
+            int rows[RN];
+            if (sp.first < sp.end) {
+                it = sp.take(a, ncg, split, sp.first, sb, nx);
+                rows_of(it, rows);
+            }
+            for (int idx = sp.first; idx < sp.end;
+                 idx += sp.step, pp.items++) {
+                moek_item next = {};
+                int next_rows[RN];
+                if (idx + sp.step < sp.end) {
+                    next = sp.take(a, ncg, split, idx + sp.step, sb, nx);
+                    rows_of(next, next_rows);
+                }
+                one(it, rows, 0);
+                it = next;
+#pragma unroll
+                for (int i = 0; i < RN; i++)
+                    rows[i] = next_rows[i];
+            }
+        } else {
+            for (int idx = sp.first; idx < sp.end;
+                 idx += sp.step, pp.items++) {
+                const moek_item it = sp.take(a, ncg, split, idx, sb, nx);
+                int rows[RN];
+                rows_of(it, rows);
+                one(it, rows, 0);
+            }
+        }
     } else {
         /* Thread 0 takes the units for the warpgroup and passes each on
          * through shared memory (the second barrier keeps the next from
@@ -517,10 +561,12 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
                 const moek_item_src f = moek_fetch_item(a, ncg, idx, sb);
                 moek_item it = moek_item_from(a, split, f);
                 us.clip(it, idx, a.kblocks);
+                int rows[RN];
+                rows_of(it, rows);
                 /* GEMM 1's two consumer warpgroups count each of the
                  * group's items: its token tiles (the same tile as here)
                  * times GEMM 1's weight tiles (GEMM 1 never splits K) */
-                one(it, 2 * moek_token_tiles(f.cnt, a.bn) * a.dep_tiles);
+                one(it, rows, 2 * moek_token_tiles(f.cnt, a.bn) * a.dep_tiles);
             }
             if (tid == 0)
                 *ticket = next;
