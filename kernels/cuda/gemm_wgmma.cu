@@ -499,6 +499,11 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
     };
     if constexpr (DEP != 2) {
         moek_item_src nx = sp.fetch_first(a, ncg, sb);
+        /* item idx (from nx, which it refills) and its rows */
+        const auto take = [&](int idx, moek_item &it, int (&rows)[RN]) {
+            it = sp.take(a, ncg, split, idx, sb, nx);
+            rows_of(it, rows);
+        };
         if constexpr (moek_classes(BN) > 1) {
             /* Prefill tiles read the next item's rows as an item starts.
              * Read as the item itself starts, they can wait behind the
@@ -510,18 +515,14 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
              * us slower so. */
             moek_item it = {};
             int rows[RN];
-            if (sp.first < sp.end) {
-                it = sp.take(a, ncg, split, sp.first, sb, nx);
-                rows_of(it, rows);
-            }
+            if (sp.first < sp.end)
+                take(sp.first, it, rows);
             for (int idx = sp.first; idx < sp.end;
                  idx += sp.step, pp.items++) {
                 moek_item next = {};
                 int next_rows[RN];
-                if (idx + sp.step < sp.end) {
-                    next = sp.take(a, ncg, split, idx + sp.step, sb, nx);
-                    rows_of(next, next_rows);
-                }
+                if (idx + sp.step < sp.end)
+                    take(idx + sp.step, next, next_rows);
                 one(it, rows, 0);
                 it = next;
 #pragma unroll
@@ -531,9 +532,9 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
         } else {
             for (int idx = sp.first; idx < sp.end;
                  idx += sp.step, pp.items++) {
-                const moek_item it = sp.take(a, ncg, split, idx, sb, nx);
+                moek_item it;
                 int rows[RN];
-                rows_of(it, rows);
+                take(idx, it, rows);
                 one(it, rows, 0);
             }
         }
