@@ -90,8 +90,8 @@ BINS := $(BUILD)/moed $(BUILD)/moectl $(BUILD)/libmoe.so $(BUILD)/libmoe.a $(BUI
 # AddressSanitizer and UndefinedBehaviorSanitizer into $(BUILD)/fuzz/. The same
 # sources, with tests/fuzz/replay.c as main, build with $(CC) into
 # $(BUILD)/tests/test_fuzz_*, which `make test` runs (SAN=1 too) to replay the
-# seed corpus and every crash regression once. Under SAN=1 make test does not
-# fuzz: the plain run does.
+# seed corpus and every crash regression once (and the seeds again under a
+# storm of signals). Under SAN=1 make test does not fuzz: the plain run does.
 FUZZ_CC      ?= $(shell command -v clang 2>/dev/null)
 FUZZ_SECONDS ?= 120
 FUZZ_TEST_SECONDS ?= $(if $(filter 1,$(SAN)),0,30)

@@ -57,9 +57,21 @@ void server_reply(struct server *s, const uint8_t *route_id, size_t route_len, v
     moe__reply__pack(rep, zmq_msg_data(&msg));
     s->zmq_dirty = true; /* see server_drain */
     /* Unroutable (the client is gone) or over its high-water mark (it does
-     * not read): ROUTER drops the reply, which is all that can be done. */
-    if (zmq_send(s->zsock, route_id, route_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
-        zmq_msg_send(&msg, s->zsock, ZMQ_DONTWAIT) < 0) {
+     * not read): ROUTER drops the reply, which is all that can be done. A
+     * signal that lands while ZeroMQ reads its command pipe (every call
+     * does) fails the call with EINTR having queued nothing: send again,
+     * or the client would wait for a reply that was never sent. moed
+     * blocks the signals it handles, but a program that embeds the server
+     * (the fuzz target under libFuzzer's SIGALRM) may not. */
+    int rc;
+    do
+        rc = zmq_send(s->zsock, route_id, route_len, ZMQ_SNDMORE | ZMQ_DONTWAIT);
+    while (rc < 0 && zmq_errno() == EINTR);
+    if (rc >= 0)
+        do
+            rc = zmq_msg_send(&msg, s->zsock, ZMQ_DONTWAIT);
+        while (rc < 0 && zmq_errno() == EINTR);
+    if (rc < 0) {
         log_debug("reply %llu not sent: %s", (unsigned long long)rep->id, zmq_strerror(zmq_errno()));
         zmq_msg_close(&msg);
     }

@@ -2,7 +2,9 @@
  * replay.c: a main for a fuzz target without libFuzzer (any compiler, the
  * SAN=1 build included): `make test` runs every seed in
  * tests/fuzz/corpus/<target>/ and every crash found so far in
- * tests/fuzz/regress/<target>/ through the target once, as two test cases.
+ * tests/fuzz/regress/<target>/ through the target once, as two test cases,
+ * and the seeds again while signals interrupt every system call they can
+ * (a third).
  * With file arguments it runs just those (to reproduce a crash under gdb).
  *
  * Compiled with -DFUZZ_TARGET=\"request\" (or safetensors, config) and linked
@@ -15,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 
 #include "tests/harness.h"
 
@@ -85,14 +88,18 @@ static int run_dir(const char *dir)
     return n;
 }
 
-static void run_one_dir(const char *kind, bool must_exist)
+static void start(void)
 {
-    char dir[256];
-    snprintf(dir, sizeof(dir), "tests/fuzz/%s/%s", kind, FUZZ_TARGET);
     signal(SIGABRT, on_fatal);
     signal(SIGSEGV, on_fatal);
     signal(SIGBUS, on_fatal);
     LLVMFuzzerInitialize(NULL, NULL);
+}
+
+static void run_one_dir(const char *kind, bool must_exist)
+{
+    char dir[256];
+    snprintf(dir, sizeof(dir), "tests/fuzz/%s/%s", kind, FUZZ_TARGET);
     int n = run_dir(dir);
     CHECK_MSG(n > 0 || !must_exist, "no inputs in %s", dir);
     fprintf(stderr, "  %s: %d inputs\n", dir, n);
@@ -100,12 +107,40 @@ static void run_one_dir(const char *kind, bool must_exist)
 
 TEST(seed_corpus)
 {
+    start();
     run_one_dir("corpus", true);
 }
 
 TEST(crash_regressions)
 {
+    start();
     run_one_dir("regress", false);
+}
+
+/* The seed corpus again, ten times over, while the process takes a signal
+ * every 20 us from a handler installed without SA_RESTART, as libFuzzer's
+ * SIGALRM (its -timeout watch) and a client's own handlers do: every system
+ * call that can fail with EINTR does, many times an input. Code under test
+ * that takes EINTR for an error shows here, not once in a long fuzz run. */
+static void on_tick(int sig)
+{
+    (void)sig;
+}
+
+TEST(seed_corpus_under_signals)
+{
+    start(); /* the target's setup is not under test here */
+    struct sigaction sa = {.sa_handler = on_tick};
+    sigemptyset(&sa.sa_mask);
+    CHECK(sigaction(SIGUSR1, &sa, NULL) == 0);
+    struct sigevent sev = {.sigev_notify = SIGEV_SIGNAL, .sigev_signo = SIGUSR1};
+    timer_t tid;
+    CHECK(timer_create(CLOCK_MONOTONIC, &sev, &tid) == 0);
+    struct itimerspec its = {.it_value = {0, 20000}, .it_interval = {0, 20000}};
+    CHECK(timer_settime(tid, 0, &its, NULL) == 0);
+    for (int pass = 0; pass < 10; pass++)
+        run_one_dir("corpus", true);
+    timer_delete(tid);
 }
 
 int main(int argc, char **argv)
@@ -122,5 +157,6 @@ int main(int argc, char **argv)
     return test_main(argc, argv, (struct test_case[]){
         {FUZZ_TARGET "_seed_corpus", seed_corpus, 0},
         {FUZZ_TARGET "_crash_regressions", crash_regressions, 0},
+        {FUZZ_TARGET "_seed_corpus_under_signals", seed_corpus_under_signals, 0},
         {0}});
 }
