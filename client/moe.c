@@ -141,7 +141,12 @@ static int session_call(moe_client *c, Moe__SessionRequest *req, int fd,
         cm->cmsg_len = CMSG_LEN(sizeof(int));
         memcpy(CMSG_DATA(cm), &fd, sizeof(int));
     }
-    if (sendmsg(c->sfd, &mh, MSG_NOSIGNAL) < 0) {
+    /* Here and below, EINTR is a signal of the caller's (a handler
+     * installed without SA_RESTART), not news from the daemon. */
+    ssize_t sent;
+    while ((sent = sendmsg(c->sfd, &mh, MSG_NOSIGNAL)) < 0 && errno == EINTR)
+        ;
+    if (sent < 0) {
         int e = errno;
         c->broken = e == EPIPE || e == ECONNRESET || e == ENOTCONN;
         /* A daemon that refused the session (too many sessions, shutting
@@ -159,10 +164,19 @@ static int session_call(moe_client *c, Moe__SessionRequest *req, int fd,
         return seterr(c->broken ? -ECONNRESET : -e, "cannot reach the daemon: %s", strerror(e));
     }
     struct pollfd p = {c->sfd, POLLIN, 0};
-    int pr = poll(&p, 1, c->timeout_ms);
+    uint64_t t0 = mono_ms();
+    int pr, wait = c->timeout_ms;
+    while ((pr = poll(&p, 1, wait)) < 0 && errno == EINTR) {
+        if (c->timeout_ms >= 0) { /* what is left of it */
+            uint64_t spent = mono_ms() - t0;
+            wait = spent < (uint64_t)c->timeout_ms ? c->timeout_ms - (int)spent : 0;
+        }
+    }
     if (pr == 0)
         return seterr(-ETIMEDOUT, "the daemon did not answer within %d ms", c->timeout_ms);
-    ssize_t r = recv(c->sfd, buf, sizeof(buf), 0);
+    ssize_t r;
+    while ((r = recv(c->sfd, buf, sizeof(buf), 0)) < 0 && errno == EINTR)
+        ;
     if (r <= 0) {
         c->broken = true;
         return seterr(-ECONNRESET, "the daemon closed the session");
@@ -379,7 +393,8 @@ void moe_disconnect(moe_client **cp)
         return;
     connection_close(c);
     if (c->zctx)
-        zmq_ctx_term(c->zctx);
+        while (zmq_ctx_term(c->zctx) < 0 && zmq_errno() == EINTR)
+            ; /* interrupted by a signal of the caller's: it can be restarted */
     while (c->regions) {
         struct moe_region *r = c->regions;
         c->regions = r->next;
@@ -413,7 +428,11 @@ static int send_request(moe_client *c, Moe__Request *req, bool compute)
     if (zmq_msg_init_size(&msg, n) != 0)
         return seterr(-ENOMEM, "out of memory");
     moe__request__pack(req, zmq_msg_data(&msg));
-    if (zmq_msg_send(&msg, c->zsock, 0) < 0) {
+    /* EINTR: a signal of the caller's landed first; nothing was sent. */
+    int rc;
+    while ((rc = zmq_msg_send(&msg, c->zsock, 0)) < 0 && zmq_errno() == EINTR)
+        ;
+    if (rc < 0) {
         int e = zmq_errno();
         zmq_msg_close(&msg);
         return seterr(-e, "cannot send to the daemon: %s", zmq_strerror(e));
@@ -499,6 +518,10 @@ static int receive_ready(moe_client *c, uint64_t stop_id)
         zmq_msg_init(&msg);
         if (zmq_msg_recv(&msg, c->zsock, ZMQ_DONTWAIT) < 0) {
             zmq_msg_close(&msg);
+            /* EINTR is not "nothing there": a reply may be, and ZMQ_FD,
+             * edge-triggered, would not wake the poll for it. */
+            if (zmq_errno() == EINTR)
+                continue;
             return 0;
         }
         int rc = pending_add(c, zmq_msg_data(&msg), zmq_msg_size(&msg), stop_id);

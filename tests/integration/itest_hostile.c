@@ -1221,6 +1221,77 @@ TEST(cross_wired_reply_sockets_do_not_loop)
     itest_daemon_stop(&d);
 }
 
+/* A client whose process takes signals (a profiler's timer, a handler for
+ * SIGCHLD) installed without SA_RESTART: every ZeroMQ call of libmoe's can
+ * fail with EINTR, having done nothing. A send so failed used to fail the
+ * request, and a receive so failed could leave a reply unread with ZMQ_FD
+ * already drained, so that the poll after it slept the request's whole
+ * timeout. Every request is answered, on ZeroMQ and on the reply socket. */
+static volatile sig_atomic_t signals_taken;
+
+static void on_signal(int sig)
+{
+    (void)sig;
+    signals_taken++;
+}
+
+TEST(a_client_taking_signals_loses_no_reply)
+{
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    struct sigaction sa = {.sa_handler = on_signal}; /* no SA_RESTART */
+    sigemptyset(&sa.sa_mask);
+    CHECK(sigaction(SIGUSR1, &sa, NULL) == 0);
+    struct sigevent sev = {.sigev_notify = SIGEV_SIGNAL, .sigev_signo = SIGUSR1};
+    timer_t tid;
+    CHECK(timer_create(CLOCK_MONOTONIC, &sev, &tid) == 0);
+    struct itest_layer L = layer_make();
+    static const char *const paths[] = {"zmq", "socket"};
+    for (size_t p = 0; p < ARRAY_LEN(paths); p++) {
+        /* Requests and replies on ZeroMQ, then on the session's reply
+         * socket (libmoe's default). */
+        if (p == 0) {
+            setenv("MOE_REQUESTS", "zmq", 1);
+            setenv("MOE_REPLIES", "zmq", 1);
+        } else {
+            unsetenv("MOE_REQUESTS");
+            unsetenv("MOE_REPLIES");
+        }
+        moe_client *c = itest_connect(&d, "itest");
+        if (p == 0)
+            itest_layer_upload(c, &L, &seed); /* the daemon keeps it */
+        moe_set_timeout(c, 10000);
+        /* A signal every 50 us: several land in each round trip. */
+        struct itimerspec its = {.it_value = {0, 50000}, .it_interval = {0, 50000}};
+        CHECK(timer_settime(tid, 0, &its, NULL) == 0);
+        signals_taken = 0;
+        uint64_t t0 = now_ms();
+        int n = 0;
+        for (; n < 200 || now_ms() - t0 < 1000; n++) {
+            struct itest_fwd f;
+            itest_fwd_make(c, &L, 1 + (size_t)(test_rand(&seed) % 7), &seed, &f);
+            int rc = moe_forward(c, &f.args, NULL);
+            CHECK_MSG(rc == 0, "%s path, request %d, %d signals in: %s", paths[p], n,
+                      (int)signals_taken, moe_errmsg());
+            double e = itest_fwd_error(&L, &f);
+            CHECK_MSG(e < itest_tolerance(L.dt), "%s path, request %d: error %.3g", paths[p],
+                      n, e);
+            moe_region_free(c, &f.r);
+        }
+        struct itimerspec off = {{0, 0}, {0, 0}};
+        CHECK(timer_settime(tid, 0, &off, NULL) == 0);
+        printf("  %s: %d requests, %d signals taken in %llu ms\n", paths[p], n,
+               (int)signals_taken, (unsigned long long)(now_ms() - t0));
+        CHECK_MSG(signals_taken > n, "%d signals for %d requests: the timer did not fire",
+                  (int)signals_taken, n);
+        moe_disconnect(&c);
+    }
+    itest_layer_free(&L);
+    timer_delete(tid);
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -1235,5 +1306,6 @@ int main(int argc, char **argv)
         TEST_CASE(a_bad_reply_socket_is_refused),
         TEST_CASE(requests_on_a_reply_socket_are_checked),
         TEST_CASE(cross_wired_reply_sockets_do_not_loop),
+        TEST_CASE(a_client_taking_signals_loses_no_reply),
         {0}});
 }
