@@ -49,6 +49,26 @@ for t in request safetensors config; do
     else
         tail -n 40 "$log"
         crash=$(sed -n 's/.*Test unit written to \(.*\)$/\1/p' "$log" | tail -n 1)
+        # What failed, in a few lines that the stack trace above cannot push
+        # out of a log's tail: the target's own check (FUZZ_CHECK prints
+        # file:line: condition: message), a sanitizer's report, or
+        # libFuzzer's verdict (timeout, out of memory, deadly signal).
+        echo "-- fuzz_$t failed on:"
+        grep -E '^tests/fuzz/[a-z_]+\.c:[0-9]+: |runtime error|ERROR: (AddressSanitizer|LeakSanitizer|libFuzzer)|^SUMMARY: ' \
+            "$log" | head -n 6
+        if [ -n "$crash" ] && [ -f "$crash" ]; then
+            # Run the saved input again, alone, from a fresh process: a
+            # failure that does not come back depends on timing (or on the
+            # inputs before it), which is worth knowing before reading code.
+            again=0
+            for _ in 1 2 3; do
+                "$bin" -timeout=25 -rss_limit_mb=2048 "$crash" >"$log.replay" 2>&1 || again=$((again + 1))
+            done
+            echo "-- the saved input, run again alone: failed $again of 3 times"
+            [ "$again" -gt 0 ] && grep -E '^tests/fuzz/[a-z_]+\.c:[0-9]+: |runtime error|^SUMMARY: ' \
+                "$log.replay" | head -n 4
+            rm -f "$log.replay"
+        fi
         echo "FAIL fuzz_$t (exit status $rc; input saved as ${crash:-?}; log $log;" \
              "reproduce with $bin ${crash:-FILE}, then add it to tests/fuzz/regress/$t/)"
         status=1
