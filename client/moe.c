@@ -252,7 +252,12 @@ static int connection_open(moe_client *c)
     c->sfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     if (c->sfd < 0)
         return seterr(-errno, "socket: %s", strerror(errno));
-    if (connect(c->sfd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+    /* connect waits only while the daemon's backlog is full; a unix socket
+     * interrupted there is left unconnected, so connect again. */
+    int rc;
+    while ((rc = connect(c->sfd, (struct sockaddr *)&sa, sizeof(sa))) < 0 && errno == EINTR)
+        ;
+    if (rc < 0) {
         int e = errno;
         return seterr(e == ENOENT || e == ECONNREFUSED ? -ECONNREFUSED : -e,
                       "cannot connect to %s: %s%s", sa.sun_path, strerror(e),
@@ -271,7 +276,7 @@ static int connection_open(moe_client *c)
         open.reply_socket = true;
     }
     Moe__SessionReply *rep = NULL;
-    int rc = session_call(c, &req, sv[1], &rep);
+    rc = session_call(c, &req, sv[1], &rep);
     if (sv[1] >= 0)
         close(sv[1]);
     if (rc < 0)
