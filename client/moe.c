@@ -141,8 +141,8 @@ static int session_call(moe_client *c, Moe__SessionRequest *req, int fd,
         cm->cmsg_len = CMSG_LEN(sizeof(int));
         memcpy(CMSG_DATA(cm), &fd, sizeof(int));
     }
-    /* Here and below, EINTR is a signal of the caller's (a handler
-     * installed without SA_RESTART), not news from the daemon. */
+    /* Here and below, EINTR is a signal of the caller's handlers, not news
+     * from the daemon. */
     ssize_t sent;
     while ((sent = sendmsg(c->sfd, &mh, MSG_NOSIGNAL)) < 0 && errno == EINTR)
         ;
@@ -522,10 +522,11 @@ static int receive_ready(moe_client *c, uint64_t stop_id)
         zmq_msg_t msg;
         zmq_msg_init(&msg);
         if (zmq_msg_recv(&msg, c->zsock, ZMQ_DONTWAIT) < 0) {
+            int e = zmq_errno();
             zmq_msg_close(&msg);
             /* EINTR is not "nothing there": a reply may be, and ZMQ_FD,
              * edge-triggered, would not wake the poll for it. */
-            if (zmq_errno() == EINTR)
+            if (e == EINTR)
                 continue;
             return 0;
         }

@@ -58,11 +58,12 @@ void server_reply(struct server *s, const uint8_t *route_id, size_t route_len, v
     s->zmq_dirty = true; /* see server_drain */
     /* Unroutable (the client is gone) or over its high-water mark (it does
      * not read): ROUTER drops the reply, which is all that can be done. A
-     * signal that lands while ZeroMQ reads its command pipe (every call
-     * does) fails the call with EINTR having queued nothing: send again,
-     * or the client would wait for a reply that was never sent. moed
-     * blocks the signals it handles, but a program that embeds the server
-     * (the fuzz target under libFuzzer's SIGALRM) may not. */
+     * signal that lands while ZeroMQ reads its command pipe fails the call
+     * with EINTR having queued nothing: send again, or the client would
+     * wait for a reply that was never sent (and a body left unsent would
+     * take the next reply's routing id for its own). moed blocks the
+     * signals it handles; a program that embeds the server (the fuzz
+     * target under libFuzzer's SIGALRM) may not. */
     int rc;
     do
         rc = zmq_send(s->zsock, route_id, route_len, ZMQ_SNDMORE | ZMQ_DONTWAIT);
@@ -507,6 +508,8 @@ static int server_recv_one(struct server *s)
         if (zmq_msg_recv(&part, s->zsock, ZMQ_DONTWAIT) < 0) {
             int e = zmq_errno();
             zmq_msg_close(&part);
+            if (e == EINTR && nparts > 0)
+                continue; /* nothing taken: the rest of this message is next */
             if (nparts == 0) {
                 zmq_msg_close(&body);
                 return -e;

@@ -97,6 +97,39 @@ struct test_case {
         exit(TEST_EXIT_SKIP);                                                 \
     } while (0)
 
+/* A storm of signals: test_signal_storm(period_us) sends this process
+ * SIGUSR1 every period_us, to a handler installed without SA_RESTART, so
+ * that system calls that can fail with EINTR do (poll and ZeroMQ's calls
+ * would even with SA_RESTART), as in a program with a profiler's timer or
+ * handlers of its own; test_signal_storm(0) stops it. test_signals_taken
+ * counts the signals handled since the storm started. */
+static volatile sig_atomic_t test_signals_taken;
+
+static void test_on_storm_signal(int sig)
+{
+    (void)sig;
+    test_signals_taken++;
+}
+
+static inline void test_signal_storm(long period_us)
+{
+    static timer_t tid;
+    static int created;
+    if (!created) {
+        struct sigaction sa = {.sa_handler = test_on_storm_signal};
+        sigemptyset(&sa.sa_mask);
+        struct sigevent sev = {.sigev_notify = SIGEV_SIGNAL, .sigev_signo = SIGUSR1};
+        CHECK(sigaction(SIGUSR1, &sa, NULL) == 0 &&
+              timer_create(CLOCK_MONOTONIC, &sev, &tid) == 0);
+        created = 1;
+    }
+    struct timespec every = {period_us / 1000000, period_us % 1000000 * 1000};
+    struct itimerspec its = {.it_value = every, .it_interval = every};
+    if (period_us > 0)
+        test_signals_taken = 0;
+    CHECK(timer_settime(tid, 0, &its, NULL) == 0);
+}
+
 static inline int test_main(int argc, char **argv, const struct test_case *cases)
 {
     int failed = 0;

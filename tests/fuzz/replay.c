@@ -3,8 +3,7 @@
  * SAN=1 build included): `make test` runs every seed in
  * tests/fuzz/corpus/<target>/ and every crash found so far in
  * tests/fuzz/regress/<target>/ through the target once, as two test cases,
- * and the seeds again while signals interrupt every system call they can
- * (a third).
+ * and the seeds again under a storm of signals (a third).
  * With file arguments it runs just those (to reproduce a crash under gdb).
  *
  * Compiled with -DFUZZ_TARGET=\"request\" (or safetensors, config) and linked
@@ -17,7 +16,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 
 #include "tests/harness.h"
 
@@ -117,38 +115,23 @@ TEST(crash_regressions)
     run_one_dir("regress", false);
 }
 
-/* The seed corpus again, ten times over, while the process takes a signal
- * every 20 us from a handler installed without SA_RESTART, as libFuzzer's
- * SIGALRM (its -timeout watch) and a client's own handlers do: every system
- * call that can fail with EINTR does, many times an input. Code under test
- * that takes EINTR for an error shows here, not once in a long fuzz run. */
-static void on_tick(int sig)
-{
-    (void)sig;
-}
-
+/* The seed corpus again, ten times over, under a signal every 20 us (as
+ * libFuzzer's SIGALRM, its -timeout watch, lands now and then): code under
+ * test that takes EINTR for an error shows here, not once in a long fuzz
+ * run. */
 TEST(seed_corpus_under_signals)
 {
     start(); /* the target's setup is not under test here */
-    struct sigaction sa = {.sa_handler = on_tick};
-    sigemptyset(&sa.sa_mask);
-    CHECK(sigaction(SIGUSR1, &sa, NULL) == 0);
-    struct sigevent sev = {.sigev_notify = SIGEV_SIGNAL, .sigev_signo = SIGUSR1};
-    timer_t tid;
-    CHECK(timer_create(CLOCK_MONOTONIC, &sev, &tid) == 0);
-    struct itimerspec its = {.it_value = {0, 20000}, .it_interval = {0, 20000}};
-    CHECK(timer_settime(tid, 0, &its, NULL) == 0);
+    test_signal_storm(20);
     for (int pass = 0; pass < 10; pass++)
         run_one_dir("corpus", true);
-    timer_delete(tid);
+    test_signal_storm(0);
 }
 
 int main(int argc, char **argv)
 {
     if (argc > 1 && strchr(argv[1], '/')) {
-        signal(SIGABRT, on_fatal);
-        signal(SIGSEGV, on_fatal);
-        LLVMFuzzerInitialize(&argc, &argv);
+        start();
         for (int i = 1; i < argc; i++)
             run_file(argv[i]);
         printf("ran %d inputs\n", argc - 1);

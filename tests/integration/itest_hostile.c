@@ -1222,30 +1222,16 @@ TEST(cross_wired_reply_sockets_do_not_loop)
 }
 
 /* A client whose process takes signals (a profiler's timer, a handler for
- * SIGCHLD) installed without SA_RESTART: every ZeroMQ call of libmoe's can
- * fail with EINTR, having done nothing. A send so failed used to fail the
- * request, and a receive so failed could leave a reply unread with ZMQ_FD
- * already drained, so that the poll after it slept the request's whole
- * timeout. Every request is answered, on ZeroMQ and on the reply socket. */
-static volatile sig_atomic_t signals_taken;
-
-static void on_signal(int sig)
-{
-    (void)sig;
-    signals_taken++;
-}
+ * SIGCHLD): libmoe's system calls and ZeroMQ calls can fail with EINTR,
+ * having done nothing. A send or a session call so failed used to fail the
+ * request; a receive so failed left a reply unread until the next slice of
+ * the wait. Every request is answered, on ZeroMQ and on the reply socket. */
 
 TEST(a_client_taking_signals_loses_no_reply)
 {
     uint64_t seed = test_seed();
     struct itest_daemon d;
     itest_daemon_start(&d, NULL);
-    struct sigaction sa = {.sa_handler = on_signal}; /* no SA_RESTART */
-    sigemptyset(&sa.sa_mask);
-    CHECK(sigaction(SIGUSR1, &sa, NULL) == 0);
-    struct sigevent sev = {.sigev_notify = SIGEV_SIGNAL, .sigev_signo = SIGUSR1};
-    timer_t tid;
-    CHECK(timer_create(CLOCK_MONOTONIC, &sev, &tid) == 0);
     struct itest_layer L = layer_make();
     static const char *const paths[] = {"zmq", "socket"};
     for (size_t p = 0; p < ARRAY_LEN(paths); p++) {
@@ -1262,10 +1248,7 @@ TEST(a_client_taking_signals_loses_no_reply)
         if (p == 0)
             itest_layer_upload(c, &L, &seed); /* the daemon keeps it */
         moe_set_timeout(c, 10000);
-        /* A signal every 50 us: several land in each round trip. */
-        struct itimerspec its = {.it_value = {0, 50000}, .it_interval = {0, 50000}};
-        CHECK(timer_settime(tid, 0, &its, NULL) == 0);
-        signals_taken = 0;
+        test_signal_storm(50); /* several signals land in each round trip */
         uint64_t t0 = now_ms();
         int n = 0;
         for (; n < 200 || now_ms() - t0 < 1000; n++) {
@@ -1273,22 +1256,20 @@ TEST(a_client_taking_signals_loses_no_reply)
             itest_fwd_make(c, &L, 1 + (size_t)(test_rand(&seed) % 7), &seed, &f);
             int rc = moe_forward(c, &f.args, NULL);
             CHECK_MSG(rc == 0, "%s path, request %d, %d signals in: %s", paths[p], n,
-                      (int)signals_taken, moe_errmsg());
+                      (int)test_signals_taken, moe_errmsg());
             double e = itest_fwd_error(&L, &f);
             CHECK_MSG(e < itest_tolerance(L.dt), "%s path, request %d: error %.3g", paths[p],
                       n, e);
             moe_region_free(c, &f.r);
         }
-        struct itimerspec off = {{0, 0}, {0, 0}};
-        CHECK(timer_settime(tid, 0, &off, NULL) == 0);
+        test_signal_storm(0);
         printf("  %s: %d requests, %d signals taken in %llu ms\n", paths[p], n,
-               (int)signals_taken, (unsigned long long)(now_ms() - t0));
-        CHECK_MSG(signals_taken > n, "%d signals for %d requests: the timer did not fire",
-                  (int)signals_taken, n);
+               (int)test_signals_taken, (unsigned long long)(now_ms() - t0));
+        CHECK_MSG(test_signals_taken > n, "%d signals for %d requests: the timer did not fire",
+                  (int)test_signals_taken, n);
         moe_disconnect(&c);
     }
     itest_layer_free(&L);
-    timer_delete(tid);
     itest_daemon_stop(&d);
 }
 
