@@ -298,7 +298,11 @@ static int connection_open(moe_client *c)
         return seterr(-ENOMEM, "cannot create a ZeroMQ socket");
     int linger = 0;
     zmq_setsockopt(c->zsock, ZMQ_LINGER, &linger, sizeof(linger));
-    if (zmq_connect(c->zsock, endpoint) < 0)
+    /* EINTR: libzmq looks at its command pipe before it does anything, and
+     * a signal landed there. */
+    while ((rc = zmq_connect(c->zsock, endpoint)) < 0 && zmq_errno() == EINTR)
+        ;
+    if (rc < 0)
         return seterr(-zmq_errno(), "cannot connect to %s: %s", endpoint, zmq_strerror(zmq_errno()));
     size_t fl = sizeof(c->zfd);
     if (zmq_getsockopt(c->zsock, ZMQ_FD, &c->zfd, &fl) < 0)
@@ -537,6 +541,29 @@ static int receive_ready(moe_client *c, uint64_t stop_id)
     }
 }
 
+/* The daemon went away: take the replies it sent before, still on their way
+ * through ZeroMQ, until none has come for 100 ms. A signal only shortens
+ * one wait, not the quiet time. Caller holds mu. 0 or -errno. */
+static int drain_last_replies(moe_client *c)
+{
+    zmq_pollitem_t z = {c->zsock, 0, ZMQ_POLLIN, 0};
+    uint64_t quiet_end = mono_ms() + 100;
+    for (;;) {
+        uint64_t now = mono_ms();
+        if (now >= quiet_end)
+            return 0;
+        int n = zmq_poll(&z, 1, (long)(quiet_end - now));
+        if (n < 0 && zmq_errno() == EINTR)
+            continue;
+        if (n <= 0)
+            return 0;
+        int rc = receive_ready(c, 0);
+        if (rc < 0)
+            return rc;
+        quiet_end = mono_ms() + 100;
+    }
+}
+
 /* Receive whatever has arrived into the pending list; if nothing has, wait
  * up to wait_ms for it. stop_id as for receive_ready(). Caller holds mu. */
 static int receive_some(moe_client *c, uint64_t stop_id, int wait_ms)
@@ -558,10 +585,7 @@ static int receive_some(moe_client *c, uint64_t stop_id, int wait_ms)
         char b;
         ssize_t n = recv(c->sfd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
         if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
-            zmq_pollitem_t z = {c->zsock, 0, ZMQ_POLLIN, 0};
-            rc = 0;
-            while (rc >= 0 && zmq_poll(&z, 1, 100) > 0) /* the last replies, if any */
-                rc = receive_ready(c, 0);
+            rc = drain_last_replies(c);
             c->broken = true;
             return rc < 0 ? rc : 0;
         }

@@ -372,7 +372,8 @@ static void flush_replies(struct loop *loop, struct server *s)
     zmq_setsockopt(s->zsock, ZMQ_LINGER, &linger, sizeof(linger));
     zmq_close(s->zsock);
     s->zsock = NULL;
-    zmq_ctx_term(s->zctx);
+    while (zmq_ctx_term(s->zctx) < 0 && zmq_errno() == EINTR)
+        ; /* zmq_ctx_term(3): it can be restarted */
     s->zctx = NULL;
 }
 

@@ -666,7 +666,12 @@ int server_listen(struct server *s, int session_fd, int zmq_fd)
     if (zmq_fd >= 0)
         zmq_setsockopt(s->zsock, ZMQ_USE_FD, &zmq_fd, sizeof(zmq_fd));
     snprintf(s->endpoint, sizeof(s->endpoint), "ipc://%s/moed.zmq", s->cfg->runtime_dir);
-    if (zmq_bind(s->zsock, s->endpoint) < 0)
+    /* EINTR: a signal landed as libzmq looked at its command pipe, before
+     * it did anything (moed blocks its signals; programs that embed the
+     * server may not). */
+    while ((rc = zmq_bind(s->zsock, s->endpoint)) < 0 && zmq_errno() == EINTR)
+        ;
+    if (rc < 0)
         return -zmq_errno();
     /* Clients need write permission on the socket file to connect; access
      * is governed by the runtime directory's group, as for moed.sock. */
@@ -701,7 +706,8 @@ void server_free(struct server **sp)
     if (s->zsock)
         zmq_close(s->zsock);
     if (s->zctx)
-        zmq_ctx_term(s->zctx);
+        while (zmq_ctx_term(s->zctx) < 0 && zmq_errno() == EINTR)
+            ; /* zmq_ctx_term(3): it can be restarted */
     if (s->staging)
         s->backend->ops->host_free(s->backend, s->staging, s->staging_size);
     free(s->sock_rx);
