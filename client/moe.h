@@ -37,6 +37,10 @@
  * it are serialised where they touch its sockets. moe_request handles belong
  * to the client that made them.
  *
+ * Signals: the caller's signal handlers may run during any call (with or
+ * without SA_RESTART); a call that a signal interrupts goes on where it was,
+ * within its timeout, and loses no request or reply.
+ *
  * Daemon restarts: when moed stops or restarts, the call in flight fails
  * with -ECONNRESET (requests already submitted are lost and moe_wait says
  * so) and calls fail with -ECONNREFUSED while it is down. The next call
