@@ -356,29 +356,9 @@ static void check_tile_table(const char *path)
 
 static void on_signal(void *data, int fd, uint32_t events);
 
-/*
- * After the drain: write the last replies out before server_free() closes
- * the sessions, since a client takes a closed session socket for a daemon
- * that went away and gives up on what it still waits for. The request
- * socket runs with ZMQ_LINGER 0; closing it with a linger and terminating
- * its context returns once ZeroMQ has written everything (at most 1 s).
- */
-static void flush_replies(struct loop *loop, struct server *s)
-{
-    int linger = 1000;
-    if (!s->zsock)
-        return;
-    loop_unwatch(loop, &s->zwatch);
-    zmq_setsockopt(s->zsock, ZMQ_LINGER, &linger, sizeof(linger));
-    zmq_close(s->zsock);
-    s->zsock = NULL;
-    while (zmq_ctx_term(s->zctx) < 0 && zmq_errno() == EINTR)
-        ; /* zmq_ctx_term(3): it can be restarted */
-    s->zctx = NULL;
-}
-
 /* Stop once nothing is pending and the last replies have had 100 ms to
- * reach their clients (see flush_replies()), or at the deadline. */
+ * reach their clients (see server_close_zmq() in main()), or at the
+ * deadline. */
 static void daemon_check_drained(struct daemon *d)
 {
     uint64_t now = now_us();
@@ -708,7 +688,13 @@ int main(int argc, char **argv)
         /* Pending replies cannot be computed; clients see their sessions close. */
         _exit(3);
     }
-    flush_replies(d.loop, d.server);
+    /* After the drain: write the last replies out before server_free()
+     * closes the sessions, since a client takes a closed session socket for
+     * a daemon that went away and gives up on what it still waits for.
+     * The request socket runs with ZMQ_LINGER 0; closed with a linger, its
+     * context's termination returns once ZeroMQ has written everything (at
+     * most 1 s). */
+    server_close_zmq(d.server, 1000);
     log_info("stopped");
     loop_unwatch(d.loop, &d.tick);
     loop_unwatch(d.loop, &d.sig_watch);

@@ -688,6 +688,22 @@ int server_listen(struct server *s, int session_fd, int zmq_fd)
     return 0;
 }
 
+void server_close_zmq(struct server *s, int linger_ms)
+{
+    if (s->zwatch)
+        loop_unwatch(s->loop, &s->zwatch);
+    if (s->zsock) {
+        zmq_setsockopt(s->zsock, ZMQ_LINGER, &linger_ms, sizeof(linger_ms));
+        zmq_close(s->zsock);
+        s->zsock = NULL;
+    }
+    if (s->zctx) {
+        while (zmq_ctx_term(s->zctx) < 0 && zmq_errno() == EINTR)
+            ; /* zmq_ctx_term(3): it can be restarted */
+        s->zctx = NULL;
+    }
+}
+
 void server_free(struct server **sp)
 {
     struct server *s = *sp;
@@ -699,15 +715,9 @@ void server_free(struct server **sp)
     worker_free(&s->compute);
     session_close_all(s);
     layer_unload_all(s);
-    if (s->zwatch)
-        loop_unwatch(s->loop, &s->zwatch);
     if (s->delay_timer)
         loop_unwatch(s->loop, &s->delay_timer);
-    if (s->zsock)
-        zmq_close(s->zsock);
-    if (s->zctx)
-        while (zmq_ctx_term(s->zctx) < 0 && zmq_errno() == EINTR)
-            ; /* zmq_ctx_term(3): it can be restarted */
+    server_close_zmq(s, 0);
     if (s->staging)
         s->backend->ops->host_free(s->backend, s->staging, s->staging_size);
     free(s->sock_rx);

@@ -217,6 +217,11 @@ struct server {
 int server_new(struct config *cfg, struct backend **backends, int n_backends,
                struct loop *loop, struct server **out);
 void server_free(struct server **s);
+/* Close the request socket and terminate its context, which waits up to
+ * linger_ms for ZeroMQ to write the replies it holds (0: drop them); the
+ * loop stops watching it. server_free does it with 0; nothing to do once
+ * done. */
+void server_close_zmq(struct server *s, int linger_ms);
 /* Bind the session socket and the ZeroMQ endpoint; an fd >= 0 is one that
  * systemd passed (socket activation) and is used instead of binding. */
 int server_listen(struct server *s, int session_fd, int zmq_fd);

@@ -184,12 +184,9 @@ static inline void itest_rmdir(const char *dir)
     if (system(cmd) < 0) {}
 }
 
-/* SIGTERM, then expect exit status 0 within 10 s; the runtime directory
- * stays. */
-static inline void itest_daemon_stop_keep(struct itest_daemon *d)
+/* A daemon sent SIGTERM: expect exit status 0 within 10 s. */
+static inline void itest_daemon_wait_stopped(struct itest_daemon *d)
 {
-    CHECK_MSG(itest_daemon_alive(d), "moed died during the test; log in %s", d->log);
-    kill(d->pid, SIGTERM);
     int st = 0;
     for (int i = 0; i < 500; i++) {
         if (waitpid(d->pid, &st, WNOHANG) == d->pid)
@@ -202,6 +199,15 @@ static inline void itest_daemon_stop_keep(struct itest_daemon *d)
         }
     }
     CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "moed exit status %d", st);
+}
+
+/* SIGTERM, then expect exit status 0 within 10 s; the runtime directory
+ * stays. */
+static inline void itest_daemon_stop_keep(struct itest_daemon *d)
+{
+    CHECK_MSG(itest_daemon_alive(d), "moed died during the test; log in %s", d->log);
+    kill(d->pid, SIGTERM);
+    itest_daemon_wait_stopped(d);
 }
 
 /* SIGTERM, expect exit status 0, remove the runtime directory. */

@@ -1310,9 +1310,7 @@ TEST(a_client_taking_signals_gets_the_replies_of_a_clean_stop)
         CHECK_MSG(e < itest_tolerance(L.dt), "request %d: error %.3g", i, e);
     }
     test_signal_storm(0);
-    int st;
-    CHECK(waitpid(d.pid, &st, 0) == d.pid);
-    CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "status %d", st);
+    itest_daemon_wait_stopped(&d);
     for (int i = 0; i < N; i++)
         moe_region_free(c, &f[i].r);
     moe_disconnect(&c);

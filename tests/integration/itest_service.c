@@ -408,9 +408,7 @@ TEST(sigterm_drains_requests_in_flight)
         CHECK_MSG(moe_wait(c, &rq[i], 20000, NULL) == 0, "request %d: %s", i, moe_errmsg());
         CHECK(itest_fwd_error(&L, &f[i]) <= itest_tolerance(L.dt));
     }
-    int st;
-    CHECK(waitpid(d.pid, &st, 0) == d.pid);
-    CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "status %d", st);
+    itest_daemon_wait_stopped(&d);
     moe_disconnect(&c);
     itest_layer_free(&L);
     itest_rmdir(d.dir);
