@@ -382,10 +382,9 @@ __device__ __forceinline__ void moek_epi_pair(const moek_gemm_args &a,
 
 /* COMBINE, four adjacent output features f .. f + 3 of token column c: one
  * 16-byte fp32 atomic add of w * v into the token's row (sm_90; H is a
- * multiple of 8, so the four are valid together); SLOT: w * v rounded to
- * T, one 8-byte store into the row of the column's sorted position. stg:
- * the tile's (token, routing weight) pairs, staged in shared memory by
- * column. */
+ * multiple of 8, so the four are valid together). stg: the tile's (token,
+ * routing weight) pairs, staged in shared memory by column. (SLOT goes
+ * through shared memory and TMA: gemm_wgmma.cu, epi_slot_staged.) */
 template <typename T>
 __device__ __forceinline__ void moek_combine4(const moek_gemm_args &a,
                                               const moek_item &it, int f,
@@ -395,14 +394,6 @@ __device__ __forceinline__ void moek_combine4(const moek_gemm_args &a,
     if (c >= it.mlen || f >= a.n_valid)
         return;
     const float w = __int_as_float(stg[c].y);
-    if (a.epi == MOEK_EPI_SLOT) {
-        T *dst =
-            reinterpret_cast<T *>(a.out) + (size_t)(it.pos + c) * a.ldo + f;
-        *reinterpret_cast<uint2 *>(dst) =
-            make_uint2(moek_dt<T>::pack2(w * v.x, w * v.y),
-                       moek_dt<T>::pack2(w * v.z, w * v.w));
-        return;
-    }
     float *dst = reinterpret_cast<float *>(a.out) + (size_t)stg[c].x * a.ldo + f;
     atomicAdd(reinterpret_cast<float4 *>(dst),
               make_float4(w * v.x, w * v.y, w * v.z, w * v.w));
@@ -623,9 +614,12 @@ int moek_make_tmaps(moek_tmaps *t, void *base, moek_dtype dt, uint64_t rows,
  * behind tmaps_b (made for a.bn: another instance's boxes would never
  * deliver the bytes a stage waits for, so it is refused), the grid is
  * even, the plan has no K split and a.chunk and a.n_tiles are even. Tiles
- * moek_wgmma_cluster_ok only. */
+ * moek_wgmma_cluster_ok only. tmap_o: the output's map
+ * (moek_make_out_tmap), which SWIGLU with tiles of 128 rows and wider
+ * stores through (refused without it); NULL otherwise. */
 cudaError_t moek_launch_gemm_wgmma(moek_dtype dt, const void *tmap,
                                    const moek_tmaps *tmaps_b,
+                                   const CUtensorMap *tmap_o,
                                    const moek_gemm_args &a, int grid,
                                    cudaStream_t stream, bool pdl);
 bool moek_wgmma_cluster_ok(int bn);
@@ -633,6 +627,11 @@ bool moek_wgmma_cluster_ok(int bn);
  * MOEK_KTILE x box_rows. */
 int moek_make_tmap(CUtensorMap *m, void *base, moek_dtype dt, uint64_t rows,
                    uint64_t K, uint32_t box_rows);
+/* The map a SWIGLU epilogue stores through: [rows, cols] elements, rows
+ * ld elements apart, 64-byte swizzle, boxes of 32 x 8 (gemm_wgmma.cu,
+ * epi_swiglu_staged). */
+int moek_make_out_tmap(CUtensorMap *m, void *base, moek_dtype dt,
+                       uint64_t rows, uint64_t cols, uint64_t ld);
 cudaError_t moek_launch_gemm_simt(moek_dtype dt, const moek_gemm_args &a,
                                   int grid, cudaStream_t stream, bool pdl);
 bool moek_wgmma_tile_ok(int bn);

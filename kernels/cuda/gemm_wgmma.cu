@@ -23,9 +23,10 @@
  *     one wgmma group in flight and release the previous stage on its
  *     "empty" mbarrier; after the item's last K block, the epilogue
  *     fuses SiLU(gate)*up (epi_swiglu_staged, or moek_epi_pair for narrow
- *     tiles), the routing weight with 16-byte fp32 atomic adds or
- *     8-byte stores of each slot's row (moek_combine4), or a plain store
- *     (moek_epi_pair). The producer runs ahead into the next item
+ *     tiles), the routing weight with 16-byte fp32 atomic adds
+ *     (moek_combine4) or into each slot's row (epi_slot_staged), or a
+ *     plain store (moek_epi_pair); the staged epilogues (tiles of 128 rows
+ *     and wider) go through shared memory and out by TMA. The producer runs ahead into the next item
  *     meanwhile. With tiles of 64 rows and wider, the consumers take each
  *     item as the producer decoded it (handoff) instead of decoding it
  *     again.
@@ -119,7 +120,8 @@ template <int BN, int DEP = 0> struct tile_cfg {
     static constexpr int STAGES = FIT > 12 ? 12 : FIT;
     static constexpr int SMEM = STAGES * STAGE + 1024 + 2 * STAGES * 8 +
                                 STG_BYTES + SB_BYTES + EPI_BYTES + INFO;
-    static_assert(STAGE % 1024 == 0, "stages must keep 1024-byte alignment");
+    static_assert(STAGE % 1024 == 0 && EPI_BYTES % 1024 == 0,
+                  "stages and the staging buffer keep 1024-byte alignment");
     static_assert(SMEM <= SMEM_MAX, "shared memory");
 };
 
@@ -146,6 +148,17 @@ __device__ __forceinline__ void tma_load_2d_mc(void *dst, const CUtensorMap *map
                  "[%4], %5;" ::"r"(moek_smem_u32(dst)),
                  "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1),
                  "r"(moek_smem_u32(bar)), "h"(mask)
+                 : "memory");
+}
+
+/* A TMA store of the box at src (shared memory, in the map's swizzle) to
+ * coordinates (c0, c1), in this thread's open bulk group. */
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap *map,
+                                             const void *src, int c0, int c1)
+{
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group "
+                 "[%0, {%1, %2}], [%3];" ::"l"(reinterpret_cast<uint64_t>(map)),
+                 "r"(c0), "r"(c1), "r"(moek_smem_u32(src))
                  : "memory");
 }
 
@@ -672,14 +685,24 @@ __device__ __forceinline__ void stmatrix_x2_trans(uint32_t addr, uint32_t r0,
  * value, 64 per thread, and the stores kept the tensor pipe idle for 12% of
  * mixtral T=4096 (RESULTS.md, run 11). Here each pass of up to 128 token
  * columns goes to a [token][32 features] buffer with stmatrix (the
- * transpose, 16-byte rows, chunks swizzled by (row / 2) % 4 so the eight
- * rows of a matrix fall in distinct banks), then each thread writes one
- * token's 64 bytes with four 16-byte stores. n_valid (I) and ldo (I) are
- * multiples of 8 on CUDA (check_moe_shape), so a 16-byte chunk of features
- * is either all valid or all past the end.
+ * transpose, 64-byte rows, 16-byte chunks swizzled by (row / 2) % 4 so the
+ * eight rows of a matrix fall in distinct banks: TMA's 64-byte swizzle,
+ * the buffer being 1024-byte aligned), and TMA stores it in boxes of 8
+ * token rows (omap: the output's map, clipped at n_valid and at its last
+ * row), issued by one thread each, so the consumers go back to their K
+ * loop while the bytes leave, and the stores do not queue behind the
+ * producer's cp.async in the load/store unit. A box must not reach past
+ * the item's mlen (those rows are the next group's): the last mlen % 8
+ * rows go by plain 16-byte stores, one token row per thread. n_valid (I)
+ * and ldo (I) are multiples of 8 on CUDA (check_moe_shape), so a 16-byte
+ * chunk of features is either all valid or all past the end. The buffer is
+ * written again only after its stores have read it (wait_group.read at
+ * the next pass); the consumers wait for the stores themselves as they
+ * finish (consume).
  */
 template <typename T, int N>
 __device__ __forceinline__ void epi_swiglu_staged(const moek_gemm_args &a,
+                                                  const CUtensorMap *omap,
                                                   const moek_item &it,
                                                   const float *d, int cw,
                                                   uint8_t *buf)
@@ -691,6 +714,8 @@ __device__ __forceinline__ void epi_swiglu_staged(const moek_gemm_args &a,
 #pragma unroll
     for (int p0 = 0; p0 < N; p0 += EPI_ROWS) {
         const int pr = N - p0 < EPI_ROWS ? N - p0 : EPI_ROWS;
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+        asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
 #pragma unroll
         for (int g = 0; g < pr / 32; g++) {
             uint32_t r[4];
@@ -713,23 +738,92 @@ __device__ __forceinline__ void epi_swiglu_staged(const moek_gemm_args &a,
                                   swiglu_pack<T>(d, j + 1));
             }
         }
+        /* stmatrix wrote through the generic proxy; TMA reads through the
+         * async one */
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
-        if (tid < pr) {
-            const int c = p0 + tid;
-            if (c < it.mlen) {
-                T *dst = reinterpret_cast<T *>(a.out) +
-                         (size_t)(it.pos + c) * a.ldo + f0;
+        const int rows = it.mlen - p0 < pr ? it.mlen - p0 : pr;
+        const int boxes = rows > 0 ? rows >> 3 : 0;
+        if (tid < boxes) {
+            tma_store_2d(omap, buf + tid * 8 * 64, f0, it.pos + p0 + tid * 8);
+            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        }
+        if (tid >= boxes * 8 && tid < rows) {
+            T *dst = reinterpret_cast<T *>(a.out) +
+                     (size_t)(it.pos + p0 + tid) * a.ldo + f0;
 #pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    if (f0 + k * 8 >= a.n_valid)
-                        break;
-                    const uint4 v = *reinterpret_cast<const uint4 *>(
-                        buf + tid * 64 + ((k ^ ((tid >> 1) & 3)) << 4));
-                    *reinterpret_cast<uint4 *>(dst + k * 8) = v;
-                }
+            for (int k = 0; k < 4; k++) {
+                if (f0 + k * 8 >= a.n_valid)
+                    break;
+                const uint4 v = *reinterpret_cast<const uint4 *>(
+                    buf + tid * 64 + ((k ^ ((tid >> 1) & 3)) << 4));
+                *reinterpret_cast<uint4 *>(dst + k * 8) = v;
             }
         }
+    }
+}
+
+/*
+ * SLOT epilogue through shared memory (consumer warpgroup cw, tiles of 128
+ * rows and wider), as epi_swiglu_staged: the weighted rows of up to 64
+ * token columns per pass go to a [token][64 features] buffer (128-byte
+ * rows, 16-byte chunks swizzled by row % 8: TMA's 128-byte swizzle), then
+ * out by TMA in boxes of 8 token rows (omap), the last mlen % 8 rows by
+ * plain stores, one 16-byte chunk per thread. A thread holds, for token
+ * columns c and c + 1, output features 2i and 2i + 1 of its warp's 16 (i =
+ * lane / 4: the weight layout pairs adjacent features, moek_epi_pair), so
+ * it writes one 32-bit word per column; with the swizzle the 32 lanes of a
+ * store hit 32 banks. stg: the item's (token, weight) pairs by column.
+ */
+template <typename T, int N>
+__device__ __forceinline__ void epi_slot_staged(const moek_gemm_args &a,
+                                                const CUtensorMap *omap,
+                                                const moek_item &it,
+                                                const float *d, int cw,
+                                                uint8_t *buf, const int2 *stg)
+{
+    constexpr int PR = EPI_ROWS * 64 / 128; /* token rows per pass */
+    static_assert(N % 8 == 0, "token tiles of whole 8-column steps");
+    const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
+    const int f0 = it.nt * MOEK_WTILE + cw * 64;
+    const int i = lane >> 2, q = lane & 3;
+    const int chunk = 2 * warp + (i >> 2), word = (i & 3) * 4;
+#pragma unroll
+    for (int p0 = 0; p0 < N; p0 += PR) {
+        const int pr = N - p0 < PR ? N - p0 : PR;
+        /* the stores of the pass before have read the buffer; the pairs
+         * of this item are in stg */
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
         asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
+#pragma unroll
+        for (int jj = 0; jj < PR / 8; jj++) {
+            const int j = p0 / 8 + jj;
+            if (j >= N / 8)
+                break;
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int c = j * 8 + 2 * q + e, r = c - p0;
+                const float w = __int_as_float(stg[c].y);
+                *reinterpret_cast<uint32_t *>(
+                    buf + r * 128 + ((chunk ^ (r & 7)) << 4) + word) =
+                    moek_dt<T>::pack2(w * d[j * 4 + e], w * d[j * 4 + 2 + e]);
+            }
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
+        const int rows = it.mlen - p0 < pr ? it.mlen - p0 : pr;
+        const int boxes = rows > 0 ? rows >> 3 : 0;
+        if (tid < boxes) {
+            tma_store_2d(omap, buf + tid * 8 * 128, f0, it.pos + p0 + tid * 8);
+            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        }
+        const int r = boxes * 8 + (tid >> 3), k = tid & 7;
+        if (r < rows && f0 + k * 8 < a.n_valid)
+            *reinterpret_cast<uint4 *>(reinterpret_cast<T *>(a.out) +
+                                       (size_t)(it.pos + p0 + r) * a.ldo +
+                                       f0 + k * 8) =
+                *reinterpret_cast<const uint4 *>(buf + r * 128 +
+                                                 ((k ^ (r & 7)) << 4));
     }
 }
 
@@ -756,7 +850,8 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
                                         uint64_t *full, uint64_t *empty,
                                         int ncg, int split, const cta_span &sp,
                                         pipe_pos &pp, const int *sb,
-                                        uint8_t *epi_buf, const moek_item *info)
+                                        uint8_t *epi_buf, const moek_item *info,
+                                        const CUtensorMap *omap)
 {
     using C = tile_cfg<BN, DEP>;
     constexpr bool RING = ring(BN, CL, DEP);
@@ -840,13 +935,16 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
             }
         }
         if constexpr (C::EPI_BYTES > 0) {
+            /* moek_dep's count would need the TMA stores complete */
+            static_assert(DEP != 1, "moek_dep counts plain stores only");
             if (a.epi == MOEK_EPI_SWIGLU) {
-                epi_swiglu_staged<T, N>(a, it, d, cw,
+                epi_swiglu_staged<T, N>(a, omap, it, d, cw,
                                         epi_buf + cw * EPI_ROWS * 64);
-                /* its stores went out before its last warpgroup barrier */
-                if constexpr (DEP == 1)
-                    if ((tid & 127) == 0)
-                        moek_dep_add(a.dep + MOEK_DEP_GROUP + it.g, 1);
+                continue;
+            }
+            if (a.epi == MOEK_EPI_SLOT) {
+                epi_slot_staged<T, N>(a, omap, it, d, cw,
+                                      epi_buf + cw * EPI_ROWS * 64, stg);
                 continue;
             }
         }
@@ -912,10 +1010,26 @@ template <int BN, typename F> __device__ __forceinline__ void each_class(F &&f)
 template <int CL>
 using tmaps_b_t = std::conditional_t<CL == 2, moek_tmaps, CUtensorMap>;
 
+/* The output map of SWIGLU and SLOT (epi_swiglu_staged, epi_slot_staged)
+ * for the instances that stage them (tiles of 128 rows and wider); nothing
+ * for the others. */
+struct no_map {};
+template <int BN>
+using omap_t = std::conditional_t<(BN >= 128), CUtensorMap, no_map>;
+__device__ __forceinline__ const CUtensorMap *omap_ptr(const CUtensorMap &m)
+{
+    return &m;
+}
+__device__ __forceinline__ const CUtensorMap *omap_ptr(const no_map &)
+{
+    return nullptr;
+}
+
 template <typename T, int BN, int CL, int DEP>
 __global__ void __launch_bounds__(384, 1)
     gemm_wgmma_kernel(const __grid_constant__ CUtensorMap tmap,
                       const __grid_constant__ tmaps_b_t<CL> tmaps_b,
+                      const __grid_constant__ omap_t<BN> tmap_o,
                       const moek_gemm_args a)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -926,11 +1040,17 @@ __global__ void __launch_bounds__(384, 1)
         if (a.epi != MOEK_EPI_SWIGLU)
             __trap();
     using C = tile_cfg<BN, DEP>;
+    if constexpr (C::EPI_BYTES == 0) /* SLOT goes through the staging */
+        if (a.epi == MOEK_EPI_SLOT)
+            __trap();
     constexpr int NC = moek_classes(BN);
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = reinterpret_cast<uint8_t *>(
         (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~(uintptr_t)1023);
-    uint64_t *full = reinterpret_cast<uint64_t *>(smem + C::STAGES * C::STAGE);
+    /* stages, SWIGLU's staging buffer (1024-byte aligned, as TMA's swizzle
+     * wants), barriers, COMBINE's pairs, cg_before, the item ring */
+    uint8_t *epi_buf = smem + C::STAGES * C::STAGE;
+    uint64_t *full = reinterpret_cast<uint64_t *>(epi_buf + C::EPI_BYTES);
     uint64_t *empty = full + C::STAGES;
     const int tid = threadIdx.x, wg = tid >> 7;
 
@@ -1010,8 +1130,8 @@ __global__ void __launch_bounds__(384, 1)
     const auto span = [&](int c) {
         return class_span(cb[c], cb[c + 1], sk, a.kblocks);
     };
-    uint8_t *epi_buf = reinterpret_cast<uint8_t *>(sb_mem) + SB_BYTES;
-    moek_item *info = reinterpret_cast<moek_item *>(epi_buf + C::EPI_BYTES);
+    moek_item *info = reinterpret_cast<moek_item *>(
+        reinterpret_cast<uint8_t *>(sb_mem) + SB_BYTES);
     pipe_pos pp = {0, 0, 0, 0};
     if (wg == 0) {
         int pre = 0;
@@ -1065,8 +1185,11 @@ __global__ void __launch_bounds__(384, 1)
             constexpr int J = decltype(c)::value;
             consume<T, BN, moek_class_width(BN, J), CL, DEP>(
                 a, smem, full, empty, ncg, split, span(J), pp, sb, epi_buf,
-                info);
+                info, omap_ptr(tmap_o));
         });
+        /* SWIGLU's TMA stores done before the CTA (and its buffer) goes */
+        if constexpr (C::EPI_BYTES > 0)
+            asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
         if (tid == 128)
             moek_trace_gemm(a.which, MOEK_TR_EXIT, 2);
     }
@@ -1081,16 +1204,29 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
+/* tmap_o: the output's map, which SWIGLU from instances of 128 rows and
+ * wider stores through (epi_swiglu_staged), and SLOT, which only those
+ * instances run (epi_slot_staged); unused otherwise. */
 template <typename T, int BN, int CL, int DEP = 0>
 cudaError_t launch_bn(const void *tmap, const tmaps_b_t<CL> &tmaps_b,
-                      const moek_gemm_args &a, int grid, cudaStream_t stream,
-                      bool pdl)
+                      const CUtensorMap *tmap_o, const moek_gemm_args &a,
+                      int grid, cudaStream_t stream, bool pdl)
 {
+    omap_t<BN> o = {};
+    if constexpr (BN >= 128) {
+        if (a.epi == MOEK_EPI_SWIGLU || a.epi == MOEK_EPI_SLOT) {
+            if (!tmap_o)
+                return cudaErrorInvalidValue;
+            o = *tmap_o;
+        }
+    } else if (a.epi == MOEK_EPI_SLOT) {
+        return cudaErrorInvalidValue;
+    }
     return moek_launch_cl(gemm_wgmma_kernel<T, BN, CL, DEP>, dim3(grid),
                           dim3(384), (size_t)tile_cfg<BN, DEP>::SMEM, stream,
                           pdl, CL,
                           *reinterpret_cast<const CUtensorMap *>(tmap),
-                          tmaps_b, a);
+                          tmaps_b, o, a);
 }
 
 /* moek_dep's instances: tiles of one class, no pairs. */
@@ -1099,25 +1235,25 @@ cudaError_t launch_dep(const CUtensorMap &m, const moek_gemm_args &a,
                        int grid, cudaStream_t stream, bool pdl)
 {
     switch (a.bn) {
-    case 16: return launch_bn<T, 16, 1, DEP>(&m, m, a, grid, stream, pdl);
-    case 32: return launch_bn<T, 32, 1, DEP>(&m, m, a, grid, stream, pdl);
-    case 64: return launch_bn<T, 64, 1, DEP>(&m, m, a, grid, stream, pdl);
+    case 16: return launch_bn<T, 16, 1, DEP>(&m, m, nullptr, a, grid, stream, pdl);
+    case 32: return launch_bn<T, 32, 1, DEP>(&m, m, nullptr, a, grid, stream, pdl);
+    case 64: return launch_bn<T, 64, 1, DEP>(&m, m, nullptr, a, grid, stream, pdl);
     default: return cudaErrorInvalidValue;
     }
 }
 
 template <typename T>
 cudaError_t launch_t(const void *tmap, const moek_tmaps *tb,
-                     const moek_gemm_args &a, int grid, cudaStream_t stream,
-                     bool pdl)
+                     const CUtensorMap *to, const moek_gemm_args &a, int grid,
+                     cudaStream_t stream, bool pdl)
 {
     if (tb) {
         if (tb->bn != a.bn)
             return cudaErrorInvalidValue;
         switch (a.bn) {
-        case 128: return launch_bn<T, 128, 2>(tmap, *tb, a, grid, stream, pdl);
-        case 192: return launch_bn<T, 192, 2>(tmap, *tb, a, grid, stream, pdl);
-        case 256: return launch_bn<T, 256, 2>(tmap, *tb, a, grid, stream, pdl);
+        case 128: return launch_bn<T, 128, 2>(tmap, *tb, to, a, grid, stream, pdl);
+        case 192: return launch_bn<T, 192, 2>(tmap, *tb, to, a, grid, stream, pdl);
+        case 256: return launch_bn<T, 256, 2>(tmap, *tb, to, a, grid, stream, pdl);
         default: return cudaErrorInvalidValue;
         }
     }
@@ -1127,12 +1263,12 @@ cudaError_t launch_t(const void *tmap, const moek_tmaps *tb,
     if (a.dep_mode == 2)
         return launch_dep<T, 2>(m, a, grid, stream, pdl);
     switch (a.bn) {
-    case 16: return launch_bn<T, 16, 1>(tmap, m, a, grid, stream, pdl);
-    case 32: return launch_bn<T, 32, 1>(tmap, m, a, grid, stream, pdl);
-    case 64: return launch_bn<T, 64, 1>(tmap, m, a, grid, stream, pdl);
-    case 128: return launch_bn<T, 128, 1>(tmap, m, a, grid, stream, pdl);
-    case 192: return launch_bn<T, 192, 1>(tmap, m, a, grid, stream, pdl);
-    case 256: return launch_bn<T, 256, 1>(tmap, m, a, grid, stream, pdl);
+    case 16: return launch_bn<T, 16, 1>(tmap, m, to, a, grid, stream, pdl);
+    case 32: return launch_bn<T, 32, 1>(tmap, m, to, a, grid, stream, pdl);
+    case 64: return launch_bn<T, 64, 1>(tmap, m, to, a, grid, stream, pdl);
+    case 128: return launch_bn<T, 128, 1>(tmap, m, to, a, grid, stream, pdl);
+    case 192: return launch_bn<T, 192, 1>(tmap, m, to, a, grid, stream, pdl);
+    case 256: return launch_bn<T, 256, 1>(tmap, m, to, a, grid, stream, pdl);
     default: return cudaErrorInvalidValue;
     }
 }
@@ -1192,12 +1328,14 @@ bool moek_wgmma_cluster_ok(int bn)
 
 cudaError_t moek_launch_gemm_wgmma(moek_dtype dt, const void *tmap,
                                    const moek_tmaps *tmaps_b,
+                                   const CUtensorMap *tmap_o,
                                    const moek_gemm_args &a, int grid,
                                    cudaStream_t stream, bool pdl)
 {
     return dt == MOEK_DTYPE_BF16
-               ? launch_t<__nv_bfloat16>(tmap, tmaps_b, a, grid, stream, pdl)
-               : launch_t<__half>(tmap, tmaps_b, a, grid, stream, pdl);
+               ? launch_t<__nv_bfloat16>(tmap, tmaps_b, tmap_o, a, grid,
+                                         stream, pdl)
+               : launch_t<__half>(tmap, tmaps_b, tmap_o, a, grid, stream, pdl);
 }
 
 MOEK_TRACE_UNIT(gemm)

@@ -327,10 +327,12 @@ int even2(int n)
 }
 
 /* tm_b set: cluster mode, which pairs CTAs 2c, 2c + 1 on weight tiles nt,
- * nt + 1 of one raster chunk, so the grid and the chunk are even. */
+ * nt + 1 of one raster chunk, so the grid and the chunk are even. tm_o:
+ * SWIGLU's output map (moek_launch_gemm_wgmma). */
 cudaError_t run_gemm(moek_dtype dt, bool wgmma, const CUtensorMap *tm,
                      moek_gemm_args a, int grid, cudaStream_t st, bool pdl,
-                     const moek_tmaps *tm_b = nullptr)
+                     const moek_tmaps *tm_b = nullptr,
+                     const CUtensorMap *tm_o = nullptr)
 {
     if (grid < 1)
         grid = 1;
@@ -338,7 +340,7 @@ cudaError_t run_gemm(moek_dtype dt, bool wgmma, const CUtensorMap *tm,
         grid = even2(grid);
         a.chunk = even2(a.chunk);
     }
-    return wgmma ? moek_launch_gemm_wgmma(dt, tm, tm_b, a, grid, st, pdl)
+    return wgmma ? moek_launch_gemm_wgmma(dt, tm, tm_b, tm_o, a, grid, st, pdl)
                  : moek_launch_gemm_simt(dt, a, grid, st, pdl);
 }
 
@@ -659,6 +661,15 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     g1.ldo = I;
     g1.which = 0;
     moek_tmaps tb1, tb2;
+    /* SwiGLU's output goes out by TMA from prefill tiles (gemm_wgmma.cu,
+     * epi_swiglu_staged) */
+    CUtensorMap to1;
+    if (wgmma && bn >= 128) {
+        const int r = moek_make_out_tmap(&to1, w.inter, L->dt,
+                                         (uint64_t)T * k, I, I);
+        if (r)
+            return r;
+    }
     if (cl) {
         const int r1 = moek_make_tmaps(&tb1, w.rows, L->dt, (uint64_t)T * k,
                                        H, bn);
@@ -697,6 +708,15 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
                                        I, bn);
         if (r2)
             return r2;
+    }
+    /* slot rows go out by TMA too (gemm_wgmma.cu, epi_slot_staged): boxes
+     * of 8 rows by 64 features, as the token-row maps' */
+    CUtensorMap to2;
+    if (slots) {
+        const int r = moek_make_tmap(&to2, w.rows, L->dt, (uint64_t)T * k, H,
+                                     8);
+        if (r)
+            return r;
     }
     g1.w_tiled = g2.w_tiled = L->tiled;
     g1.l2_hint = g2.l2_hint = L->tiled && L->l2_hint;
@@ -774,9 +794,9 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     }
 
     MOEK_CU(run_gemm(L->dt, wgmma, &L->tm13, g1, grid1, st, pdl,
-                     cl ? &tb1 : nullptr));
+                     cl ? &tb1 : nullptr, wgmma && bn >= 128 ? &to1 : nullptr));
     MOEK_CU(run_gemm(L->dt, wgmma, &L->tm2, g2, L->sms, st, pdl,
-                     cl2 ? &tb2 : nullptr));
+                     cl2 ? &tb2 : nullptr, slots ? &to2 : nullptr));
 
     const bool bf16 = L->dt == MOEK_DTYPE_BF16;
     if (slots) {

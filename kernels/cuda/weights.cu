@@ -397,10 +397,10 @@ fail:
     return r;
 }
 
-} // namespace
-
-int moek_make_tmap(CUtensorMap *m, void *base, moek_dtype dt, uint64_t rows,
-                   uint64_t K, uint32_t box_rows)
+/* A 2-D map of [rows, cols] elements, rows ld elements apart. */
+int make_map(CUtensorMap *m, void *base, moek_dtype dt, uint64_t rows,
+             uint64_t cols, uint64_t ld, uint32_t box_cols, uint32_t box_rows,
+             CUtensorMapSwizzle swizzle)
 {
     /* Looked up once, by whichever thread comes first (a function-local
      * static is initialised exactly once): forwards make maps too. */
@@ -417,22 +417,37 @@ int moek_make_tmap(CUtensorMap *m, void *base, moek_dtype dt, uint64_t rows,
     if (!encode)
         return moek_cuda_refuse(-ENOTSUP,
                                 "the driver has no cuTensorMapEncodeTiled");
-    cuuint64_t dims[2] = {K, rows};
-    cuuint64_t strides[1] = {K * 2};
-    cuuint32_t box[2] = {MOEK_KTILE, box_rows};
+    cuuint64_t dims[2] = {cols, rows};
+    cuuint64_t strides[1] = {ld * 2};
+    cuuint32_t box[2] = {box_cols, box_rows};
     cuuint32_t estr[2] = {1, 1};
     CUresult r = encode(m,
                         dt == MOEK_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                               : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
                         2, base, dims, strides, box, estr,
-                        CU_TENSOR_MAP_INTERLEAVE_NONE,
-                        CU_TENSOR_MAP_SWIZZLE_128B,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                         CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS)
         return moek_cuda_refuse(-EIO, "cuTensorMapEncodeTiled failed (%d)",
                                 (int)r);
     return 0;
+}
+
+} // namespace
+
+int moek_make_tmap(CUtensorMap *m, void *base, moek_dtype dt, uint64_t rows,
+                   uint64_t K, uint32_t box_rows)
+{
+    return make_map(m, base, dt, rows, K, K, MOEK_KTILE, box_rows,
+                    CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+int moek_make_out_tmap(CUtensorMap *m, void *base, moek_dtype dt,
+                       uint64_t rows, uint64_t cols, uint64_t ld)
+{
+    return make_map(m, base, dt, rows, cols, ld, 32, 8,
+                    CU_TENSOR_MAP_SWIZZLE_64B);
 }
 
 int moek_make_tmaps(moek_tmaps *t, void *base, moek_dtype dt, uint64_t rows,
