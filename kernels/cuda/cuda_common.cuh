@@ -64,6 +64,10 @@ enum {
  * groups by class, then by group index.
  */
 #define MOEK_CLASSES 4 /* tile widths of one instance, at most */
+/* Tiles of this many rows and wider stage SWIGLU's and SLOT's output in
+ * shared memory and store it by TMA (gemm_wgmma.cu, epi_swiglu_staged,
+ * epi_slot_staged); SLOT runs on those alone. */
+#define MOEK_STAGED_MIN_TILE 128
 __host__ __device__ __forceinline__ constexpr int moek_classes(int bn)
 {
     return bn >= 128 ? MOEK_CLASSES : 1;
@@ -614,9 +618,10 @@ int moek_make_tmaps(moek_tmaps *t, void *base, moek_dtype dt, uint64_t rows,
  * behind tmaps_b (made for a.bn: another instance's boxes would never
  * deliver the bytes a stage waits for, so it is refused), the grid is
  * even, the plan has no K split and a.chunk and a.n_tiles are even. Tiles
- * moek_wgmma_cluster_ok only. tmap_o: the output's map
- * (moek_make_out_tmap), which SWIGLU with tiles of 128 rows and wider
- * stores through (refused without it); NULL otherwise. */
+ * moek_wgmma_cluster_ok only. tmap_o: the output's map, which SWIGLU
+ * (moek_make_out_tmap) and SLOT (moek_make_tmap, 8-row boxes) store
+ * through with tiles of MOEK_STAGED_MIN_TILE rows and wider (refused
+ * without it; SLOT is refused below those tiles); NULL otherwise. */
 cudaError_t moek_launch_gemm_wgmma(moek_dtype dt, const void *tmap,
                                    const moek_tmaps *tmaps_b,
                                    const CUtensorMap *tmap_o,

@@ -25,9 +25,9 @@
  *     fuses SiLU(gate)*up (epi_swiglu_staged, or moek_epi_pair for narrow
  *     tiles), the routing weight with 16-byte fp32 atomic adds
  *     (moek_combine4) or into each slot's row (epi_slot_staged), or a
- *     plain store (moek_epi_pair); the staged epilogues (tiles of 128 rows
- *     and wider) go through shared memory and out by TMA. The producer runs ahead into the next item
- *     meanwhile. With tiles of 64 rows and wider, the consumers take each
+ *     plain store (moek_epi_pair); the staged epilogues (tiles of 128
+ *     rows and wider) go through shared memory and out by TMA. The
+ *     producer runs ahead into the next item meanwhile. With tiles of 64 rows and wider, the consumers take each
  *     item as the producer decoded it (handoff) instead of decoding it
  *     again.
  * Inside one instance:
@@ -109,9 +109,11 @@ template <int BN, int DEP = 0> struct tile_cfg {
     /* COMBINE's and SLOT's (token, weight) per token row: 2 consumers x 2
      * items. */
     static constexpr int STG_BYTES = 2 * 2 * BN * 8;
-    /* SWIGLU's output staging (tiles of 128 rows and wider, where it costs
-     * no stage): per consumer, 128 token rows of its 32 features. */
-    static constexpr int EPI_BYTES = BN >= 128 ? 2 * EPI_ROWS * 64 : 0;
+    /* SWIGLU's and SLOT's output staging (tiles of 128 rows and wider,
+     * where it costs no stage): per consumer, 128 token rows of its 32
+     * features, or 64 of its 64. */
+    static constexpr int EPI_BYTES =
+        BN >= MOEK_STAGED_MIN_TILE ? 2 * EPI_ROWS * 64 : 0;
     /* the item ring (ring()), then mode 2's ticket */
     static constexpr int INFO =
         (ring(BN, 1, DEP) ? INFO_BYTES : 0) + (DEP == 2 ? 16 : 0);
@@ -1015,7 +1017,8 @@ using tmaps_b_t = std::conditional_t<CL == 2, moek_tmaps, CUtensorMap>;
  * for the others. */
 struct no_map {};
 template <int BN>
-using omap_t = std::conditional_t<(BN >= 128), CUtensorMap, no_map>;
+using omap_t =
+    std::conditional_t<(BN >= MOEK_STAGED_MIN_TILE), CUtensorMap, no_map>;
 __device__ __forceinline__ const CUtensorMap *omap_ptr(const CUtensorMap &m)
 {
     return &m;
@@ -1047,8 +1050,9 @@ __global__ void __launch_bounds__(384, 1)
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = reinterpret_cast<uint8_t *>(
         (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~(uintptr_t)1023);
-    /* stages, SWIGLU's staging buffer (1024-byte aligned, as TMA's swizzle
-     * wants), barriers, COMBINE's pairs, cg_before, the item ring */
+    /* stages, the staging buffer of SWIGLU and SLOT (1024-byte aligned, as
+     * TMA's swizzle wants), barriers, COMBINE's and SLOT's pairs,
+     * cg_before, the item ring */
     uint8_t *epi_buf = smem + C::STAGES * C::STAGE;
     uint64_t *full = reinterpret_cast<uint64_t *>(epi_buf + C::EPI_BYTES);
     uint64_t *empty = full + C::STAGES;
@@ -1187,7 +1191,8 @@ __global__ void __launch_bounds__(384, 1)
                 a, smem, full, empty, ncg, split, span(J), pp, sb, epi_buf,
                 info, omap_ptr(tmap_o));
         });
-        /* SWIGLU's TMA stores done before the CTA (and its buffer) goes */
+        /* the staged epilogues' TMA stores done before the CTA (and its
+         * buffer) goes */
         if constexpr (C::EPI_BYTES > 0)
             asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
         if (tid == 128)
@@ -1213,7 +1218,7 @@ cudaError_t launch_bn(const void *tmap, const tmaps_b_t<CL> &tmaps_b,
                       int grid, cudaStream_t stream, bool pdl)
 {
     omap_t<BN> o = {};
-    if constexpr (BN >= 128) {
+    if constexpr (BN >= MOEK_STAGED_MIN_TILE) {
         if (a.epi == MOEK_EPI_SWIGLU || a.epi == MOEK_EPI_SLOT) {
             if (!tmap_o)
                 return cudaErrorInvalidValue;

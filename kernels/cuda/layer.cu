@@ -328,7 +328,7 @@ int even2(int n)
 
 /* tm_b set: cluster mode, which pairs CTAs 2c, 2c + 1 on weight tiles nt,
  * nt + 1 of one raster chunk, so the grid and the chunk are even. tm_o:
- * SWIGLU's output map (moek_launch_gemm_wgmma). */
+ * the output's map of a staged epilogue (moek_launch_gemm_wgmma). */
 cudaError_t run_gemm(moek_dtype dt, bool wgmma, const CUtensorMap *tm,
                      moek_gemm_args a, int grid, cudaStream_t st, bool pdl,
                      const moek_tmaps *tm_b = nullptr,
@@ -381,7 +381,7 @@ int moe_cluster(const moek_cuda_moe_layer *L, int bn, int T)
  * 8 MB accumulator) 1% slower (RESULTS.md, run 19). Decode tiles keep the
  * accumulator: their GEMM 2 may split over K or run stream-K.
  */
-constexpr int SLOT_MIN_TILE = 128;
+constexpr int SLOT_MIN_TILE = MOEK_STAGED_MIN_TILE; /* its epilogue's */
 bool moe_slots(const moek_cuda_moe_layer *L, int bn, int T)
 {
     return moe_wgmma(L) && L->slots && bn >= SLOT_MIN_TILE &&
@@ -664,11 +664,13 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     /* SwiGLU's output goes out by TMA from prefill tiles (gemm_wgmma.cu,
      * epi_swiglu_staged) */
     CUtensorMap to1;
-    if (wgmma && bn >= 128) {
+    const CUtensorMap *o1 = nullptr;
+    if (wgmma && bn >= MOEK_STAGED_MIN_TILE) {
         const int r = moek_make_out_tmap(&to1, w.inter, L->dt,
                                          (uint64_t)T * k, I, I);
         if (r)
             return r;
+        o1 = &to1;
     }
     if (cl) {
         const int r1 = moek_make_tmaps(&tb1, w.rows, L->dt, (uint64_t)T * k,
@@ -712,11 +714,13 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     /* slot rows go out by TMA too (gemm_wgmma.cu, epi_slot_staged): boxes
      * of 8 rows by 64 features, as the token-row maps' */
     CUtensorMap to2;
+    const CUtensorMap *o2 = nullptr;
     if (slots) {
         const int r = moek_make_tmap(&to2, w.rows, L->dt, (uint64_t)T * k, H,
                                      8);
         if (r)
             return r;
+        o2 = &to2;
     }
     g1.w_tiled = g2.w_tiled = L->tiled;
     g1.l2_hint = g2.l2_hint = L->tiled && L->l2_hint;
@@ -794,9 +798,9 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     }
 
     MOEK_CU(run_gemm(L->dt, wgmma, &L->tm13, g1, grid1, st, pdl,
-                     cl ? &tb1 : nullptr, wgmma && bn >= 128 ? &to1 : nullptr));
+                     cl ? &tb1 : nullptr, o1));
     MOEK_CU(run_gemm(L->dt, wgmma, &L->tm2, g2, L->sms, st, pdl,
-                     cl2 ? &tb2 : nullptr, slots ? &to2 : nullptr));
+                     cl2 ? &tb2 : nullptr, o2));
 
     const bool bf16 = L->dt == MOEK_DTYPE_BF16;
     if (slots) {
