@@ -680,6 +680,35 @@ __device__ __forceinline__ void stmatrix_x2_trans(uint32_t addr, uint32_t r0,
                  : "memory");
 }
 
+/* A pass of a staged epilogue (consumer warpgroup cw) opens once the
+ * previous pass's stores have read the buffer, and closes by storing its
+ * whole 8-row groups through TMA (omap; buffer rows of ROW_BYTES, features
+ * from f0, output rows from row0), one box per thread, while the threads
+ * store the last rows % 8 themselves: stage_store returns where those
+ * start. The buffer was written through the generic proxy, which TMA
+ * reads through the async one: hence the fence. */
+__device__ __forceinline__ void stage_open(int cw)
+{
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
+}
+
+template <int ROW_BYTES>
+__device__ __forceinline__ int stage_store(const CUtensorMap *omap,
+                                           uint8_t *buf, int cw, int f0,
+                                           int row0, int rows)
+{
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
+    const int tid = threadIdx.x & 127;
+    const int boxes = rows > 0 ? rows >> 3 : 0;
+    if (tid < boxes) {
+        tma_store_2d(omap, buf + tid * 8 * ROW_BYTES, f0, row0 + tid * 8);
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+    return boxes * 8;
+}
+
 /*
  * SWIGLU epilogue through shared memory (consumer warpgroup cw, tiles of 128
  * rows and wider). Warp w holds SiLU(gate) * up of features f0 + 8 w .. + 7
@@ -716,8 +745,7 @@ __device__ __forceinline__ void epi_swiglu_staged(const moek_gemm_args &a,
 #pragma unroll
     for (int p0 = 0; p0 < N; p0 += EPI_ROWS) {
         const int pr = N - p0 < EPI_ROWS ? N - p0 : EPI_ROWS;
-        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-        asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
+        stage_open(cw);
 #pragma unroll
         for (int g = 0; g < pr / 32; g++) {
             uint32_t r[4];
@@ -740,17 +768,9 @@ __device__ __forceinline__ void epi_swiglu_staged(const moek_gemm_args &a,
                                   swiglu_pack<T>(d, j + 1));
             }
         }
-        /* stmatrix wrote through the generic proxy; TMA reads through the
-         * async one */
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
         const int rows = it.mlen - p0 < pr ? it.mlen - p0 : pr;
-        const int boxes = rows > 0 ? rows >> 3 : 0;
-        if (tid < boxes) {
-            tma_store_2d(omap, buf + tid * 8 * 64, f0, it.pos + p0 + tid * 8);
-            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-        }
-        if (tid >= boxes * 8 && tid < rows) {
+        const int boxed = stage_store<64>(omap, buf, cw, f0, it.pos + p0, rows);
+        if (tid >= boxed && tid < rows) {
             T *dst = reinterpret_cast<T *>(a.out) +
                      (size_t)(it.pos + p0 + tid) * a.ldo + f0;
 #pragma unroll
@@ -795,8 +815,7 @@ __device__ __forceinline__ void epi_slot_staged(const moek_gemm_args &a,
         const int pr = N - p0 < PR ? N - p0 : PR;
         /* the stores of the pass before have read the buffer; the pairs
          * of this item are in stg */
-        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-        asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
+        stage_open(cw);
 #pragma unroll
         for (int jj = 0; jj < PR / 8; jj++) {
             const int j = p0 / 8 + jj;
@@ -811,15 +830,10 @@ __device__ __forceinline__ void epi_slot_staged(const moek_gemm_args &a,
                     moek_dt<T>::pack2(w * d[j * 4 + e], w * d[j * 4 + 2 + e]);
             }
         }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
         const int rows = it.mlen - p0 < pr ? it.mlen - p0 : pr;
-        const int boxes = rows > 0 ? rows >> 3 : 0;
-        if (tid < boxes) {
-            tma_store_2d(omap, buf + tid * 8 * 128, f0, it.pos + p0 + tid * 8);
-            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-        }
-        const int r = boxes * 8 + (tid >> 3), k = tid & 7;
+        const int r = stage_store<128>(omap, buf, cw, f0, it.pos + p0, rows) +
+                      (tid >> 3),
+                  k = tid & 7;
         if (r < rows && f0 + k * 8 < a.n_valid)
             *reinterpret_cast<uint4 *>(reinterpret_cast<T *>(a.out) +
                                        (size_t)(it.pos + p0 + r) * a.ldo +

@@ -284,39 +284,62 @@ __global__ void finalize_slots_kernel(const uint4 *rows, const int *slot_pos,
     }
 }
 
-/* Cluster mode's token operand of GEMM 1: row p of xs is row pos_token[p]
- * of x, one warp per row, rows of row16 16-byte chunks. Only the sorted
- * positions of routed slots, [0, plan's MOEK_PLAN_ROWS): slots
- * routed nowhere (given ids of -1, experts of other shards) have no
- * position, and pos_token past the routed ones holds whatever an earlier
- * call left there. */
+/* Cluster mode's token operand of GEMM 1: row pos of xs is row t of x for
+ * each slot (t, j) whose sorted position slot_pos[t k + j] is pos (-1:
+ * routed nowhere, no row). One warp per PERMUTE_SEG 16-byte chunks of a
+ * token's row (row16 chunks), four loads in flight per lane: each row of
+ * x is read once and written k times, and a small batch still has warps
+ * for every SM. (A warp per row of xs, by position, read x in expert
+ * order, so once x outgrew L2 each row came from DRAM k times: deepseek
+ * T=4096, 58.7 MB of x, took 212 us; this way 150 us, RESULTS.md run 32.)
+ */
+constexpr int PERMUTE_SEG = 128;
 __global__ void permute_rows_kernel(const uint4 *__restrict__ x,
                                     uint4 *__restrict__ xs,
-                                    const int *pos_token, const int *plan,
+                                    const int *slot_pos, int tokens, int k,
                                     int row16)
 {
     moek_pdl_wait();
     moek_pdl_trigger();
     MOEK_TRACE_SCOPE(MOEK_TR_PERMUTE, 0);
-    const int rows = plan[MOEK_PLAN_ROWS];
     const int lane = threadIdx.x & 31;
     const int nw = (int)(gridDim.x * blockDim.x) >> 5;
-    for (int p = (int)(blockIdx.x * blockDim.x + threadIdx.x) >> 5; p < rows;
-         p += nw) {
-        const uint4 *src = x + (size_t)__ldg(pos_token + p) * row16;
-        uint4 *dst = xs + (size_t)p * row16;
-        int c = lane;
-        for (; c + 96 < row16; c += 128) { /* four loads in flight */
+    const int segs = (row16 + PERMUTE_SEG - 1) / PERMUTE_SEG;
+    const long long units = (long long)tokens * segs;
+    for (long long u = (long long)(blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+         u < units; u += nw) {
+        const int t = (int)(u / segs), b0 = (int)(u % segs) * PERMUTE_SEG;
+        /* lane j holds slot j's position; the loops below are the same
+         * for every lane, so each shuffle has the whole warp */
+        const int mine = lane < k ? __ldg(slot_pos + (size_t)t * k + lane) : -1;
+        const uint4 *src = x + (size_t)t * row16;
+        if (b0 + PERMUTE_SEG <= row16) {
             uint4 v[4];
 #pragma unroll
-            for (int u = 0; u < 4; u++)
-                v[u] = __ldg(src + c + 32 * u);
+            for (int q = 0; q < 4; q++)
+                v[q] = __ldg(src + b0 + lane + 32 * q);
+            for (int j = 0; j < k; j++) {
+                const int p = __shfl_sync(0xffffffffu, mine, j);
+                if (p < 0)
+                    continue;
+                uint4 *dst = xs + (size_t)p * row16 + b0 + lane;
 #pragma unroll
-            for (int u = 0; u < 4; u++)
-                dst[c + 32 * u] = v[u];
+                for (int q = 0; q < 4; q++)
+                    dst[32 * q] = v[q];
+            }
+            continue;
         }
-        for (; c < row16; c += 32)
-            dst[c] = __ldg(src + c);
+        for (int b = b0; b < row16; b += 32) {
+            const bool in = b + lane < row16;
+            uint4 v = {};
+            if (in)
+                v = __ldg(src + b + lane);
+            for (int j = 0; j < k; j++) {
+                const int p = __shfl_sync(0xffffffffu, mine, j);
+                if (p >= 0 && in)
+                    xs[(size_t)p * row16 + b + lane] = v;
+            }
+        }
     }
 }
 
@@ -785,16 +808,18 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     aa.topk = k;
     aa.pos_token = w.pos_token;
     aa.pos_weight = w.pos_weight;
-    aa.slot_pos = slots ? w.slot_pos : nullptr;
+    /* slot mode's finalize and cluster mode's copy of x read it */
+    aa.slot_pos = slots || cl ? w.slot_pos : nullptr;
     aa.dep = g2.dep_mode ? w.dep : nullptr; /* zeroed by the routing kernel */
     MOEK_CU(moek_launch_route(ra, aa, w.counts, st, pdl));
-    if (cl) { /* a warp per row (8 per block), at most 4 blocks per SM */
-        const int blocks = (T * k + 7) / 8, row16 = H * 2 / 16;
-        const int grid0 = blocks < 4 * L->sms ? blocks : 4 * L->sms;
+    if (cl) { /* a warp per row segment (8 per block), 4 blocks per SM */
+        const int row16 = H * 2 / 16;
+        const long long blocks =
+            ((long long)T * ((row16 + PERMUTE_SEG - 1) / PERMUTE_SEG) + 7) / 8;
+        const int grid0 = (int)(blocks < 4 * L->sms ? blocks : 4 * L->sms);
         MOEK_CU(moek_launch(permute_rows_kernel, dim3(grid0), dim3(256), 0, st,
                             pdl, (const uint4 *)x, (uint4 *)w.rows,
-                            (const int *)w.pos_token, (const int *)w.plan,
-                            row16));
+                            (const int *)w.slot_pos, T, k, row16));
     }
 
     MOEK_CU(run_gemm(L->dt, wgmma, &L->tm13, g1, grid1, st, pdl,
