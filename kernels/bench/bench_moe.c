@@ -4,6 +4,8 @@
  *   build: make -C kernels/bench BUILD=<abs build dir>   (or device.sh)
  *   run:   bench_moe [--peers FILE] [--csv FILE] [--sweep] [--only MODEL]
  *                    [--tokens T]   (T: 1..4096, in the grid or not)
+ *                    [--tile N]     (every case on token tile N, as a
+ *                                    tuning's forced tile)
  *          bench_moe --streams      (streaming rates at decode GEMM sizes,
  *                                    ceilings.cu, then exit)
  *
@@ -361,7 +363,7 @@ int main(int argc, char **argv)
 {
     const char *peers_path = NULL, *only = NULL, *csv_path = NULL;
     bool sweep = false, streams = false;
-    int only_t = 0;
+    int only_t = 0, tile = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--peers") && i + 1 < argc)
             peers_path = argv[++i];
@@ -379,10 +381,20 @@ int main(int argc, char **argv)
                 fprintf(stderr, "--tokens: 1 to 4096\n");
                 return 2;
             }
+        } else if (!strcmp(argv[i], "--tile") && i + 1 < argc) {
+            static const int tiles[] = MOEK_CUDA_TOKEN_TILES;
+            tile = atoi(argv[++i]);
+            bool ok = false;
+            for (size_t j = 0; j < sizeof tiles / sizeof tiles[0]; j++)
+                ok = ok || tiles[j] == tile;
+            if (!ok) {
+                fprintf(stderr, "--tile: 16, 32, 64, 128, 192 or 256\n");
+                return 2;
+            }
         } else {
             fprintf(stderr,
                     "usage: %s [--peers FILE] [--csv FILE] [--sweep] [--only MODEL] "
-                    "[--tokens T]\n       %s --streams\n",
+                    "[--tokens T] [--tile N]\n       %s --streams\n",
                     argv[0], argv[0]);
             return 2;
         }
@@ -446,6 +458,8 @@ int main(int argc, char **argv)
         moek_cuda_moe_layer *layer = NULL;
         CK(moek_cuda_moe_layer_new_from_device(s, MOEK_DTYPE_BF16, w1, w3, w2,
                                                0, &layer));
+        const moek_cuda_tuning forced = {tile, false};
+        CK(moek_cuda_moe_layer_tune(layer, &forced));
         moek_cuda_free(w1);
         moek_cuda_free(w2);
         moek_cuda_free(w3);
@@ -514,8 +528,7 @@ int main(int argc, char **argv)
                     printf(" %d:%.1f", tiles[i],
                            time_case(layer, ws, &in, T, stream, 100.0, NULL));
                 }
-                moek_cuda_tuning tu = {0, false};
-                CK(moek_cuda_moe_layer_tune(layer, &tu));
+                CK(moek_cuda_moe_layer_tune(layer, &forced));
                 printf("\n");
             }
             for (int r = 0; r < NSETS; r++) {
