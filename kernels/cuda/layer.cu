@@ -291,8 +291,8 @@ __global__ void finalize_slots_kernel(const uint4 *rows, const int *slot_pos,
  * x is read once and written k times, and a small batch still has warps
  * for every SM. (A warp per row of xs, by position, read x in expert
  * order, so once x outgrew L2 each row came from DRAM k times: deepseek
- * T=4096, 58.7 MB of x, took 212 us; this way 150 us, RESULTS.md run 32.)
- */
+ * T=4096, 58.7 MB of x, took 207-212 us; this way 145 us, RESULTS.md run
+ * 32.) */
 constexpr int PERMUTE_SEG = 128;
 __global__ void permute_rows_kernel(const uint4 *__restrict__ x,
                                     uint4 *__restrict__ xs,

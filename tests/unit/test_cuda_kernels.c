@@ -786,13 +786,14 @@ TEST(moe_cluster_tiles)
                     {256, false}, false, false, NULL};
     run_moe_tiles(&few, &none, &rng);
     /* Given routing with a third of the slots routed nowhere: those slots
-     * have no sorted position, so the copy of x must stop at the routed
-     * ones (the debug build's workspace is poisoned past them). */
+     * have no sorted position (slot_pos -1), so the copy of x writes no row
+     * for them and GEMM 1 reads only the routed ones (the debug build's
+     * workspace is poisoned past them). */
     moe_case h = {s, MOEK_DTYPE_BF16, 1200, ROUTE_GIVEN, false, 0, 32,
                   {256, false}, false, true, NULL};
     run_moe(&h, &rng);
-    /* The same at 64 tokens, whose routed row count (plan ROWS, which
-     * bounds the copy of x) comes from the one-block kernel. */
+    /* The same at 64 tokens, whose sorted positions (slot_pos, which the
+     * copy of x follows) come from the one-block kernel. */
     moe_case h64 = {s, MOEK_DTYPE_BF16, 64, ROUTE_GIVEN, false, 0, 0,
                     {128, false}, false, true, NULL};
     const tile_opts t64 = forced_tile_opts(&h64, false);
