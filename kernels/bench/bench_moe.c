@@ -54,6 +54,9 @@ static const model MODELS[] = {
     {"deepseek-v3", {256, 8, 7168, 2048}},
 };
 static const int TOKENS[] = {1, 8, 64, 512, 4096};
+/* the CUDA kernels' token tiles (--sweep, --tile) */
+static const int TILES[] = MOEK_CUDA_TOKEN_TILES;
+#define NTILES ((int)(sizeof TILES / sizeof TILES[0]))
 #define NSETS 4
 
 static void *xmalloc(size_t n)
@@ -382,13 +385,15 @@ int main(int argc, char **argv)
                 return 2;
             }
         } else if (!strcmp(argv[i], "--tile") && i + 1 < argc) {
-            static const int tiles[] = MOEK_CUDA_TOKEN_TILES;
             tile = atoi(argv[++i]);
             bool ok = false;
-            for (size_t j = 0; j < sizeof tiles / sizeof tiles[0]; j++)
-                ok = ok || tiles[j] == tile;
+            for (int j = 0; j < NTILES; j++)
+                ok = ok || TILES[j] == tile;
             if (!ok) {
-                fprintf(stderr, "--tile: 16, 32, 64, 128, 192 or 256\n");
+                fprintf(stderr, "--tile: one of");
+                for (int j = 0; j < NTILES; j++)
+                    fprintf(stderr, " %d", TILES[j]);
+                fputc('\n', stderr);
                 return 2;
             }
         } else {
@@ -520,12 +525,11 @@ int main(int argc, char **argv)
                 fflush(csv);
             }
             if (sweep) {
-                static const int tiles[] = {16, 32, 64, 128, 192, 256};
                 printf("#   sweep %s T=%d:", m->name, T);
-                for (int i = 0; i < 6; i++) {
-                    moek_cuda_tuning tu = {tiles[i], false};
+                for (int i = 0; i < NTILES; i++) {
+                    moek_cuda_tuning tu = {TILES[i], false};
                     CK(moek_cuda_moe_layer_tune(layer, &tu));
-                    printf(" %d:%.1f", tiles[i],
+                    printf(" %d:%.1f", TILES[i],
                            time_case(layer, ws, &in, T, stream, 100.0, NULL));
                 }
                 CK(moek_cuda_moe_layer_tune(layer, &forced));

@@ -27,9 +27,9 @@
  *     (moek_combine4) or into each slot's row (epi_slot_staged), or a
  *     plain store (moek_epi_pair); the staged epilogues (tiles of 128
  *     rows and wider) go through shared memory and out by TMA. The
- *     producer runs ahead into the next item meanwhile. With tiles of 64 rows and wider, the consumers take each
- *     item as the producer decoded it (handoff) instead of decoding it
- *     again.
+ *     producer runs ahead into the next item meanwhile. With tiles of 64
+ *     rows and wider, the consumers take each item as the producer
+ *     decoded it (handoff) instead of decoding it again.
  * Inside one instance:
  *   - token tiles of up to four widths (BN 128 and wider; cuda_common.cuh,
  *     moek_class_width, moek_tile_class), so a group pays
@@ -831,9 +831,9 @@ __device__ __forceinline__ void epi_slot_staged(const moek_gemm_args &a,
             }
         }
         const int rows = it.mlen - p0 < pr ? it.mlen - p0 : pr;
-        const int r = stage_store<128>(omap, buf, cw, f0, it.pos + p0, rows) +
-                      (tid >> 3),
-                  k = tid & 7;
+        const int boxed =
+            stage_store<128>(omap, buf, cw, f0, it.pos + p0, rows);
+        const int r = boxed + (tid >> 3), k = tid & 7;
         if (r < rows && f0 + k * 8 < a.n_valid)
             *reinterpret_cast<uint4 *>(reinterpret_cast<T *>(a.out) +
                                        (size_t)(it.pos + p0 + r) * a.ldo +
