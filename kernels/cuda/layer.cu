@@ -293,7 +293,11 @@ __global__ void finalize_slots_kernel(const uint4 *rows, const int *slot_pos,
  * order, so once x outgrew L2 each row came from DRAM k times: deepseek
  * T=4096, 58.7 MB of x, took 207-212 us; this way 145 us, RESULTS.md run
  * 32.) */
-constexpr int PERMUTE_SEG = 128;
+constexpr int PERMUTE_SEG = 4 * 32;
+__host__ __device__ constexpr int permute_segs(int row16)
+{
+    return (row16 + PERMUTE_SEG - 1) / PERMUTE_SEG;
+}
 __global__ void permute_rows_kernel(const uint4 *__restrict__ x,
                                     uint4 *__restrict__ xs,
                                     const int *slot_pos, int tokens, int k,
@@ -304,41 +308,30 @@ __global__ void permute_rows_kernel(const uint4 *__restrict__ x,
     MOEK_TRACE_SCOPE(MOEK_TR_PERMUTE, 0);
     const int lane = threadIdx.x & 31;
     const int nw = (int)(gridDim.x * blockDim.x) >> 5;
-    const int segs = (row16 + PERMUTE_SEG - 1) / PERMUTE_SEG;
+    const int segs = permute_segs(row16);
     const long long units = (long long)tokens * segs;
     for (long long u = (long long)(blockIdx.x * blockDim.x + threadIdx.x) >> 5;
          u < units; u += nw) {
-        const int t = (int)(u / segs), b0 = (int)(u % segs) * PERMUTE_SEG;
-        /* lane j holds slot j's position; the loops below are the same
-         * for every lane, so each shuffle has the whole warp */
+        const int t = (int)(u / segs);
+        const int c0 = (int)(u % segs) * PERMUTE_SEG + lane;
+        /* lane j holds slot j's position; the loop below is the same for
+         * every lane, so each shuffle has the whole warp */
         const int mine = lane < k ? __ldg(slot_pos + (size_t)t * k + lane) : -1;
         const uint4 *src = x + (size_t)t * row16;
-        if (b0 + PERMUTE_SEG <= row16) {
-            uint4 v[4];
+        uint4 v[4];
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+            if (c0 + 32 * q < row16)
+                v[q] = __ldg(src + c0 + 32 * q);
+        for (int j = 0; j < k; j++) {
+            const int p = __shfl_sync(0xffffffffu, mine, j);
+            if (p < 0)
+                continue;
+            uint4 *dst = xs + (size_t)p * row16;
 #pragma unroll
             for (int q = 0; q < 4; q++)
-                v[q] = __ldg(src + b0 + lane + 32 * q);
-            for (int j = 0; j < k; j++) {
-                const int p = __shfl_sync(0xffffffffu, mine, j);
-                if (p < 0)
-                    continue;
-                uint4 *dst = xs + (size_t)p * row16 + b0 + lane;
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    dst[32 * q] = v[q];
-            }
-            continue;
-        }
-        for (int b = b0; b < row16; b += 32) {
-            const bool in = b + lane < row16;
-            uint4 v = {};
-            if (in)
-                v = __ldg(src + b + lane);
-            for (int j = 0; j < k; j++) {
-                const int p = __shfl_sync(0xffffffffu, mine, j);
-                if (p >= 0 && in)
-                    xs[(size_t)p * row16 + b + lane] = v;
-            }
+                if (c0 + 32 * q < row16)
+                    dst[c0 + 32 * q] = v[q];
         }
     }
 }
@@ -814,8 +807,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     MOEK_CU(moek_launch_route(ra, aa, w.counts, st, pdl));
     if (cl) { /* a warp per row segment (8 per block), 4 blocks per SM */
         const int row16 = H * 2 / 16;
-        const long long blocks =
-            ((long long)T * ((row16 + PERMUTE_SEG - 1) / PERMUTE_SEG) + 7) / 8;
+        const long long blocks = ((long long)T * permute_segs(row16) + 7) / 8;
         const int grid0 = (int)(blocks < 4 * L->sms ? blocks : 4 * L->sms);
         MOEK_CU(moek_launch(permute_rows_kernel, dim3(grid0), dim3(256), 0, st,
                             pdl, (const uint4 *)x, (uint4 *)w.rows,
