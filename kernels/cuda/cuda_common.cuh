@@ -113,9 +113,8 @@ __host__ __device__ __forceinline__ int moek_tile_class(int cnt, int np,
  * GEMM's item count. */
 enum {
     MOEK_PLAN_NCG = 0,    /* compact groups */
-    MOEK_PLAN_ROWS = 1,   /* rows of every compact group together */
-    MOEK_PLAN_SPLIT0 = 2, /* K splits of GEMM 0 */
-    MOEK_PLAN_ENDS0 = 3,
+    MOEK_PLAN_SPLIT0 = 1, /* K splits of GEMM 0 */
+    MOEK_PLAN_ENDS0 = 2,
     MOEK_PLAN_SPLIT1 = MOEK_PLAN_ENDS0 + MOEK_CLASSES,
     MOEK_PLAN_ENDS1 = MOEK_PLAN_SPLIT1 + 1,
     MOEK_PLAN_INTS = 16,

@@ -374,10 +374,8 @@ __device__ void align_block(const moek_align_args &a, const int *counts,
     pairs = s_warp[0];
     __syncthreads();
 
-    if (tid == 0) {
+    if (tid == 0)
         a.plan[MOEK_PLAN_NCG] = ncg;
-        a.plan[MOEK_PLAN_ROWS] = (int)(total < limit ? total : limit);
-    }
     for (int d = 0; d < a.ngemm; d++) {
         const moek_gemm_dims dm = a.d[d];
         const int split = pick_split(dm, pairs, a.sms, a.split_min_kb);
@@ -571,10 +569,8 @@ __device__ void align_warps(const moek_align_args &a, const int *counts,
         }
     }
     if (w == 0) {
-        const int rows = __reduce_add_sync(FULL, lr);
         if (lane == 0) {
             a.plan[MOEK_PLAN_NCG] = ncg;
-            a.plan[MOEK_PLAN_ROWS] = rows;
 #pragma unroll
             for (int d = 0; d < 2; d++)
                 if (d < a.ngemm)
@@ -784,11 +780,8 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
     int ends[MOEK_CLASSES];
     for (int c = 0; c < MOEK_CLASSES; c++)
         ends[c] = c < moek_classes(aa.bn) - 1 ? 0 : pairs;
-    const unsigned routed = __ballot_sync(FULL, e >= 0);
-    if (lane == 0) {
+    if (lane == 0)
         aa.plan[MOEK_PLAN_NCG] = ncg;
-        aa.plan[MOEK_PLAN_ROWS] = __popc(routed);
-    }
     for (int d = 0; d < aa.ngemm; d++) {
         const moek_gemm_dims dm = aa.d[d];
         const int split = pick_split(dm, pairs, aa.sms, aa.split_min_kb);
