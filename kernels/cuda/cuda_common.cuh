@@ -135,6 +135,10 @@ struct moek_gemm_args {
     const int *plan;
     const int *cg_group, *cg_start, *cg_count;
     const int *cg_before; /* items before each compact group */
+    /* groups the list was built for (cg_before holds groups + 1 entries),
+     * so the GEMM may read them before it knows how many are in use; 0:
+     * unknown */
+    int groups;
     int which;            /* 0 or 1: which plan split/items */
     int bn;               /* token rows of the widest tile */
     int chunk;            /* weight tiles per raster chunk */

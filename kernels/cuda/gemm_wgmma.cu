@@ -444,7 +444,7 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
                                         int ncg, int split, const cta_span &sp,
                                         int pre, pipe_pos &pp, const int *sb,
                                         moek_item *info, int c0, int c1,
-                                        bool sk)
+                                        bool sk, int ticket0)
 {
     using C = tile_cfg<BN, DEP>;
     constexpr int RN = N / 16; /* token rows per thread */
@@ -463,13 +463,21 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
             }
         }
     };
-    /* One item (DEP 2: once dep[it.g] reaches need). */
-    const auto one = [&](const moek_item &it, const int (&rows)[RN],
-                         int need) {
+    /* One item (DEP 2: once dep[it.g] reaches need). Decode tiles (one
+     * class) read the item's token-row indices here, after its first
+     * weight load has gone out, so that load does not wait for their round
+     * trip; prefill tiles read them one item ahead (take, below). */
+    constexpr bool LATE_ROWS = moek_classes(BN) == 1;
+    static_assert(DEP != 2 || LATE_ROWS, "ticketed GEMM 2 is one class");
+    const auto one = [&](const moek_item &it, int (&rows)[RN], int need) {
         long long off[RN];
+        const auto offsets = [&] {
 #pragma unroll
-        for (int i = 0; i < RN; i++)
-            off[i] = rows[i] < 0 ? -1 : (long long)rows[i] * a.ldb;
+            for (int i = 0; i < RN; i++)
+                off[i] = rows[i] < 0 ? -1 : (long long)rows[i] * a.ldb;
+        };
+        if constexpr (!LATE_ROWS)
+            offsets();
         for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
             uint8_t *sA = smem + pp.stage * C::STAGE;
             uint8_t *sB = sA + A_BYTES;
@@ -488,6 +496,12 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
                                         it.g);
                     moek_mbar_expect_tx(&full[pp.stage], A_BYTES);
                     load_w(a, tmap, sA, it, kb, &full[pp.stage]);
+                }
+            }
+            if constexpr (LATE_ROWS) {
+                if (kb == it.kb0) {
+                    rows_of(it, rows);
+                    offsets();
                 }
             }
             if constexpr (DEP == 2) {
@@ -547,9 +561,8 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
         } else {
             for (int idx = sp.first; idx < sp.end;
                  idx += sp.step, pp.items++) {
-                moek_item it;
-                int rows[RN];
-                take(idx, it, rows);
+                const moek_item it = sp.take(a, ncg, split, idx, sb, nx);
+                int rows[RN]; /* LATE_ROWS: one() reads them */
                 one(it, rows, 0);
             }
         }
@@ -557,12 +570,13 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
         /* Thread 0 takes the units for the warpgroup and passes each on
          * through shared memory (the second barrier keeps the next from
          * overwriting it before all have read it). It takes the next unit
-         * as this one starts, so the add's round trip passes meanwhile. */
+         * as this one starts, so the add's round trip passes meanwhile;
+         * the first (ticket0) it took in the kernel's prologue. */
         int *ticket = reinterpret_cast<int *>(info + INFO_ITEMS);
         int *counter = a.dep + MOEK_DEP_TICKET;
         const int n = unit_count(c0, c1, sk);
         if (tid == 0)
-            *ticket = atomicAdd(counter, 1);
+            *ticket = ticket0;
         for (;;) {
             asm volatile("bar.sync 4, 128;" ::: "memory");
             const int u = *ticket;
@@ -577,8 +591,7 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
                 const moek_item_src f = moek_fetch_item(a, ncg, idx, sb);
                 moek_item it = moek_item_from(a, split, f);
                 us.clip(it, idx, a.kblocks);
-                int rows[RN];
-                rows_of(it, rows);
+                int rows[RN]; /* LATE_ROWS: one() reads them */
                 /* GEMM 1's two consumer warpgroups count each of the
                  * group's items: its token tiles (the same tile as here)
                  * times GEMM 1's weight tiles (GEMM 1 never splits K) */
@@ -1109,6 +1122,22 @@ __global__ void __launch_bounds__(384, 1)
             moek_pdl_wait();
     moek_pdl_trigger();
 
+    /* What the first weight load waits for, read at once rather than one
+     * after another: mode 2's first ticket, the plan, and every entry of
+     * cg_before the list can have (a.groups + 1, within SB_GROUPS + 1),
+     * before the plan says how many are in use (RESULTS.md, run 34). */
+    int ticket0 = 0;
+    if constexpr (DEP == 2)
+        if (tid == 0)
+            ticket0 = atomicAdd(a.dep + MOEK_DEP_TICKET, 1);
+    constexpr int SB_PER = (SB_GROUPS + 1 + 383) / 384;
+    const int nsb = a.groups > 0 && a.groups <= SB_GROUPS ? a.groups + 1 : 0;
+    int sbv[SB_PER];
+#pragma unroll
+    for (int j = 0; j < SB_PER; j++) {
+        const int i = tid + 384 * j;
+        sbv[j] = i < nsb ? __ldg(a.cg_before + i) : 0;
+    }
     const int ncg = a.plan[MOEK_PLAN_NCG];
     const int split = a.plan[a.which ? MOEK_PLAN_SPLIT1 : MOEK_PLAN_SPLIT0];
     /* Class c's items are [cb[c], cb[c + 1]); the CTA's share of them is
@@ -1121,15 +1150,25 @@ __global__ void __launch_bounds__(384, 1)
     for (int c = 0; c < NC; c++)
         cb[c + 1] = ends[c];
 
-    /* A few groups (decode) search in three steps or less: no copy, no
-     * barrier in the prologue (measured: qwen3 T=1 33.5 us without, 35.0
-     * with the copy). */
+    /* cg_before in shared memory for the items' binary search. Read in
+     * the plan's round trip (above), it serves any count of groups; read
+     * after it, a few groups (decode) searched global memory in three
+     * steps or less instead (measured: qwen3 T=1 33.5 us without the copy,
+     * 35.0 with it, when the copy was a round trip of its own). */
     int *sb_mem = reinterpret_cast<int *>(
         reinterpret_cast<uint8_t *>(empty + C::STAGES) + C::STG_BYTES);
-    const int *sb = ncg > 8 && ncg <= SB_GROUPS ? sb_mem : nullptr;
+    const int *sb = ncg < nsb || (ncg > 8 && ncg <= SB_GROUPS) ? sb_mem
+                                                               : nullptr;
     if (sb) {
-        for (int i = tid; i <= ncg; i += blockDim.x)
-            sb_mem[i] = __ldg(a.cg_before + i);
+        if (ncg < nsb) {
+#pragma unroll
+            for (int j = 0; j < SB_PER; j++)
+                if (tid + 384 * j <= ncg)
+                    sb_mem[tid + 384 * j] = sbv[j];
+        } else {
+            for (int i = tid; i <= ncg; i += blockDim.x)
+                sb_mem[i] = __ldg(a.cg_before + i);
+        }
         __syncthreads();
     }
 
@@ -1178,7 +1217,7 @@ __global__ void __launch_bounds__(384, 1)
                 constexpr int J = decltype(c)::value;
                 produce<T, BN, moek_class_width(BN, J), DEP>(
                     a, &tmap, smem, full, empty, ncg, split, span(J), pre, pp,
-                    sb, info, cb[J], cb[J + 1], sk);
+                    sb, info, cb[J], cb[J + 1], sk, ticket0);
             });
         }
     } else {

@@ -748,6 +748,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     }
     g1.cg_before = w.cg_before;
     g2.cg_before = w.cg_before + (E + 1);
+    g1.groups = g2.groups = E;
 
     /* GEMM 2 may split, so it takes every SM. */
     const int grid1 = moe_grid1(L, bn, T);
@@ -899,6 +900,7 @@ int moek_cuda_grouped_gemm(moek_cuda_gemm_weights *W, moek_cuda_workspace *ws,
     g.cg_start = w.cg_start;
     g.cg_count = w.cg_count;
     g.cg_before = w.cg_before;
+    g.groups = W->groups;
     g.which = 0;
     g.bn = bn;
     g.w = W->b;
