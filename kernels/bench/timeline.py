@@ -11,8 +11,10 @@ bytes of an item over that time, against one SM's share of the read
 ceiling given by --read-gbs), the gaps between a CTA's items (its
 epilogue, then the wait for the next item's first stage; when the producer
 issued that stage's first load, and its latency), what each SM
-does between GEMM 1 and GEMM 2, and the SM time left idle after each
-GEMM's first CTA leaves.
+does between GEMM 1 and GEMM 2 (its GEMM 1 CTA leaves, its GEMM 2 CTA
+enters, issues its first weight load, has that stage), when each SM's
+first GEMM 1 load goes out after the kernels before GEMM 1 end, and the
+SM time left idle after each GEMM's first CTA leaves.
 """
 import argparse
 import csv
@@ -41,6 +43,16 @@ def fmt(v):
 def span(rows, kind):
     t = [r["us"] for r in rows if r["kind"] == kind]
     return (min(t), max(t), len(t)) if t else None
+
+
+def per_sm(rows, kind):
+    """Each SM's earliest event of a kind, us."""
+    first = {}
+    for r in rows:
+        if r["kind"] == kind and (r["sm"] not in first
+                                  or r["us"] < first[r["sm"]]):
+            first[r["sm"]] = r["us"]
+    return first
 
 
 def report(path, read_gbs, sms):
@@ -148,6 +160,22 @@ def report(path, read_gbs, sms):
                 if sm in g2_first]
         print("handoff   GEMM 1 consumer leaves -> GEMM 2's first item on "
               "that SM, us %s" % fmt(hand))
+        # the same in parts, per SM: GEMM 2's CTA enters, its producer
+        # issues its first weight load, consumer 0 has that stage
+        ent2, load2 = per_sm(rows, k + ENTRY), per_sm(rows, k + FIRST)
+        for name, a, b in (("CTA enters", exits[0], ent2),
+                           ("first load", ent2, load2),
+                           ("first item", load2, g2_first)):
+            d = [b[sm] - a[sm] for sm in a if sm in b]
+            print("            -> %-10s us %s" % (name, fmt(d)))
+    # GEMM 1's first load on each SM after the last kernel before it ends
+    before = [r["us"] for r in rows if r["kind"] in (ROUTE + 1, ALIGN + 1,
+                                                    PERMUTE + 1)]
+    load1 = per_sm(rows, GEMM + FIRST)
+    if before and load1:
+        print("start     GEMM 1's first load after routing ends (%.2f), us "
+              "%s" % (max(before),
+                      fmt([t - max(before) for t in load1.values()])))
     print()
 
 
