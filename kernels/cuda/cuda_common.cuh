@@ -180,9 +180,11 @@ struct moek_gemm_args {
      * dep_mode 2, GEMM 2 waits for a group's count (twice its token tiles
      * times dep_tiles, GEMM 1's weight tiles) before it reads the group's
      * rows, and for dep_ctas zeroed slices before its first add; its CTAs
-     * take their work from the ticket (gemm_wgmma.cu, unit_span). 0:
-     * neither. Each mode is its own kernel instance (gemm_wgmma.cu), so
-     * mode 0 runs the code it ran before. */
+     * take their work from the ticket (gemm_wgmma.cu, unit_span). Mode
+     * 3 (GEMM 1's args of moek_launch_gemm_wgmma_both): both in one
+     * launch, GEMM 1 as in mode 1, then, in the same CTAs, GEMM 2 as in
+     * mode 2. 0: none. Each mode is its own kernel instance
+     * (gemm_wgmma.cu), so mode 0 runs the code it ran before. */
     int dep_mode;
     int *dep;
     int dep_tiles, dep_ctas;
@@ -467,7 +469,8 @@ static inline cudaLaunchAttribute moek_cluster_attr(int n)
 }
 
 /* Launch with the programmatic-dependency attribute when pdl is set, in
- * clusters of `cluster` CTAs along x when it is above 1. */
+ * clusters of `cluster` CTAs along x when it is above 1, cooperatively
+ * (every CTA resident at once, or the launch fails) when it is -1. */
 template <typename... KArgs, typename... Args>
 static inline cudaError_t moek_launch_cl(void (*kernel)(KArgs...), dim3 grid,
                                          dim3 block, size_t smem,
@@ -488,6 +491,10 @@ static inline cudaError_t moek_launch_cl(void (*kernel)(KArgs...), dim3 grid,
     }
     if (cluster > 1)
         attr[n++] = moek_cluster_attr(cluster);
+    if (cluster < 0) { /* cooperative: every CTA resident at once */
+        attr[n].id = cudaLaunchAttributeCooperative;
+        attr[n++].val.cooperative = 1;
+    }
     cfg.attrs = attr;
     cfg.numAttrs = n;
     return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
@@ -516,6 +523,7 @@ struct moek_cuda_moe_layer {
     bool pdl;
     bool early; /* GEMM 2 loads weights before GEMM 1 ends (early_a) */
     bool dep;   /* and may start per group (moek_dep; layer.cu) */
+    bool both;  /* and run both GEMMs in one launch there (mode 3) */
     bool tiny;  /* decode batches take route_align_tiny */
     int route_cl; /* aa.route_cl of its calls */
     bool tiled; /* w13 and w2p in tiles (moek_wt_index) */
@@ -631,6 +639,15 @@ cudaError_t moek_launch_gemm_wgmma(moek_dtype dt, const void *tmap,
                                    const moek_gemm_args &a, int grid,
                                    cudaStream_t stream, bool pdl);
 bool moek_wgmma_cluster_ok(int bn);
+/* Both GEMMs of a MoE forward in one cooperative launch (moek_dep mode 3:
+ * g1.dep_mode 3, g2.dep_mode 2; gemm_wgmma.cu): tiled weights, one decode
+ * tile (16, 32 or 64) for both, at most 256 groups, SWIGLU then COMBINE;
+ * grid at most one CTA per SM. g1.dep_ctas and g2.dep_ctas are unused (the
+ * grid's CTAs zero acc). */
+bool moek_wgmma_both_ok(const moek_gemm_args &g1, const moek_gemm_args &g2);
+cudaError_t moek_launch_gemm_wgmma_both(moek_dtype dt, const moek_gemm_args &g1,
+                                        const moek_gemm_args &g2, int grid,
+                                        cudaStream_t stream, bool pdl);
 /* weights.cu: a 2-D map of [rows, K] elements, 128-byte swizzle, boxes of
  * MOEK_KTILE x box_rows. */
 int moek_make_tmap(CUtensorMap *m, void *base, moek_dtype dt, uint64_t rows,

@@ -51,10 +51,18 @@
  * Stages: as many as fit in 227 KB (12 for BN = 16, 4 for BN = 256), so
  * 130-200 KB of weights are in flight per SM on the memory-bound path.
  * GEMM 2 starting per group (moek_dep, layer.cu; tiles below 128 rows) is
- * two more instances of each such width, by the template's DEP: 1 for
+ * three more instances of each such width, by the template's DEP: 1 for
  * GEMM 1, which counts each group's finished items, 2 for GEMM 2, whose
  * producer waits for its item's group and takes its work from a counter
- * (unit_span). DEP 0, every other call, compiles as it did before them.
+ * (unit_span), and 3 for both in one cooperative launch
+ * (moek_launch_gemm_wgmma_both, layer.cu's default there): each CTA runs
+ * its GEMM 1 items as 1 does, then GEMM 2's as 2 does, through one
+ * pipeline, so its producer goes on into GEMM 2's weights while its
+ * consumers finish GEMM 1 (two kernels left each SM without loads for
+ * about 4.5 us between them); both groups' cg_before sit in shared memory
+ * (up to SB3_GROUPS groups), and GEMM 2 adds into acc once every CTA has
+ * zeroed its slice, which only a launch that keeps every CTA resident may
+ * wait for. DEP 0, every other call, compiles as it did before them.
  *
  * Variants are template instances by token tile BN; moek_launch_gemm_wgmma
  * picks one. The kernel body exists only in the sm_90a pass
@@ -95,14 +103,20 @@ __host__ __device__ constexpr bool handoff(int bn, int cl)
     return cl == 1 && bn >= 64;
 }
 /* Whether the consumers take their items from the ring: handoff(), or
- * ticketed GEMM 2 (moek_dep mode 2), whose items only the producer knows. */
+ * ticketed GEMM 2 (moek_dep mode 2, and mode 3's second half), whose
+ * items only the producer knows. */
 __host__ __device__ constexpr bool ring(int bn, int cl, int dep)
 {
-    return handoff(bn, cl) || dep == 2;
+    return handoff(bn, cl) || dep == 2 || dep == 3;
 }
+/* Mode 3 keeps both GEMMs' cg_before in shared memory, for up to
+ * SB3_GROUPS groups each. */
+constexpr int SB3_GROUPS = 256;
+constexpr int SB3_INTS = 260; /* SB3_GROUPS + 1, in 16-byte steps */
 
 /* DEP: the kernel's moek_dep mode (moek_gemm_args.dep_mode); ticketed
- * GEMM 2 (mode 2) has the item ring at every width, and its ticket. */
+ * GEMM 2 (modes 2 and 3) has the item ring at every width, and its
+ * ticket. */
 template <int BN, int DEP = 0> struct tile_cfg {
     static constexpr int B_BYTES = BN * MOEK_KTILE * 2;
     static constexpr int STAGE = A_BYTES + B_BYTES;
@@ -115,13 +129,15 @@ template <int BN, int DEP = 0> struct tile_cfg {
     static constexpr int EPI_BYTES =
         BN >= MOEK_STAGED_MIN_TILE ? 2 * EPI_ROWS * 64 : 0;
     /* the item ring (ring()), then mode 2's ticket */
-    static constexpr int INFO =
-        (ring(BN, 1, DEP) ? INFO_BYTES : 0) + (DEP == 2 ? 16 : 0);
+    static constexpr int INFO = (ring(BN, 1, DEP) ? INFO_BYTES : 0) +
+                                (DEP == 2 || DEP == 3 ? 16 : 0);
+    /* cg_before in shared memory: one list, or mode 3's two */
+    static constexpr int SBB = DEP == 3 ? 2 * SB3_INTS * 4 : SB_BYTES;
     static constexpr int FIT =
-        (SMEM_MAX - 2048 - STG_BYTES - SB_BYTES - EPI_BYTES - INFO) / STAGE;
+        (SMEM_MAX - 2048 - STG_BYTES - SBB - EPI_BYTES - INFO) / STAGE;
     static constexpr int STAGES = FIT > 12 ? 12 : FIT;
     static constexpr int SMEM = STAGES * STAGE + 1024 + 2 * STAGES * 8 +
-                                STG_BYTES + SB_BYTES + EPI_BYTES + INFO;
+                                STG_BYTES + SBB + EPI_BYTES + INFO;
     static_assert(STAGE % 1024 == 0 && EPI_BYTES % 1024 == 0,
                   "stages and the staging buffer keep 1024-byte alignment");
     static_assert(SMEM <= SMEM_MAX, "shared memory");
@@ -435,9 +451,11 @@ __device__ __forceinline__ int preissue(const moek_gemm_args &a,
 /* Producer, one tile class: the CTA's items (sp), token tiles of N rows;
  * or (DEP 2: ticketed GEMM 2) the units it takes of the class's items
  * [c0, c1), each item once its group's rows are written (moek_dep), then
- * an end mark in the item ring.
+ * an end mark in the item ring. L: the kernel's mode, whose shared
+ * memory layout (tile_cfg) this runs in (mode 3 runs GEMM 1 as mode 1,
+ * then GEMM 2 as mode 2, in one pipeline).
  * Thread t copies 16-byte chunk (t & 7) of token rows (t >> 3) + 16 i. */
-template <typename T, int BN, int N, int DEP>
+template <typename T, int BN, int N, int DEP, int L = DEP>
 __device__ __forceinline__ void produce(const moek_gemm_args &a,
                                         const CUtensorMap *tmap, uint8_t *smem,
                                         uint64_t *full, uint64_t *empty,
@@ -446,7 +464,7 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
                                         moek_item *info, int c0, int c1,
                                         bool sk, int ticket0)
 {
-    using C = tile_cfg<BN, DEP>;
+    using C = tile_cfg<BN, L>;
     constexpr int RN = N / 16; /* token rows per thread */
     const T *b = reinterpret_cast<const T *>(a.b);
     const int tid = threadIdx.x, c8 = tid & 7, r0 = tid >> 3;
@@ -571,12 +589,13 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
          * through shared memory (the second barrier keeps the next from
          * overwriting it before all have read it). It takes the next unit
          * as this one starts, so the add's round trip passes meanwhile;
-         * the first (ticket0) it took in the kernel's prologue. */
+         * the first (ticket0) it took in the kernel's prologue, or (-1)
+         * takes here. */
         int *ticket = reinterpret_cast<int *>(info + INFO_ITEMS);
         int *counter = a.dep + MOEK_DEP_TICKET;
         const int n = unit_count(c0, c1, sk);
         if (tid == 0)
-            *ticket = ticket0;
+            *ticket = ticket0 >= 0 ? ticket0 : atomicAdd(counter, 1);
         for (;;) {
             asm volatile("bar.sync 4, 128;" ::: "memory");
             const int u = *ticket;
@@ -874,7 +893,7 @@ __device__ __forceinline__ void release(uint64_t *empty, int s)
  * dependent global loads (measured: qwen3 T=4096 down GEMM 473 -> 348 us
  * without those loads); two buffers by item parity, one warpgroup barrier
  * per item. */
-template <typename T, int BN, int N, int CL, int DEP>
+template <typename T, int BN, int N, int CL, int DEP, int L = DEP>
 __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
                                         uint64_t *full, uint64_t *empty,
                                         int ncg, int split, const cta_span &sp,
@@ -882,7 +901,7 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
                                         uint8_t *epi_buf, const moek_item *info,
                                         const CUtensorMap *omap)
 {
-    using C = tile_cfg<BN, DEP>;
+    using C = tile_cfg<BN, L>;
     constexpr bool RING = ring(BN, CL, DEP);
     const int tid = threadIdx.x, cw = (tid >> 7) - 1;
     const int warp = (tid >> 5) & 3, lane = tid & 31;
@@ -1055,18 +1074,48 @@ __device__ __forceinline__ const CUtensorMap *omap_ptr(const no_map &)
     return nullptr;
 }
 
+/* Mode 3's args: GEMM 1's (dep_mode 3) and GEMM 2's (dep_mode 2). */
+struct gemm_pair {
+    moek_gemm_args g1, g2;
+};
+template <int DEP>
+using kargs_t = std::conditional_t<DEP == 3, gemm_pair, moek_gemm_args>;
+__host__ __device__ __forceinline__ const moek_gemm_args &
+first_args(const moek_gemm_args &a)
+{
+    return a;
+}
+__host__ __device__ __forceinline__ const moek_gemm_args &
+first_args(const gemm_pair &p)
+{
+    return p.g1;
+}
+/* mode 3's GEMM 2 args (the one GEMM's, unused, otherwise) */
+[[maybe_unused]] __host__ __device__ __forceinline__ const moek_gemm_args &
+second_args(const moek_gemm_args &a)
+{
+    return a;
+}
+[[maybe_unused]] __host__ __device__ __forceinline__ const moek_gemm_args &
+second_args(const gemm_pair &p)
+{
+    return p.g2;
+}
+
 template <typename T, int BN, int CL, int DEP>
 __global__ void __launch_bounds__(384, 1)
     gemm_wgmma_kernel(const __grid_constant__ CUtensorMap tmap,
                       const __grid_constant__ tmaps_b_t<CL> tmaps_b,
                       const __grid_constant__ omap_t<BN> tmap_o,
-                      const moek_gemm_args a)
+                      const __grid_constant__ kargs_t<DEP> ka)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     /* moek_dep's modes: 1 counts (GEMM 1), 2 waits and takes tickets (GEMM
-     * 2), one class and no pairs (launch_t) */
+     * 2), 3 runs both (GEMM 1 as in 1, then GEMM 2 as in 2);
+     * one class and no pairs (launch_t) */
     static_assert(DEP == 0 || (CL == 1 && moek_classes(BN) == 1), "moek_dep");
-    if constexpr (DEP == 1) /* its count follows SWIGLU's stores only */
+    const moek_gemm_args &a = first_args(ka), &a2 = second_args(ka);
+    if constexpr (DEP == 1 || DEP == 3) /* its count follows SWIGLU's stores */
         if (a.epi != MOEK_EPI_SWIGLU)
             __trap();
     using C = tile_cfg<BN, DEP>;
@@ -1130,13 +1179,17 @@ __global__ void __launch_bounds__(384, 1)
     if constexpr (DEP == 2)
         if (tid == 0)
             ticket0 = atomicAdd(a.dep + MOEK_DEP_TICKET, 1);
-    constexpr int SB_PER = (SB_GROUPS + 1 + 383) / 384;
-    const int nsb = a.groups > 0 && a.groups <= SB_GROUPS ? a.groups + 1 : 0;
-    int sbv[SB_PER];
+    /* mode 3: both GEMMs' lists, up to SB3_GROUPS groups */
+    constexpr int SB_MAX = DEP == 3 ? SB3_GROUPS : SB_GROUPS;
+    constexpr int SB_PER = (SB_MAX + 1 + 383) / 384;
+    const int nsb = a.groups > 0 && a.groups <= SB_MAX ? a.groups + 1 : 0;
+    int sbv[SB_PER], sbv2[DEP == 3 ? SB_PER : 1];
 #pragma unroll
     for (int j = 0; j < SB_PER; j++) {
         const int i = tid + 384 * j;
         sbv[j] = i < nsb ? __ldg(a.cg_before + i) : 0;
+        if constexpr (DEP == 3)
+            sbv2[j] = i < nsb ? __ldg(a2.cg_before + i) : 0;
     }
     const int ncg = a.plan[MOEK_PLAN_NCG];
     const int split = a.plan[a.which ? MOEK_PLAN_SPLIT1 : MOEK_PLAN_SPLIT0];
@@ -1157,14 +1210,18 @@ __global__ void __launch_bounds__(384, 1)
      * 35.0 with it, when the copy was a round trip of its own). */
     int *sb_mem = reinterpret_cast<int *>(
         reinterpret_cast<uint8_t *>(empty + C::STAGES) + C::STG_BYTES);
-    const int *sb = ncg < nsb || (ncg > 8 && ncg <= SB_GROUPS) ? sb_mem
+    const int *sb =
+        ncg < nsb || (DEP != 3 && ncg > 8 && ncg <= SB_GROUPS) ? sb_mem
                                                                : nullptr;
     if (sb) {
         if (ncg < nsb) {
 #pragma unroll
             for (int j = 0; j < SB_PER; j++)
-                if (tid + 384 * j <= ncg)
+                if (tid + 384 * j <= ncg) {
                     sb_mem[tid + 384 * j] = sbv[j];
+                    if constexpr (DEP == 3)
+                        sb_mem[SB3_INTS + tid + 384 * j] = sbv2[j];
+                }
         } else {
             for (int i = tid; i <= ncg; i += blockDim.x)
                 sb_mem[i] = __ldg(a.cg_before + i);
@@ -1188,8 +1245,19 @@ __global__ void __launch_bounds__(384, 1)
         return class_span(cb[c], cb[c + 1], sk, a.kblocks);
     };
     moek_item *info = reinterpret_cast<moek_item *>(
-        reinterpret_cast<uint8_t *>(sb_mem) + SB_BYTES);
+        reinterpret_cast<uint8_t *>(sb_mem) + C::SBB);
     pipe_pos pp = {0, 0, 0, 0};
+    /* mode 3's GEMM 2: its plan and list (global when the groups did not
+     * fit shared memory) */
+    int split2 = 1, cb2[2] = {0, 0};
+    const int *sb2 = nullptr;
+    if constexpr (DEP == 3) {
+        split2 = a.plan[MOEK_PLAN_SPLIT1];
+        cb2[1] = a.plan[MOEK_PLAN_ENDS1];
+        sb2 = sb ? sb_mem + SB3_INTS : nullptr;
+    }
+    const bool sk2 = DEP == 3 && a2.stream_k &&
+                     a2.epi == MOEK_EPI_COMBINE && split2 == 1;
     if (wg == 0) {
         int pre = 0;
         /* ticketed, a CTA streams its own units at once */
@@ -1212,6 +1280,15 @@ __global__ void __launch_bounds__(384, 1)
                         class_first(cb[J]), cb[J + 1], pre, pp, sb, rank);
                 });
             }
+        } else if constexpr (DEP == 3) {
+            /* GEMM 1's items strided by CTA as in mode 1, then GEMM 2's
+             * units from its ticket, in one pipeline */
+            produce<T, BN, BN, 1, 3>(a, &tmap, smem, full, empty, ncg, split,
+                                     span(0), 0, pp, sb, info, cb[0], cb[1],
+                                     false, 0);
+            produce<T, BN, BN, 2, 3>(a2, &tmap, smem, full, empty, ncg,
+                                     split2, span(0), 0, pp, sb2, info,
+                                     cb2[0], cb2[1], sk2, -1);
         } else {
             each_class<BN>([&](auto c) {
                 constexpr int J = decltype(c)::value;
@@ -1233,17 +1310,31 @@ __global__ void __launch_bounds__(384, 1)
             moek_pdl_wait();
         }
         moek_zero_acc(a, tid - 128, 256);
-        if constexpr (DEP == 1) { /* this CTA's slice of acc is zero */
+        if constexpr (DEP == 1 || DEP == 3) { /* this CTA's slice is zero */
             asm volatile("bar.sync 3, 256;" ::: "memory");
             if (tid == 128)
                 moek_dep_add(a.dep + MOEK_DEP_ZEROED, 1);
         }
-        each_class<BN>([&](auto c) {
-            constexpr int J = decltype(c)::value;
-            consume<T, BN, moek_class_width(BN, J), CL, DEP>(
-                a, smem, full, empty, ncg, split, span(J), pp, sb, epi_buf,
-                info, omap_ptr(tmap_o));
-        });
+        if constexpr (DEP == 3) {
+            consume<T, BN, BN, 1, 1, 3>(a, smem, full, empty, ncg, split,
+                                        span(0), pp, sb, epi_buf, info,
+                                        nullptr);
+            /* GEMM 2 adds into acc once every CTA's slice is zero (all
+             * resident: a cooperative launch) */
+            if (tid == 128)
+                moek_dep_wait(a.dep + MOEK_DEP_ZEROED, (int)gridDim.x);
+            asm volatile("bar.sync 3, 256;" ::: "memory");
+            consume<T, BN, BN, 1, 2, 3>(a2, smem, full, empty, ncg,
+                                        split2, span(0), pp, sb2, epi_buf,
+                                        info, nullptr);
+        } else {
+            each_class<BN>([&](auto c) {
+                constexpr int J = decltype(c)::value;
+                consume<T, BN, moek_class_width(BN, J), CL, DEP>(
+                    a, smem, full, empty, ncg, split, span(J), pp, sb,
+                    epi_buf, info, omap_ptr(tmap_o));
+            });
+        }
         /* the staged epilogues' TMA stores done before the CTA (and its
          * buffer) goes */
         if constexpr (C::EPI_BYTES > 0)
@@ -1267,9 +1358,10 @@ __global__ void __launch_bounds__(384, 1)
  * instances run (epi_slot_staged); unused otherwise. */
 template <typename T, int BN, int CL, int DEP = 0>
 cudaError_t launch_bn(const void *tmap, const tmaps_b_t<CL> &tmaps_b,
-                      const CUtensorMap *tmap_o, const moek_gemm_args &a,
+                      const CUtensorMap *tmap_o, const kargs_t<DEP> &ka,
                       int grid, cudaStream_t stream, bool pdl)
 {
+    const moek_gemm_args &a = first_args(ka);
     omap_t<BN> o = {};
     if constexpr (BN >= MOEK_STAGED_MIN_TILE) {
         if (a.epi == MOEK_EPI_SWIGLU || a.epi == MOEK_EPI_SLOT) {
@@ -1282,20 +1374,20 @@ cudaError_t launch_bn(const void *tmap, const tmaps_b_t<CL> &tmaps_b,
     }
     return moek_launch_cl(gemm_wgmma_kernel<T, BN, CL, DEP>, dim3(grid),
                           dim3(384), (size_t)tile_cfg<BN, DEP>::SMEM, stream,
-                          pdl, CL,
+                          pdl, DEP == 3 ? -1 : CL,
                           *reinterpret_cast<const CUtensorMap *>(tmap),
-                          tmaps_b, o, a);
+                          tmaps_b, o, ka);
 }
 
 /* moek_dep's instances: tiles of one class, no pairs. */
 template <typename T, int DEP>
-cudaError_t launch_dep(const CUtensorMap &m, const moek_gemm_args &a,
+cudaError_t launch_dep(const CUtensorMap &m, const kargs_t<DEP> &ka,
                        int grid, cudaStream_t stream, bool pdl)
 {
-    switch (a.bn) {
-    case 16: return launch_bn<T, 16, 1, DEP>(&m, m, nullptr, a, grid, stream, pdl);
-    case 32: return launch_bn<T, 32, 1, DEP>(&m, m, nullptr, a, grid, stream, pdl);
-    case 64: return launch_bn<T, 64, 1, DEP>(&m, m, nullptr, a, grid, stream, pdl);
+    switch (first_args(ka).bn) {
+    case 16: return launch_bn<T, 16, 1, DEP>(&m, m, nullptr, ka, grid, stream, pdl);
+    case 32: return launch_bn<T, 32, 1, DEP>(&m, m, nullptr, ka, grid, stream, pdl);
+    case 64: return launch_bn<T, 64, 1, DEP>(&m, m, nullptr, ka, grid, stream, pdl);
     default: return cudaErrorInvalidValue;
     }
 }
@@ -1316,6 +1408,8 @@ cudaError_t launch_t(const void *tmap, const moek_tmaps *tb,
         }
     }
     const CUtensorMap &m = *reinterpret_cast<const CUtensorMap *>(tmap);
+    if (a.dep_mode == 3) /* moek_launch_gemm_wgmma_both's */
+        return cudaErrorInvalidValue;
     if (a.dep_mode == 1)
         return launch_dep<T, 1>(m, a, grid, stream, pdl);
     if (a.dep_mode == 2)
@@ -1360,7 +1454,8 @@ template <typename T> cudaError_t prepare_t()
         (e = prepare_bn<T, 192, 2>()) != cudaSuccess ||
         (e = prepare_bn<T, 256, 2>()) != cudaSuccess ||
         (e = prepare_dep<T, 1>()) != cudaSuccess ||
-        (e = prepare_dep<T, 2>()) != cudaSuccess)
+        (e = prepare_dep<T, 2>()) != cudaSuccess ||
+        (e = prepare_dep<T, 3>()) != cudaSuccess)
         return e;
     return cudaSuccess;
 }
@@ -1394,6 +1489,27 @@ cudaError_t moek_launch_gemm_wgmma(moek_dtype dt, const void *tmap,
                ? launch_t<__nv_bfloat16>(tmap, tmaps_b, tmap_o, a, grid,
                                          stream, pdl)
                : launch_t<__half>(tmap, tmaps_b, tmap_o, a, grid, stream, pdl);
+}
+
+bool moek_wgmma_both_ok(const moek_gemm_args &g1, const moek_gemm_args &g2)
+{
+    return g1.w_tiled && g2.w_tiled && g1.bn == g2.bn &&
+           (g1.bn == 16 || g1.bn == 32 || g1.bn == 64) && g1.groups > 0 &&
+           g1.groups <= SB3_GROUPS && g1.epi == MOEK_EPI_SWIGLU &&
+           g2.epi == MOEK_EPI_COMBINE && g1.plan == g2.plan;
+}
+
+cudaError_t moek_launch_gemm_wgmma_both(moek_dtype dt, const moek_gemm_args &g1,
+                                        const moek_gemm_args &g2, int grid,
+                                        cudaStream_t stream, bool pdl)
+{
+    if (!moek_wgmma_both_ok(g1, g2) || g1.dep_mode != 3 || g2.dep_mode != 2)
+        return cudaErrorInvalidValue;
+    const gemm_pair p = {g1, g2};
+    const CUtensorMap m = {}; /* tiled weights: no map */
+    return dt == MOEK_DTYPE_BF16
+               ? launch_dep<__nv_bfloat16, 3>(m, p, grid, stream, pdl)
+               : launch_dep<__half, 3>(m, p, grid, stream, pdl);
 }
 
 MOEK_TRACE_UNIT(gemm)

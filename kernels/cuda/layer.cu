@@ -17,7 +17,7 @@
  *      start before GEMM 1 ends (early_a), and where GEMM 1 fills the
  *      card it may start each group as soon as GEMM 1 has written that
  *      group's rows, not when the whole of GEMM 1 is done (moek_dep,
- *      below);
+ *      below), and there GEMM 1 and GEMM 2 run as one kernel;
  *   4. finalize: out = acc rounded to the dtype.
  * Slot mode (prefill tiles, moe_slots) replaces the accumulator: GEMM 2
  * stores each slot's row, times its routing weight, in the dtype at the
@@ -815,10 +815,30 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
                             (const int *)w.slot_pos, T, k, row16));
     }
 
-    MOEK_CU(run_gemm(L->dt, wgmma, &L->tm13, g1, grid1, st, pdl,
-                     cl ? &tb1 : nullptr, o1));
-    MOEK_CU(run_gemm(L->dt, wgmma, &L->tm2, g2, L->sms, st, pdl,
-                     cl2 ? &tb2 : nullptr, o2));
+    /* Where GEMM 2 starts per group, both GEMMs in one cooperative launch
+     * (moek_dep mode 3, gemm_wgmma.cu): each CTA's producer goes on from
+     * its last GEMM 1 item into GEMM 2's weights while its consumers
+     * finish, where two kernels left each SM without loads for about 4.5
+     * us between them. On the H200: mixtral T=1 0.9-1.6%, qwen3 T=8 and
+     * T=16 0.7-1.3% faster, qwen3 T=64 and deepseek T=64 even, deepseek
+     * T=8 even to 0.9% slower (kernels/bench/RESULTS.md, run 34).
+     * MOEK_CUDA_NO_BOTH=1 keeps two kernels. */
+    bool both = false;
+    if (g1.dep_mode == 1 && L->both) {
+        moek_gemm_args b1 = g1;
+        b1.dep_mode = 3;
+        both = moek_wgmma_both_ok(b1, g2);
+        if (both) {
+            MOEK_CU(moek_launch_gemm_wgmma_both(L->dt, b1, g2, L->sms, st,
+                                                pdl));
+        }
+    }
+    if (!both) {
+        MOEK_CU(run_gemm(L->dt, wgmma, &L->tm13, g1, grid1, st, pdl,
+                         cl ? &tb1 : nullptr, o1));
+        MOEK_CU(run_gemm(L->dt, wgmma, &L->tm2, g2, L->sms, st, pdl,
+                         cl2 ? &tb2 : nullptr, o2));
+    }
 
     const bool bf16 = L->dt == MOEK_DTYPE_BF16;
     if (slots) {

@@ -107,7 +107,8 @@ int device_setup(int device, int *sms, int *cc)
 /* Switches for measuring (RESULTS.md): MOEK_CUDA_NO_PDL=1 launches every
  * kernel plainly, MOEK_CUDA_NO_EARLY=1 keeps GEMM 2's weight loads behind
  * GEMM 1, MOEK_CUDA_NO_DEP=1 makes GEMM 2 wait for the whole of GEMM 1
- * where layer.cu's rule would start it per group,
+ * where layer.cu's rule would start it per group, MOEK_CUDA_NO_BOTH=1
+ * runs the two GEMMs there as two kernels, not one (layer.cu),
  * MOEK_CUDA_NO_TINY=1 routes decode batches through the general
  * small-batch kernel, MOEK_CUDA_ROW_MAJOR=1 keeps the weights row-major
  * (read through TMA maps), MOEK_CUDA_NO_L2_HINT=1 drops the weight loads'
@@ -200,6 +201,7 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
     L->pdl = pdl_default();
     L->early = !env_off("MOEK_CUDA_NO_EARLY");
     L->dep = !env_off("MOEK_CUDA_NO_DEP");
+    L->both = !env_off("MOEK_CUDA_NO_BOTH");
     L->tiny = !env_off("MOEK_CUDA_NO_TINY");
     L->tiled = !env_off("MOEK_CUDA_ROW_MAJOR");
     L->l2_hint = !env_off("MOEK_CUDA_NO_L2_HINT");
