@@ -150,12 +150,7 @@ def report(path, read_gbs, sms):
               (gb * 1e3, t0, t1, gb / ((t1 - t0) * 1e-6)))
     if 0 in exits and 1 in exits:
         k = GEMM + 10
-        g2_first = {}
-        for r in rows:
-            if r["kind"] == k + ITEM:
-                sm = r["sm"]
-                if sm not in g2_first or r["us"] < g2_first[sm]:
-                    g2_first[sm] = r["us"]
+        g2_first = per_sm(rows, k + ITEM)
         hand = [g2_first[sm] - t for sm, t in exits[0].items()
                 if sm in g2_first]
         print("handoff   GEMM 1 consumer leaves -> GEMM 2's first item on "

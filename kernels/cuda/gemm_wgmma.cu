@@ -1247,13 +1247,13 @@ __global__ void __launch_bounds__(384, 1)
     moek_item *info = reinterpret_cast<moek_item *>(
         reinterpret_cast<uint8_t *>(sb_mem) + C::SBB);
     pipe_pos pp = {0, 0, 0, 0};
-    /* mode 3's GEMM 2: its plan and list (global when the groups did not
-     * fit shared memory) */
-    int split2 = 1, cb2[2] = {0, 0};
+    /* mode 3's GEMM 2: its split, item count (one class) and list (global
+     * when the groups did not fit shared memory) */
+    int split2 = 1, items2 = 0;
     const int *sb2 = nullptr;
     if constexpr (DEP == 3) {
         split2 = a.plan[MOEK_PLAN_SPLIT1];
-        cb2[1] = a.plan[MOEK_PLAN_ENDS1];
+        items2 = a.plan[MOEK_PLAN_ENDS1];
         sb2 = sb ? sb_mem + SB3_INTS : nullptr;
     }
     const bool sk2 = DEP == 3 && a2.stream_k &&
@@ -1287,8 +1287,8 @@ __global__ void __launch_bounds__(384, 1)
                                      span(0), 0, pp, sb, info, cb[0], cb[1],
                                      false, 0);
             produce<T, BN, BN, 2, 3>(a2, &tmap, smem, full, empty, ncg,
-                                     split2, span(0), 0, pp, sb2, info,
-                                     cb2[0], cb2[1], sk2, -1);
+                                     split2, span(0), 0, pp, sb2, info, 0,
+                                     items2, sk2, -1);
         } else {
             each_class<BN>([&](auto c) {
                 constexpr int J = decltype(c)::value;

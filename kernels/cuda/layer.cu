@@ -758,11 +758,19 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     if (grid1 < L->sms)
         g2.early_a = 0;
     if (pdl && moe_dep(L, bn, T)) {
-        g1.dep_mode = 1;
         g2.dep_mode = 2;
         g1.dep = g2.dep = w.dep;
         g2.dep_tiles = g1.n_tiles;
         g2.dep_ctas = grid1;
+        /* Both GEMMs in one cooperative launch (moek_dep mode 3,
+         * gemm_wgmma.cu): each CTA's producer goes on from its last GEMM 1
+         * item into GEMM 2's weights while its consumers finish, where two
+         * kernels left each SM without loads for about 4.5 us between
+         * them. On the H200: mixtral T=1 0.9-1.6%, qwen3 T=8 and T=16
+         * 0.7-1.3% faster, qwen3 T=64 and deepseek T=64 even, deepseek T=8
+         * even to 0.9% slower (kernels/bench/RESULTS.md, run 34).
+         * MOEK_CUDA_NO_BOTH=1 keeps two kernels. */
+        g1.dep_mode = L->both && moek_wgmma_both_ok(g1, g2) ? 3 : 1;
     }
 
     moek_route_args ra = {};
@@ -815,25 +823,9 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
                             (const int *)w.slot_pos, T, k, row16));
     }
 
-    /* Where GEMM 2 starts per group, both GEMMs in one cooperative launch
-     * (moek_dep mode 3, gemm_wgmma.cu): each CTA's producer goes on from
-     * its last GEMM 1 item into GEMM 2's weights while its consumers
-     * finish, where two kernels left each SM without loads for about 4.5
-     * us between them. On the H200: mixtral T=1 0.9-1.6%, qwen3 T=8 and
-     * T=16 0.7-1.3% faster, qwen3 T=64 and deepseek T=64 even, deepseek
-     * T=8 even to 0.9% slower (kernels/bench/RESULTS.md, run 34).
-     * MOEK_CUDA_NO_BOTH=1 keeps two kernels. */
-    bool both = false;
-    if (g1.dep_mode == 1 && L->both) {
-        moek_gemm_args b1 = g1;
-        b1.dep_mode = 3;
-        both = moek_wgmma_both_ok(b1, g2);
-        if (both) {
-            MOEK_CU(moek_launch_gemm_wgmma_both(L->dt, b1, g2, L->sms, st,
-                                                pdl));
-        }
-    }
-    if (!both) {
+    if (g1.dep_mode == 3) {
+        MOEK_CU(moek_launch_gemm_wgmma_both(L->dt, g1, g2, grid1, st, pdl));
+    } else {
         MOEK_CU(run_gemm(L->dt, wgmma, &L->tm13, g1, grid1, st, pdl,
                          cl ? &tb1 : nullptr, o1));
         MOEK_CU(run_gemm(L->dt, wgmma, &L->tm2, g2, L->sms, st, pdl,
