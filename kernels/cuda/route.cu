@@ -600,7 +600,8 @@ template <int NC> __device__ __forceinline__ void cta_or_cluster_sync()
 }
 
 /* T <= SMALL_T and T k <= SMALL_SLOTS: one block, or a cluster of NC (2,
- * 4 or 8) so that a warp routes one token (two past 256). Each CTA routes
+ * 4, 8, or 16 where allowed: moek_launch_route) so that a warp routes one
+ * token (two past 256 on 8). Each CTA routes
  * its tokens into its own shared memory: per expert its count, per slot
  * the expert, its rank among this CTA's slots of that expert, and the
  * weight. Past one barrier of the cluster, each CTA reads the others'
@@ -852,7 +853,8 @@ static void (*small_kernel(int vpl, int nc))(moek_route_args, moek_align_args)
     return by_vpl(vpl, [nc](auto v) {
         constexpr int V = decltype(v)::value;
         void (*k)(moek_route_args, moek_align_args) =
-            nc == 8   ? route_align_small<V, 8>
+            nc == 16  ? route_align_small<V, 16>
+            : nc == 8 ? route_align_small<V, 8>
             : nc == 4 ? route_align_small<V, 4>
             : nc == 2 ? route_align_small<V, 2>
                       : route_align_small<V, 1>;
@@ -865,7 +867,15 @@ int moek_route_cluster_cap(int experts, int cc)
     if (cc < 90) /* thread-block clusters begin with sm_90 */
         return 1;
     const int vpl = logits_per_lane(experts);
-    for (int nc = 8; nc > 1; nc /= 2) {
+    for (int nc = 16; nc > 1; nc /= 2) {
+        if (nc > 8 &&
+            cudaFuncSetAttribute(
+                (const void *)small_kernel(vpl, nc),
+                cudaFuncAttributeNonPortableClusterSizeAllowed, 1) !=
+                cudaSuccess) {
+            cudaGetLastError();
+            continue;
+        }
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = dim3(nc);
         cfg.blockDim = dim3(MOEK_ALIGN_THREADS);
@@ -903,12 +913,19 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
     constexpr int WARPS = MOEK_ALIGN_THREADS / 32;
     static_assert(SMALL_T <= 2 * 8 * WARPS, "8 CTAs route SMALL_T");
     const int T = ra.tokens;
-    const int nc = T <= WARPS ? 1 : T <= 2 * WARPS ? 2 : T <= 4 * WARPS ? 4 : 8;
+    int nc = T <= WARPS ? 1 : T <= 2 * WARPS ? 2 : T <= 4 * WARPS ? 4 : 8;
+    /* A cluster of 16 (MOEK_CUDA_ROUTE_CLUSTER=16, where the device runs
+     * one: a non-portable size): a warp per token up to SMALL_T, in place
+     * of two tokens a warp or the multi-block path. On the H200 qwen3
+     * T=300 0.8% faster, T=512 and mixtral T=512 within noise (RESULTS.md,
+     * run 35), so the default cap stays 8. */
+    if (T > 8 * WARPS && aa.route_cl >= 16)
+        nc = 16;
     /* Past the layer's cluster cap (moek_route_cluster_cap: a device that
      * cannot run that many CTAs together, or MOEK_CUDA_ROUTE_CLUSTER), the
      * multi-block path. */
     if (T * ra.topk <= SMALL_SLOTS && nc <= aa.route_cl &&
-        (T <= 8 * WARPS || (T <= SMALL_T && ra.topk * vpl <= 16))) {
+        (T <= nc * WARPS || (T <= SMALL_T && ra.topk * vpl <= 16))) {
         const int per = (T + nc - 1) / nc;
         const int threads = 32 * (per < WARPS ? per : WARPS);
         return moek_launch_cl(small_kernel(vpl, nc), dim3(nc), dim3(threads),

@@ -119,7 +119,10 @@ int device_setup(int device, int *sms, int *cc)
  * MOEK_CUDA_NO_STREAM_K=1 gives decode GEMM 2 a K split instead of
  * stream-K (layer.cu), MOEK_CUDA_ROUTE_CLUSTER=N caps the one-launch
  * routing kernel's cluster at N CTAs (route.cu; larger batches take the
- * multi-block path). Read once, when a layer or weight set is made. */
+ * multi-block path; 8 unless set, and 16 lets a device that runs clusters
+ * of 16 route up to 512 tokens a warp each in that launch, within noise
+ * of the default on the H200: RESULTS.md, run 35). Read once, when a
+ * layer or weight set is made. */
 bool env_off(const char *name)
 {
     const char *e = getenv(name);
@@ -215,7 +218,7 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
     /* The routing cluster: as large as the device runs, at most the
      * switch's power of two. */
     L->route_cl = moek_route_cluster_cap(shape->experts, L->cc);
-    const int cap = env_int("MOEK_CUDA_ROUTE_CLUSTER", 8, 8);
+    const int cap = env_int("MOEK_CUDA_ROUTE_CLUSTER", 8, 16);
     while (L->route_cl > cap)
         L->route_cl /= 2;
     int l2 = 0;
