@@ -13,8 +13,11 @@ epilogue, then the wait for the next item's first stage; when the producer
 issued that stage's first load, and its latency), what each SM
 does between GEMM 1 and GEMM 2 (its GEMM 1 CTA leaves, its GEMM 2 CTA
 enters, issues its first weight load, has that stage), when each SM's
-first GEMM 1 load goes out after the kernels before GEMM 1 end, and the
-SM time left idle after each GEMM's first CTA leaves.
+first GEMM 1 load goes out after the kernels before GEMM 1 end, the
+SM time left idle after each GEMM's first CTA leaves, and the weight bytes
+the consumers take in each 2 us of the last 20 us (whether DRAM idles in
+the tail). Where both GEMMs run in one launch (moek_dep mode 3), GEMM 2's
+items are reported under GEMM 1's CTAs.
 """
 import argparse
 import csv
@@ -77,16 +80,21 @@ def report(path, read_gbs, sms):
     for g in (0, 1):
         k = GEMM + 10 * g
         ent = span(rows, k + ENTRY)
-        if not ent:
-            continue
-        first = span(rows, k + FIRST)
         ex = [r["us"] for r in rows if r["kind"] == k + EXIT]
-        # cluster mode's producer (produce_mc) records no first load
-        print("GEMM %d    CTAs %d, enter %.2f-%.2f, first load %s, "
-              "consumers leave %.2f-%.2f (p50 %.2f)" %
-              (g + 1, ent[2], ent[0], ent[1],
-               "%.2f" % first[0] if first else "-",
-               min(ex), max(ex), pct(ex, 0.5)))
+        if ent:
+            first = span(rows, k + FIRST)
+            # cluster mode's producer (produce_mc) records no first load
+            print("GEMM %d    CTAs %d, enter %.2f-%.2f, first load %s, "
+                  "consumers leave %.2f-%.2f (p50 %.2f)" %
+                  (g + 1, ent[2], ent[0], ent[1],
+                   "%.2f" % first[0] if first else "-",
+                   min(ex), max(ex), pct(ex, 0.5)))
+        elif any(r["kind"] == k + ITEM for r in rows):
+            # both GEMMs in one launch (moek_dep mode 3): GEMM 2's items
+            # run in GEMM 1's CTAs, which record the entry and exit
+            print("GEMM %d    in GEMM 1's CTAs" % (g + 1))
+        else:
+            continue
         # consumer 0's item events and the producer's issues, per CTA and
         # kind, in order: item n is the n-th of each kind
         per = defaultdict(lambda: defaultdict(list))
@@ -99,6 +107,10 @@ def report(path, read_gbs, sms):
             it, en, ep, iss = ([r["us"] for r in sorted(ev[x],
                                                         key=lambda r: r["ns"])]
                                for x in (ITEM, ITEM_END, EPI_END, ISSUE))
+            if not ent:
+                # mode 3: GEMM 2's first item records the epilogue end of
+                # the CTA's last GEMM 1 item
+                ep = ep[1:]
             kb = [r["b"] for r in sorted(ev[ITEM], key=lambda r: r["ns"])]
             if it:
                 first_item.append(it[0])
@@ -134,6 +146,8 @@ def report(path, read_gbs, sms):
             print("            next item's first load issued us before the "
                   "last MMA %s" % fmt(lead))
             print("            its latency us %s" % fmt(lat))
+        if not ex:
+            continue
         idle = sum(max(ex) - t for t in ex)
         print("          after the first consumer leaves: %.2f us, %.1f "
               "SM-us idle (%.2f us of the whole card)" %
@@ -148,6 +162,31 @@ def report(path, read_gbs, sms):
         print("weights   %.1f MB from the first item's first stage (%.2f) to "
               "the last MMA (%.2f): %.0f GB/s" %
               (gb * 1e3, t0, t1, gb / ((t1 - t0) * 1e-6)))
+        # the last 20 us: each item's bytes spread evenly over its time,
+        # summed over CTAs in 2 us bins (does DRAM idle in the tail?);
+        # items much longer than a bin (mixtral T=512's GEMM 2) smear it
+        ends_by = sorted(
+            (r for r in rows if r["kind"] in (GEMM + ITEM, GEMM + ITEM_END,
+                                              GEMM + 10 + ITEM,
+                                              GEMM + 10 + ITEM_END)),
+            key=lambda r: r["ns"])
+        open_at, spans = {}, []
+        for r in ends_by:
+            key = (r["kind"] - GEMM) // 10, r["cta"]
+            if (r["kind"] - GEMM) % 10 == ITEM:
+                open_at[key] = r
+            elif key in open_at:
+                s0 = open_at.pop(key)
+                spans.append((s0["us"], r["us"], s0["b"] * STAGE_BYTES))
+        bins = [0.0] * 10
+        for s0, s1, b in spans:
+            for i in range(10):
+                lo, hi = t1 - 20 + 2 * i, t1 - 18 + 2 * i
+                ov = min(hi, s1) - max(lo, s0)
+                if ov > 0 and s1 > s0:
+                    bins[i] += b * ov / (s1 - s0)
+        print("tail      weight GB/s in 2 us bins up to the last MMA: %s" %
+              " ".join("%.0f" % (v / 2e3) for v in bins))
     if 0 in exits and 1 in exits:
         k = GEMM + 10
         g2_first = per_sm(rows, k + ITEM)
