@@ -5,9 +5,10 @@
  *
  * A fused MoE forward of T tokens is, on one stream, with no host sync:
  *   1. routing + alignment (route.cu): one kernel up to 256 tokens (512
- *      where routing a token is short) and 4096 slots, on a cluster of up
- *      to 8 CTAs (a one-warp plan when T k <= 32), else a memset of the
- *      expert counts, a routing kernel and an align kernel;
+ *      where routing a token is short, or on 16 CTAs where allowed) and
+ *      4096 slots, on a cluster of up to 8 CTAs (16 with
+ *      MOEK_CUDA_ROUTE_CLUSTER=16; a one-warp plan when T k <= 32), else a
+ *      memset of the expert counts, a routing kernel and an align kernel;
  *   2. GEMM 1 (x . w13^T, SiLU(gate)*up in the epilogue) -> inter [T*k, I];
  *      as it starts, its CTAs zero GEMM 2's accumulator acc (the routing
  *      kernel, one block at small T, did that more slowly);

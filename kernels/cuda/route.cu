@@ -905,7 +905,8 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
         return moek_launch(k, dim3(1), dim3(32 * ra.tokens), 0, stream, pdl,
                            ra, aa);
     }
-    /* A warp per token on 1, 2, 4 or 8 CTAs of 32 warps at most. Past 256
+    /* A warp per token on 1, 2, 4 or 8 CTAs of 32 warps at most (or 16,
+     * below). Past 256
      * tokens a warp routes two, which pays only where a token's routing is
      * short (top-k times logits per lane at most 16): mixtral T=512 went
      * 845 -> 837 us, while qwen3 (32) lost 1 us and deepseek (64) 11 us
