@@ -77,6 +77,7 @@ def report(path, read_gbs, sms):
                    "%.2f-%.2f" % (e[0], e[1]) if e else "-"))
     share = read_gbs / sms  # GB/s of one SM
     exits = {}
+    spans = []  # every item: (first stage, last MMA, weight bytes)
     for g in (0, 1):
         k = GEMM + 10 * g
         ent = span(rows, k + ENTRY)
@@ -115,6 +116,7 @@ def report(path, read_gbs, sms):
             if it:
                 first_item.append(it[0])
             for n in range(min(len(it), len(en))):
+                spans.append((it[n], en[n], kb[n] * STAGE_BYTES))
                 d = en[n] - it[n]
                 dur.append(d)
                 kbs.append(kb[n])
@@ -165,19 +167,6 @@ def report(path, read_gbs, sms):
         # the last 20 us: each item's bytes spread evenly over its time,
         # summed over CTAs in 2 us bins (does DRAM idle in the tail?);
         # items much longer than a bin (mixtral T=512's GEMM 2) smear it
-        ends_by = sorted(
-            (r for r in rows if r["kind"] in (GEMM + ITEM, GEMM + ITEM_END,
-                                              GEMM + 10 + ITEM,
-                                              GEMM + 10 + ITEM_END)),
-            key=lambda r: r["ns"])
-        open_at, spans = {}, []
-        for r in ends_by:
-            key = (r["kind"] - GEMM) // 10, r["cta"]
-            if (r["kind"] - GEMM) % 10 == ITEM:
-                open_at[key] = r
-            elif key in open_at:
-                s0 = open_at.pop(key)
-                spans.append((s0["us"], r["us"], s0["b"] * STAGE_BYTES))
         bins = [0.0] * 10
         for s0, s1, b in spans:
             for i in range(10):

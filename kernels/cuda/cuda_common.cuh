@@ -581,7 +581,7 @@ struct moek_align_args {
     int split_min_kb; /* K blocks an item of a split GEMM keeps at least */
     bool tiny;        /* the one-warp plan for T k <= 32 may be used */
     int route_cl;     /* most CTAs of route_align_small's cluster (1, 2, 4,
-                         8 or 16: moek_route_cluster_cap and its cap) */
+                         8 or 16: moek_route_cluster_cap) */
     moek_gemm_dims d[2];
     int ngemm;
     /* outputs */
@@ -604,10 +604,11 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
                               cudaStream_t stream, bool pdl);
 cudaError_t moek_launch_align_groups(const moek_align_args &aa,
                                      cudaStream_t stream, bool pdl);
-/* The most CTAs (8, 4, 2 or 1) of a routing cluster that the current
- * device can run for a layer of `experts` experts, cc its compute
- * capability (10 x major + minor). */
-int moek_route_cluster_cap(int experts, int cc);
+/* The most CTAs (16, 8, 4, 2 or 1, and at most cap) of a routing cluster
+ * that the current device can run for a layer of `experts` experts, cc its
+ * compute capability (10 x major + minor). Only a cap of 16 probes the
+ * non-portable size. */
+int moek_route_cluster_cap(int experts, int cc, int cap);
 
 /* gemm_wgmma.cu / gemm_simt.cu */
 cudaError_t moek_gemm_wgmma_prepare(moek_dtype dt);

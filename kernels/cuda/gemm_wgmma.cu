@@ -1239,8 +1239,10 @@ __global__ void __launch_bounds__(384, 1)
     /* Stream-K where its parts are summed: COMBINE's atomic adds (any
      * other epilogue would keep one part of each split item), one class,
      * no pairs, no K split; else whole items, grid-strided. */
-    const bool sk = a.stream_k && a.epi == MOEK_EPI_COMBINE && NC == 1 &&
-                    CL == 1 && split == 1;
+    const auto stream_k = [](const moek_gemm_args &g, int s) {
+        return g.stream_k && g.epi == MOEK_EPI_COMBINE && s == 1;
+    };
+    const bool sk = NC == 1 && CL == 1 && stream_k(a, split);
     const auto span = [&](int c) {
         return class_span(cb[c], cb[c + 1], sk, a.kblocks);
     };
@@ -1251,13 +1253,13 @@ __global__ void __launch_bounds__(384, 1)
      * when the groups did not fit shared memory) */
     int split2 = 1, items2 = 0;
     const int *sb2 = nullptr;
+    bool sk2 = false;
     if constexpr (DEP == 3) {
         split2 = a.plan[MOEK_PLAN_SPLIT1];
         items2 = a.plan[MOEK_PLAN_ENDS1];
         sb2 = sb ? sb_mem + SB3_INTS : nullptr;
+        sk2 = stream_k(a2, split2);
     }
-    const bool sk2 = DEP == 3 && a2.stream_k &&
-                     a2.epi == MOEK_EPI_COMBINE && split2 == 1;
     if (wg == 0) {
         int pre = 0;
         /* ticketed, a CTA streams its own units at once */

@@ -862,12 +862,15 @@ static void (*small_kernel(int vpl, int nc))(moek_route_args, moek_align_args)
     });
 }
 
-int moek_route_cluster_cap(int experts, int cc)
+int moek_route_cluster_cap(int experts, int cc, int cap)
 {
     if (cc < 90) /* thread-block clusters begin with sm_90 */
         return 1;
     const int vpl = logits_per_lane(experts);
-    for (int nc = 16; nc > 1; nc /= 2) {
+    int nc = 16;
+    while (nc > cap)
+        nc /= 2;
+    for (; nc > 1; nc /= 2) {
         if (nc > 8 &&
             cudaFuncSetAttribute(
                 (const void *)small_kernel(vpl, nc),
@@ -905,23 +908,24 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
         return moek_launch(k, dim3(1), dim3(32 * ra.tokens), 0, stream, pdl,
                            ra, aa);
     }
-    /* A warp per token on 1, 2, 4 or 8 CTAs of 32 warps at most (or 16,
-     * below). Past 256
-     * tokens a warp routes two, which pays only where a token's routing is
+    /* A warp per token on CTAs of 32 warps at most. Past 256 tokens on 8
+     * CTAs a warp routes two, which pays only where a token's routing is
      * short (top-k times logits per lane at most 16): mixtral T=512 went
      * 845 -> 837 us, while qwen3 (32) lost 1 us and deepseek (64) 11 us
      * (RESULTS.md, run 24). */
     constexpr int WARPS = MOEK_ALIGN_THREADS / 32;
     static_assert(SMALL_T <= 2 * 8 * WARPS, "8 CTAs route SMALL_T");
     const int T = ra.tokens;
-    int nc = T <= WARPS ? 1 : T <= 2 * WARPS ? 2 : T <= 4 * WARPS ? 4 : 8;
-    /* A cluster of 16 (MOEK_CUDA_ROUTE_CLUSTER=16, where the device runs
-     * one: a non-portable size): a warp per token up to SMALL_T, in place
-     * of two tokens a warp or the multi-block path. On the H200 qwen3
-     * T=300 0.8% faster, T=512 and mixtral T=512 within noise (RESULTS.md,
-     * run 35), so the default cap stays 8. */
-    if (T > 8 * WARPS && aa.route_cl >= 16)
-        nc = 16;
+    /* The fewest CTAs that give each token a warp, up to 8; up to 16 where
+     * the layer's cap allows that non-portable size
+     * (MOEK_CUDA_ROUTE_CLUSTER=16: a warp per token up to SMALL_T, in place
+     * of two tokens a warp or the multi-block path; on the H200 qwen3
+     * T=300 0.8% faster, T=512 and mixtral T=512 within noise, RESULTS.md,
+     * run 35, so the default cap stays 8). */
+    const int most = aa.route_cl >= 16 ? 16 : 8;
+    int nc = 1;
+    while (nc < most && T > nc * WARPS)
+        nc *= 2;
     /* Past the layer's cluster cap (moek_route_cluster_cap: a device that
      * cannot run that many CTAs together, or MOEK_CUDA_ROUTE_CLUSTER), the
      * multi-block path. */

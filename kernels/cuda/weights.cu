@@ -217,10 +217,8 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
     }
     /* The routing cluster: as large as the device runs, at most the
      * switch's power of two. */
-    L->route_cl = moek_route_cluster_cap(shape->experts, L->cc);
-    const int cap = env_int("MOEK_CUDA_ROUTE_CLUSTER", 8, 16);
-    while (L->route_cl > cap)
-        L->route_cl /= 2;
+    L->route_cl = moek_route_cluster_cap(
+        shape->experts, L->cc, env_int("MOEK_CUDA_ROUTE_CLUSTER", 8, 16));
     int l2 = 0;
     if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) !=
         cudaSuccess) {
