@@ -1065,11 +1065,13 @@ struct no_map {};
 template <int BN>
 using omap_t =
     std::conditional_t<(BN >= MOEK_STAGED_MIN_TILE), CUtensorMap, no_map>;
-__device__ __forceinline__ const CUtensorMap *omap_ptr(const CUtensorMap &m)
+[[maybe_unused]] __device__ __forceinline__ const CUtensorMap *
+omap_ptr(const CUtensorMap &m)
 {
     return &m;
 }
-__device__ __forceinline__ const CUtensorMap *omap_ptr(const no_map &)
+[[maybe_unused]] __device__ __forceinline__ const CUtensorMap *
+omap_ptr(const no_map &)
 {
     return nullptr;
 }
