@@ -188,6 +188,11 @@ struct moek_gemm_args {
     int dep_mode;
     int *dep;
     int dep_tiles, dep_ctas;
+    /* GEMM 1 of a MoE forward, tiled weights: before waiting for the
+     * routing, each CTA sends the first pf_kb K blocks of the item it would
+     * run first to L2, on the guess that every group has pf_cnt rows (so
+     * all are in use); 0: none (gemm_wgmma.cu, prefetch_guess). */
+    int pf_kb, pf_cnt;
 };
 /* moek_dep's counts (layer.cu's workspace, zeroed by the routing kernel):
  * GEMM 1's CTAs done zeroing acc, GEMM 2's ticket, then one per group. */
@@ -533,6 +538,7 @@ struct moek_cuda_moe_layer {
     bool stream_k; /* GEMM 2 of decode tiles runs stream-K (layer.cu) */
     size_t slot_min_acc; /* from this fp32 accumulator size (layer.cu) */
     int split_min_kb;
+    int pf1_kb;     /* moek_gemm_args.pf_kb of GEMM 1, where it applies */
     /* The token-tile table (moek_cuda_moe_layer_set_tiles): n_rules rules,
      * min_tokens ascending. */
     int n_rules;

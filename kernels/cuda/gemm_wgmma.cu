@@ -279,6 +279,37 @@ template <int N> __device__ __forceinline__ void wgmma_wait()
 #endif
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/*
+ * GEMM 1's first weights, sent to L2 while the routing it waits for runs
+ * (moek_gemm_args.pf_kb): DRAM is otherwise idle from the forward's start
+ * to GEMM 1's first load. The CTA's first item is item blockIdx.x; before
+ * the tile list exists it is decoded from a guessed one, every group in
+ * use with pf_cnt rows (one class, no K split: layer.cu sets pf_kb only
+ * so). Where the routing made another list, the blocks sent are read
+ * later or not at all; the loads are the same either way.
+ */
+__device__ __forceinline__ void prefetch_guess(const moek_gemm_args &a)
+{
+    if (!a.w_tiled)
+        return;
+    const int per = moek_token_tiles(a.pf_cnt, a.bn) * a.n_tiles;
+    moek_item_src f;
+    f.g = (int)blockIdx.x / per;
+    f.l = (int)blockIdx.x - f.g * per;
+    f.cnt = a.pf_cnt;
+    f.start = 0;
+    if (f.g >= a.groups)
+        return;
+    const moek_item it = moek_item_from(a, 1, f);
+    const size_t at = moek_wt_index(it.g, it.nt * MOEK_WTILE, 0, a.n_tiles,
+                                    a.kblocks);
+    const int kb = a.pf_kb < a.kblocks ? a.pf_kb : a.kblocks;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(
+                     reinterpret_cast<const uint16_t *>(a.w) + at),
+                 "r"(kb * A_BYTES)
+                 : "memory");
+}
+
 /* The first item of this CTA's sequence at or after `start`. */
 __device__ __forceinline__ int class_first(int start)
 {
@@ -1168,6 +1199,8 @@ __global__ void __launch_bounds__(384, 1)
      * token rows, the accumulator the consumers add into, and slot mode's
      * rows, which the consumers store over the copy of x GEMM 1 reads
      * (layer.cu). */
+    if (a.pf_kb > 0 && tid == 0)
+        prefetch_guess(a);
     if constexpr (DEP != 2) /* mode 2 waits per item instead */
         if (!a.early_a)
             moek_pdl_wait();

@@ -751,6 +751,21 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     g2.cg_before = w.cg_before + (E + 1);
     g1.groups = g2.groups = E;
 
+    /* GEMM 1's first weights to L2 while routing runs (prefetch_guess in
+     * gemm_wgmma.cu): where every expert is all but sure to get rows (8 or
+     * more a group on average) and one token-tile class orders the groups
+     * by index alone, so the guessed list is likely the one routing makes.
+     * On the H200, 16 K blocks an item: mixtral T=32 1.1%, T=64 0.8-1.1%,
+     * T=128 0.5%, qwen3 T=128 1.0%, T=256 0.6% faster; qwen3 T=512 and
+     * deepseek T=256-1024 even; 8 and 32 blocks no better
+     * (kernels/bench/RESULTS.md, run 36). */
+    const int avg = (int)(((long long)T * k + E - 1) / E);
+    if (wgmma && L->pf1_kb > 0 && L->tiled && !remap && avg >= 8 &&
+        moek_classes(bn) == 1) {
+        g1.pf_kb = L->pf1_kb;
+        g1.pf_cnt = avg;
+    }
+
     /* GEMM 2 may split, so it takes every SM. */
     const int grid1 = moe_grid1(L, bn, T);
     /* GEMM 2's early weight loads pay when GEMM 1 fills every SM; when it

@@ -121,8 +121,10 @@ int device_setup(int device, int *sms, int *cc)
  * routing kernel's cluster at N CTAs (route.cu; larger batches take the
  * multi-block path; 8 unless set, and 16 lets a device that runs clusters
  * of 16 route up to 512 tokens a warp each in that launch, within noise
- * of the default on the H200: RESULTS.md, run 35). Read once, when a
- * layer or weight set is made. */
+ * of the default on the H200: RESULTS.md, run 35),
+ * MOEK_CUDA_NO_PREFETCH=1 drops GEMM 1's guessed L2 prefetch and
+ * MOEK_CUDA_PREFETCH_KB=N sets its K blocks (16 unless set; layer.cu).
+ * Read once, when a layer or weight set is made. */
 bool env_off(const char *name)
 {
     const char *e = getenv(name);
@@ -211,6 +213,9 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
     L->slots = !env_off("MOEK_CUDA_NO_SLOT_ROWS");
     L->stream_k = !env_off("MOEK_CUDA_NO_STREAM_K");
     L->split_min_kb = split_min_kb_default();
+    L->pf1_kb = env_off("MOEK_CUDA_NO_PREFETCH")
+                    ? 0
+                    : env_int("MOEK_CUDA_PREFETCH_KB", 16, 1 << 16);
     if ((r = device_setup(device, &L->sms, &L->cc))) {
         delete L;
         return r;
