@@ -13,7 +13,8 @@ epilogue, then the wait for the next item's first stage; when the producer
 issued that stage's first load, and its latency), what each SM
 does between GEMM 1 and GEMM 2 (its GEMM 1 CTA leaves, its GEMM 2 CTA
 enters, issues its first weight load, has that stage), when each SM's
-first GEMM 1 load goes out after the kernels before GEMM 1 end, the
+first GEMM 1 load goes out after the kernels before GEMM 1 end (and, in
+parts, when its wait for them ends and when it has the tile list), the
 SM time left idle after each GEMM's first CTA leaves, and the weight bytes
 the consumers take in each 2 us of the last 20 us (whether DRAM idles in
 the tail). Where both GEMMs run in one launch (moek_dep mode 3), GEMM 2's
@@ -28,6 +29,7 @@ from collections import defaultdict
 # kinds: kernels/cuda/trace.h (MOEK_TR_*)
 ROUTE, ALIGN, GEMM, FINAL, PERMUTE = 1, 3, 10, 40, 50
 ENTRY, FIRST, EXIT, ITEM, ITEM_END, EPI_END, ISSUE = 0, 1, 2, 3, 4, 5, 6
+WAITED, LISTED = 7, 8
 STAGE_BYTES = 128 * 64 * 2  # one weight tile's K block (MOEK_WTILE x MOEK_KTILE)
 
 
@@ -199,6 +201,16 @@ def report(path, read_gbs, sms):
         print("start     GEMM 1's first load after routing ends (%.2f), us "
               "%s" % (max(before),
                       fmt([t - max(before) for t in load1.values()])))
+        # in parts, per SM: past its wait for the kernel before, has the
+        # tile list, issues its first weight load
+        waited, listed = per_sm(rows, GEMM + WAITED), per_sm(rows, GEMM + LISTED)
+        end0 = {sm: max(before) for sm in load1}
+        for name, a, b in (("wait ends", end0, waited),
+                           ("has list", waited, listed),
+                           ("first load", listed, load1)):
+            d = [b[sm] - a[sm] for sm in a if sm in b]
+            if d:
+                print("            -> %-10s us %s" % (name, fmt(d)))
     print()
 
 

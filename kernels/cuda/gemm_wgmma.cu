@@ -1202,8 +1202,11 @@ __global__ void __launch_bounds__(384, 1)
     if (a.pf_kb > 0 && tid == 0)
         prefetch_guess(a);
     if constexpr (DEP != 2) /* mode 2 waits per item instead */
-        if (!a.early_a)
+        if (!a.early_a) {
             moek_pdl_wait();
+            if (tid == 0)
+                moek_trace_gemm(a.which, MOEK_TR_WAITED, 3);
+        }
     moek_pdl_trigger();
 
     /* What the first weight load waits for, read at once rather than one
@@ -1263,6 +1266,8 @@ __global__ void __launch_bounds__(384, 1)
         }
         __syncthreads();
     }
+    if (tid == 0)
+        moek_trace_gemm(a.which, MOEK_TR_LISTED, 4);
 
     /* Cluster mode pairs CTAs 2c and 2c + 1 on items 2i and 2i + 1 of an
      * even grid: with one K split and an even count of weight tiles per
@@ -1304,6 +1309,8 @@ __global__ void __launch_bounds__(384, 1)
                 pre = preissue<BN, CL>(a, &tmap, smem, full, ncg, split,
                                        span(c), pre, sb, info, items);
             moek_pdl_wait();
+            if (tid == 0)
+                moek_trace_gemm(a.which, MOEK_TR_WAITED, 3);
         }
         if constexpr (CL == 2) {
             /* Warp 0 walks the items, lane 0 issues; warps 1-3 wait at the

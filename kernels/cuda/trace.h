@@ -30,6 +30,10 @@ enum {
     MOEK_TR_EPI_END = 5,  /* consumer 0 is done with its epilogue */
     MOEK_TR_ISSUE = 6,    /* the producer issues its first weight load (a:
                              group) */
+    /* the prologue, thread 0 (sequence numbers 3, 4): */
+    MOEK_TR_WAITED = 7,   /* past the wait for the kernel before (early_a:
+                             the producer's, after its first loads) */
+    MOEK_TR_LISTED = 8,   /* has the tile list (plan, cg_before) */
     MOEK_TR_FINAL = 40,   /* +0 a finalize CTA starts, +1 ends */
     MOEK_TR_PERMUTE = 50, /* +0 a CTA of the copy of x starts, +1 ends */
 };
