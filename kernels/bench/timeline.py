@@ -60,6 +60,16 @@ def per_sm(rows, kind):
     return first
 
 
+def print_parts(steps):
+    """Per SM, the time from one event to the next, one line a step
+    (name, earlier {sm: us}, later {sm: us}); steps with no SM in both
+    are left out."""
+    for name, a, b in steps:
+        d = [b[sm] - a[sm] for sm in a if sm in b]
+        if d:
+            print("            -> %-10s us %s" % (name, fmt(d)))
+
+
 def report(path, read_gbs, sms):
     rows = []
     with open(path) as f:
@@ -188,29 +198,23 @@ def report(path, read_gbs, sms):
         # the same in parts, per SM: GEMM 2's CTA enters, its producer
         # issues its first weight load, consumer 0 has that stage
         ent2, load2 = per_sm(rows, k + ENTRY), per_sm(rows, k + FIRST)
-        for name, a, b in (("CTA enters", exits[0], ent2),
-                           ("first load", ent2, load2),
-                           ("first item", load2, g2_first)):
-            d = [b[sm] - a[sm] for sm in a if sm in b]
-            print("            -> %-10s us %s" % (name, fmt(d)))
+        print_parts((("CTA enters", exits[0], ent2),
+                     ("first load", ent2, load2),
+                     ("first item", load2, g2_first)))
     # GEMM 1's first load on each SM after the last kernel before it ends
     before = [r["us"] for r in rows if r["kind"] in (ROUTE + 1, ALIGN + 1,
                                                     PERMUTE + 1)]
     load1 = per_sm(rows, GEMM + FIRST)
     if before and load1:
+        t0 = max(before)
         print("start     GEMM 1's first load after routing ends (%.2f), us "
-              "%s" % (max(before),
-                      fmt([t - max(before) for t in load1.values()])))
+              "%s" % (t0, fmt([t - t0 for t in load1.values()])))
         # in parts, per SM: past its wait for the kernel before, has the
         # tile list, issues its first weight load
         waited, listed = per_sm(rows, GEMM + WAITED), per_sm(rows, GEMM + LISTED)
-        end0 = {sm: max(before) for sm in load1}
-        for name, a, b in (("wait ends", end0, waited),
-                           ("has list", waited, listed),
-                           ("first load", listed, load1)):
-            d = [b[sm] - a[sm] for sm in a if sm in b]
-            if d:
-                print("            -> %-10s us %s" % (name, fmt(d)))
+        print_parts((("wait ends", dict.fromkeys(load1, t0), waited),
+                     ("has list", waited, listed),
+                     ("first load", listed, load1)))
     print()
 
 

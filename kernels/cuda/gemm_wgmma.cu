@@ -284,9 +284,10 @@ template <int N> __device__ __forceinline__ void wgmma_wait()
  * (moek_gemm_args.pf_kb): DRAM is otherwise idle from the forward's start
  * to GEMM 1's first load. The CTA's first item is item blockIdx.x; before
  * the tile list exists it is decoded from a guessed one, every group in
- * use with pf_cnt rows (one class, no K split: layer.cu sets pf_kb only
- * so). Where the routing made another list, the blocks sent are read
- * later or not at all; the loads are the same either way.
+ * use with pf_cnt rows. That decode holds because layer.cu sets pf_kb
+ * only for tiled weights and one token-tile class, and GEMM 1 never
+ * splits K. Where the routing made another list, the blocks sent are
+ * read later or not at all; the loads are the same either way.
  */
 __device__ __forceinline__ void prefetch_guess(const moek_gemm_args &a)
 {
