@@ -362,11 +362,27 @@ struct cta_span {
                                               const int *sb,
                                               moek_item_src &nx) const
     {
+        const moek_item it = item(a, split, idx, nx);
+        fetch_next(a, ncg, idx, sb, nx);
+        return it;
+    }
+    /* take() in its two steps, for a caller that sends the next item's
+     * reads later (produce(), 16-row tiles) */
+    __device__ __forceinline__ moek_item item(const moek_gemm_args &a,
+                                              int split, int idx,
+                                              const moek_item_src &nx) const
+    {
         moek_item it = moek_item_from(a, split, nx);
         clip(it, idx, a.kblocks);
+        return it;
+    }
+    __device__ __forceinline__ void fetch_next(const moek_gemm_args &a,
+                                               int ncg, int idx,
+                                               const int *sb,
+                                               moek_item_src &nx) const
+    {
         if (idx + step < end)
             nx = moek_fetch_item(a, ncg, idx + step, sb);
-        return it;
     }
 };
 
@@ -519,7 +535,16 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
      * trip; prefill tiles read them one item ahead (take, below). */
     constexpr bool LATE_ROWS = moek_classes(BN) == 1;
     static_assert(DEP != 2 || LATE_ROWS, "ticketed GEMM 2 is one class");
-    const auto one = [&](const moek_item &it, int (&rows)[RN], int need) {
+    /* The next item's reads (cta_span::take). 16-row tiles send them once
+     * the item's first weight load has gone out (one()'s `late`, the
+     * item's index), so that load does not wait for the code that sends
+     * them: qwen3 T=1 0.8 us (2.5%) and deepseek T=8 1.2% faster; at
+     * 32-row tiles mixtral T=64 0.3% and at 64-row ones qwen3 T=512 2.2%
+     * slower (RESULTS.md, run 37). */
+    constexpr bool LATE_FETCH = N == 16;
+    moek_item_src nx = {};
+    const auto one = [&](const moek_item &it, int (&rows)[RN], int need,
+                         int late) {
         long long off[RN];
         const auto offsets = [&] {
 #pragma unroll
@@ -548,6 +573,9 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
                     load_w(a, tmap, sA, it, kb, &full[pp.stage]);
                 }
             }
+            if constexpr (LATE_FETCH)
+                if (late >= 0 && kb == it.kb0)
+                    sp.fetch_next(a, ncg, late, sb, nx);
             if constexpr (LATE_ROWS) {
                 if (kb == it.kb0) {
                     rows_of(it, rows);
@@ -575,9 +603,12 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
             }
             cp_async_arrive_noinc(&full[pp.stage]);
         }
+        if constexpr (LATE_FETCH)
+            if (late >= 0 && it.kb0 >= it.kb1)
+                sp.fetch_next(a, ncg, late, sb, nx);
     };
     if constexpr (DEP != 2) {
-        moek_item_src nx = sp.fetch_first(a, ncg, sb);
+        nx = sp.fetch_first(a, ncg, sb);
         /* item idx (from nx, which it refills) and its rows */
         const auto take = [&](int idx, moek_item &it, int (&rows)[RN]) {
             it = sp.take(a, ncg, split, idx, sb, nx);
@@ -602,7 +633,7 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
                 int next_rows[RN];
                 if (idx + sp.step < sp.end)
                     take(idx + sp.step, next, next_rows);
-                one(it, rows, 0);
+                one(it, rows, 0, -1);
                 it = next;
 #pragma unroll
                 for (int i = 0; i < RN; i++)
@@ -611,9 +642,11 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
         } else {
             for (int idx = sp.first; idx < sp.end;
                  idx += sp.step, pp.items++) {
-                const moek_item it = sp.take(a, ncg, split, idx, sb, nx);
                 int rows[RN]; /* LATE_ROWS: one() reads them */
-                one(it, rows, 0);
+                if constexpr (LATE_FETCH)
+                    one(sp.item(a, split, idx, nx), rows, 0, idx);
+                else
+                    one(sp.take(a, ncg, split, idx, sb, nx), rows, 0, -1);
             }
         }
     } else {
@@ -646,7 +679,8 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
                 /* GEMM 1's two consumer warpgroups count each of the
                  * group's items: its token tiles (the same tile as here)
                  * times GEMM 1's weight tiles (GEMM 1 never splits K) */
-                one(it, rows, 2 * moek_token_tiles(f.cnt, a.bn) * a.dep_tiles);
+                one(it, rows, 2 * moek_token_tiles(f.cnt, a.bn) * a.dep_tiles,
+                    -1);
             }
             if (tid == 0)
                 *ticket = next;
