@@ -538,9 +538,9 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
     /* The next item's reads (cta_span::take). 16-row tiles send them once
      * the item's first weight load has gone out (one()'s `late`, the
      * item's index), so that load does not wait for the code that sends
-     * them: qwen3 T=1 0.8 us (2.5%) and deepseek T=8 1.2% faster; at
-     * 32-row tiles mixtral T=64 0.3% and at 64-row ones qwen3 T=512 2.2%
-     * slower (RESULTS.md, run 37). */
+     * them: qwen3 T=1 0.5-0.8 us (1.5-2.5%), qwen3 T=64 0.5-0.6% and
+     * deepseek T=8 0.2-1.2% faster; at 32-row tiles mixtral T=64 0.3% and
+     * at 64-row ones qwen3 T=512 2.2% slower (RESULTS.md, run 37). */
     constexpr bool LATE_FETCH = N == 16;
     moek_item_src nx = {};
     const auto one = [&](const moek_item &it, int (&rows)[RN], int need,
