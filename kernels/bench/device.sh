@@ -11,7 +11,8 @@
 # T=1 cases again without early weight loads, and without PDL), ab (every
 # model at AB_TOKENS under each switch of AB_ENVS), ncu (per-kernel times of
 # one forward at NCU_TOKENS), peers (peers.py), test (the whole CUDA unit
-# test), report (report.py). Logs and
+# test), sanitize (compute-sanitizer over the unit test's small cases),
+# report (report.py). Logs and
 # the tables go to $OUT (8 files at most, or /tmp/moek-out); the report
 # table prints last.
 set -u -o pipefail
@@ -94,6 +95,33 @@ if has test; then
   echo "# test rc=$?"
   grep -E "^(PASS|FAIL|SKIP)" "$OUT/test.log"
   grep -E "check failed|FAIL|timed out" -A2 "$OUT/test.log" | head -n 20
+fi
+if has sanitize; then
+  # compute-sanitizer over the unit test's small cases (a release build:
+  # the debug build's watchdog would trap in the tools' slow runs): memcheck
+  # on SAN_CASES, racecheck and synccheck on SAN_RACE. What the tools
+  # report, and which reports are the tools' own blind spots: RESULTS.md,
+  # run 38.
+  S=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  R=$B/bench/test_cuda_kernels
+  [ -x "$R" ] || make -C kernels/bench BUILD="$B" -j8 test >>"$OUT/build.log" 2>&1 ||
+    { echo "SANITIZE BUILD FAILED"; exit 1; }
+  san() { # tool case
+    echo "===== $1 $2" >>"$OUT/san.log"
+    timeout 120 "$S" --tool "$1" --target-processes all --print-limit 30 \
+      $([ "$1" = memcheck ] && echo --leak-check no) "$R" "$2" >>"$OUT/san.log" 2>&1
+    echo "$1 $2: exit $?; $(sed -n "/^===== $1 $2\$/,\$p" "$OUT/san.log" |
+      grep -E '^(PASS|FAIL|SKIP)|(ERROR|RACECHECK) SUMMARY' | tr '\n' ' ')"
+  }
+  for c in ${SAN_CASES:-cuda_device refuses_unsupported rows_mapped moe_decode_slots \
+      moe_dep_groups moe_every_tile moe_cluster_tiles moe_slot_rows moe_stream_k \
+      moe_tile_classes moe_graph_replay grouped_gemm moe_align_chunks moe_mid_batches moe_qwen3}; do
+    san memcheck "$c"
+  done
+  for c in ${SAN_RACE:-moe_every_tile moe_dep_groups}; do
+    san racecheck "$c"
+    san synccheck "$c"
+  done
 fi
 if has report && [ -f "$OUT/ours.csv" ]; then
   python3 kernels/bench/report.py "$OUT/ours.csv" "$OUT/peers.txt" | tee "$OUT/report.md"

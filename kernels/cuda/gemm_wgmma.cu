@@ -990,6 +990,13 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
              * mark has no K blocks. */
             moek_mbar_wait(&full[pp.stage], pp.phase);
             it = info[pp.items % INFO_ITEMS];
+            /* Every lane's read of the entry before lane 0 next releases
+             * a stage (release()): the producer rewrites the entry
+             * INFO_ITEMS items on, after waiting for a stage that release
+             * freed, and without this no barrier orders the other lanes'
+             * reads before it. (compute-sanitizer's racecheck reports the
+             * ring with and without it: RESULTS.md, run 38.) */
+            __syncwarp();
             if constexpr (DEP == 2)
                 if (it.kb0 >= it.kb1)
                     break;
