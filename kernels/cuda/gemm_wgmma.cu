@@ -942,7 +942,11 @@ __device__ __forceinline__ void epi_slot_staged(const moek_gemm_args &a,
 }
 
 /* A consumer warp is done with stage s: in cluster mode the peer's producer
- * may refill it (its multicast writes here) only once both CTAs released it. */
+ * may refill it (its multicast writes here) only once both CTAs released it.
+ * Lane 0 arrives for the warp: a plain shared-memory read by the other
+ * lanes that the producer may overwrite after this release needs a warp
+ * sync before it (the item ring's, in consume). A sync in here, per stage,
+ * made qwen3 and mixtral T=4096 0.5-0.7% slower (RESULTS.md, run 38). */
 template <int CL>
 __device__ __forceinline__ void release(uint64_t *empty, int s)
 {
@@ -991,11 +995,9 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
             moek_mbar_wait(&full[pp.stage], pp.phase);
             it = info[pp.items % INFO_ITEMS];
             /* Every lane's read of the entry before lane 0 next releases
-             * a stage (release()): the producer rewrites the entry
-             * INFO_ITEMS items on, after waiting for a stage that release
-             * freed, and without this no barrier orders the other lanes'
-             * reads before it. (compute-sanitizer's racecheck reports the
-             * ring with and without it: RESULTS.md, run 38.) */
+             * a stage: the producer rewrites it INFO_ITEMS items on
+             * (release(); racecheck reports the ring with and without
+             * this sync: RESULTS.md, run 38). */
             __syncwarp();
             if constexpr (DEP == 2)
                 if (it.kb0 >= it.kb1)
