@@ -575,10 +575,16 @@ struct moek_route_args {
     int *rank;    /* [T, k] rank of the slot inside its expert (the
                      multi-block path; the one-block kernels keep it in
                      shared memory) */
-    int *counts;  /* [E] (multi-block path; zeroed before) */
+    int *counts;  /* [E][MOEK_COUNT_STRIDE] (multi-block path; zeroed
+                     before) */
 };
+/* The multi-block path's count of expert e is counts[e * MOEK_COUNT_STRIDE]:
+ * a 128-byte line each, so the slots' atomic adds spread over the L2 slices
+ * instead of queueing at the few that hold E packed counters. */
+#define MOEK_COUNT_STRIDE 32
 struct moek_align_args {
-    const int *counts;      /* per group, or NULL when m_sizes is used */
+    const int *counts;      /* per group (strided: MOEK_COUNT_STRIDE), or
+                               NULL when m_sizes is used */
     const int64_t *m_sizes; /* grouped GEMM */
     int64_t total_m;
     int groups;

@@ -163,7 +163,7 @@ size_t carve_moe(const moek_moe_shape &s, moek_dtype dt, int T, bool rows,
     carver c = {base, 0};
     const size_t slots = (size_t)T * s.topk;
     moe_ws x;
-    x.counts = c.take<int>(sizeof(int) * s.experts);
+    x.counts = c.take<int>(sizeof(int) * MOEK_COUNT_STRIDE * s.experts);
     x.ids = c.take<int>(sizeof(int) * slots);
     x.wts = c.take<float>(sizeof(float) * slots);
     x.rank = c.take<int>(sizeof(int) * slots);

@@ -11,7 +11,7 @@
  *                   renormalisation; or it takes the given ids and weights.
  *                   It also counts the slot into its expert (the returned
  *                   atomic value is the slot's rank inside the expert).
- *   align_block     one block turns the per-group counts into the tile list
+ *   align_block     one block turns the per-group sizes into the tile list
  *                   of cuda_common.cuh: prefix sums, the compact list of
  *                   non-empty groups (in order of token-tile class), the K
  *                   split of each GEMM, the items before each group and
@@ -19,9 +19,9 @@
  *                   (MoE) the slot -> sorted position
  *                   scatter (token index and routing weight per position,
  *                   and in slot mode each slot's position).
- *   align_warps     the same tile list from a small batch's MoE counts, by
- *                   a warp per 32 groups (or per several, when the block
- *                   has fewer warps) with warp scans and one barrier.
+ *   align_warps     the same tile list from MoE counts, by a warp per 32
+ *                   groups (or per several, when the block has fewer
+ *                   warps) with warp scans and one barrier.
  *
  * Kernels (variants by token count, picked in moek_launch_route):
  *   route_align_tiny   T k <= 32: a warp per token routes, then one warp
@@ -38,10 +38,15 @@
  *                      device can run together) takes the next path.
  *   route_kernel + align_kernel
  *                      larger T: a warp per token over many blocks (counts in
- *                      global memory, zeroed by a memset node before), then
- *                      one block builds the tile list while the others
- *                      scatter the slots, 2048 each.
- *   align_kernel alone builds a grouped GEMM's tile list from m_sizes.
+ *                      global memory, a 128-byte line each, zeroed by a
+ *                      memset node before), then one block builds the tile
+ *                      list (align_warps) while the others scatter the
+ *                      slots, one a thread.
+ *   align_kernel alone builds a grouped GEMM's tile list from m_sizes
+ *                      (align_block).
+ *
+ * What these cost on the H200 and why they are built so: RESULTS.md,
+ * runs 14, 24, 35 and 39.
  */
 #include <cooperative_groups.h>
 #include <math.h>
@@ -190,7 +195,7 @@ __device__ void route_one(const moek_route_args &a, int t, int lane,
     float w;
     route_pick<VPL>(a, t, lane, &id, &w);
     if (lane < a.topk) {
-        int r = id >= 0 ? atomicAdd(&counts[id], 1) : -1;
+        int r = id >= 0 ? atomicAdd(&counts[id * MOEK_COUNT_STRIDE], 1) : -1;
         a.rank[(size_t)t * a.topk + lane] = r;
     }
 }
@@ -256,6 +261,18 @@ __device__ int pick_split(const moek_gemm_dims &dm, long long pairs, int sms,
     return split < 1 ? 1 : split;
 }
 
+/* Slot s's sorted position pos (-1: routed nowhere) and weight w. */
+__device__ __forceinline__ void put_slot(const moek_align_args &a, int s,
+                                         int pos, float w)
+{
+    if (a.slot_pos)
+        a.slot_pos[s] = pos;
+    if (pos < 0)
+        return;
+    a.pos_token[pos] = s / a.topk;
+    a.pos_weight[pos] = w;
+}
+
 /* MoE: slots [s0, s1) to their sorted positions (token index and routing
  * weight per position, and with slot_pos each slot's position or -1), from
  * each slot's expert, rank inside it and weight (ids, rank, wts: int in
@@ -268,13 +285,7 @@ __device__ void scatter_slots(const moek_align_args &a, const int *start,
 {
     for (int s = s0 + threadIdx.x; s < s1; s += blockDim.x) {
         const int r = rank[s];
-        const int pos = r < 0 ? -1 : start[ids[s]] + r;
-        if (a.slot_pos)
-            a.slot_pos[s] = pos;
-        if (pos < 0)
-            continue;
-        a.pos_token[pos] = s / a.topk;
-        a.pos_weight[pos] = wts[s];
+        put_slot(a, s, r < 0 ? -1 : start[ids[s]] + r, wts[s]);
     }
 }
 
@@ -292,7 +303,7 @@ __device__ void align_block(const moek_align_args &a, const int *counts,
     for (int g = tid; g < G; g += blockDim.x) {
         long long c;
         if (counts) {
-            c = counts[g];
+            c = counts[g * MOEK_COUNT_STRIDE];
         } else {
             c = a.m_sizes[g];
             c = c < 0 ? 0 : (c > a.total_m ? a.total_m : c);
@@ -403,20 +414,31 @@ __device__ void align_block(const moek_align_args &a, const int *counts,
 
 /* MoE, many slots: part `part` of `parts` of the slot -> sorted position
  * scatter, with the groups' starts scanned again from the counts by this
- * block (a few hundred groups cost less than one more launch). */
+ * block (a few hundred groups cost less than one more launch). A thread
+ * reads its first slot together with the counts, so the two round trips
+ * overlap; slots past one a thread (more than 128 parts' worth) follow. */
 __device__ void scatter_part(const moek_align_args &a, const int *counts,
                              int part, int parts)
 {
     __shared__ int s_st[MOEK_MAX_GROUPS];
     __shared__ int s_w[32];
+    const int per = (a.slots + parts - 1) / parts;
+    const int s0 = part * per, s1 = min(a.slots, s0 + per);
+    const int s = s0 + threadIdx.x;
+    int r = -1, id = 0;
+    float w = 0.f;
+    if (s < s1) {
+        r = a.rank[s];
+        id = a.ids[s];
+        w = a.wts[s];
+    }
     for (int g = threadIdx.x; g < a.groups; g += blockDim.x)
-        s_st[g] = counts[g];
+        s_st[g] = counts[g * MOEK_COUNT_STRIDE];
     __syncthreads();
     block_exclusive_scan<int>(s_st, a.groups, s_w);
-    const int per = (a.slots + parts - 1) / parts;
-    const int s0 = part * per;
-    scatter_slots(a, s_st, a.ids, a.rank, a.wts, s0,
-                  min(a.slots, s0 + per));
+    if (s < s1)
+        put_slot(a, s, r < 0 ? -1 : s_st[id] + r, w);
+    scatter_slots(a, s_st, a.ids, a.rank, a.wts, s0 + blockDim.x, s1);
 }
 
 /* Field c (16 bits) of packed per-class sums. */
@@ -578,6 +600,38 @@ __device__ void align_warps(const moek_align_args &a, const int *counts,
                               tfirst + 1);
         }
     }
+}
+
+/* Block 0 of the align kernel, MoE counts (strided, in global memory):
+ * align_warps' tile list, then (scatter: the only block) the slots. The
+ * general align_block, with its block-wide scans, took 6.6-11 us of the
+ * align kernel at qwen3 T = 512-4096 (RESULTS.md, run 39). */
+__device__ void align_counts(const moek_align_args &a, bool scatter)
+{
+    __shared__ int s_cnt[MOEK_MAX_EXPERTS];
+    __shared__ int s_start[MOEK_MAX_EXPERTS];
+    __shared__ int s_run[MOEK_MAX_EXPERTS / 32];
+    __shared__ unsigned long long s_sum[2 * (MOEK_MAX_EXPERTS / 32)];
+    const int G = a.groups;
+    for (int g = threadIdx.x; g < G; g += blockDim.x)
+        s_cnt[g] = a.counts[g * MOEK_COUNT_STRIDE];
+    __syncthreads();
+    const int nq = (G + 31) / 32, nw = (int)(blockDim.x >> 5);
+    const int W = nq < nw ? nq : nw;
+    if ((int)(threadIdx.x >> 5) < W)
+        align_warps(a, s_cnt, s_start, W, s_run, s_sum);
+    if (scatter) {
+        __syncthreads();
+        scatter_slots(a, s_start, a.ids, a.rank, a.wts, 0, a.slots);
+    }
+}
+
+/* align_counts' bounds: align_warps' chunk sums for MOEK_MAX_EXPERTS
+ * groups, and its token tiles counted in 16 bits. */
+__device__ __forceinline__ bool counts_fit(const moek_align_args &a)
+{
+    return a.counts && a.groups <= MOEK_MAX_EXPERTS &&
+           (long long)a.slots / a.bn + a.groups < 65536;
 }
 
 /* A CTA of the call zeroes the counts of moek_dep and GEMM 2's ticket for
@@ -817,9 +871,12 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
         zero_dep(aa);
     /* One block: the whole list. More: block 0 the tile list, the others
      * the slot scatter, a part each. */
-    if (blockIdx.x == 0)
-        align_block(aa, aa.counts, gridDim.x == 1);
-    else
+    if (blockIdx.x == 0) {
+        if (counts_fit(aa))
+            align_counts(aa, gridDim.x == 1);
+        else
+            align_block(aa, aa.counts, gridDim.x == 1);
+    } else
         scatter_part(aa, aa.counts, blockIdx.x - 1, gridDim.x - 1);
 }
 
@@ -936,8 +993,9 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
         return moek_launch_cl(small_kernel(vpl, nc), dim3(nc), dim3(threads),
                               0, stream, pdl, nc, ra, aa);
     }
-    cudaError_t e = cudaMemsetAsync(counts_dev, 0,
-                                    sizeof(int) * (size_t)aa.groups, stream);
+    cudaError_t e = cudaMemsetAsync(
+        counts_dev, 0, sizeof(int) * MOEK_COUNT_STRIDE * (size_t)aa.groups,
+        stream);
     if (e != cudaSuccess)
         return e;
     moek_route_args r2 = ra;
@@ -950,9 +1008,11 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
         return e;
     moek_align_args a2 = aa;
     a2.counts = counts_dev;
-    /* The scatter of many slots spreads over blocks of 2048 slots (one
-     * block walking 32768 slots took 75 us of a 1.1 ms forward). */
-    int parts = aa.slots > 2048 ? (aa.slots + 2047) / 2048 : 0;
+    /* The scatter of many slots spreads over blocks of a slot a thread
+     * (one block walking 32768 slots took 75 us of a 1.1 ms forward). */
+    int parts = aa.slots > 2048 ? (aa.slots + MOEK_ALIGN_THREADS - 1) /
+                                      MOEK_ALIGN_THREADS
+                                : 0;
     parts = parts > 128 ? 128 : parts;
     return moek_launch(align_kernel, dim3(1 + parts), dim3(MOEK_ALIGN_THREADS),
                        0, stream, pdl, a2);
