@@ -876,8 +876,9 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
             align_counts(aa, gridDim.x == 1);
         else
             align_block(aa, aa.counts, gridDim.x == 1);
-    } else
+    } else {
         scatter_part(aa, aa.counts, blockIdx.x - 1, gridDim.x - 1);
+    }
 }
 
 /* The instance of a routing kernel for vpl router logits per lane:
