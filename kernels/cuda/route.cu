@@ -412,22 +412,20 @@ __device__ void align_block(const moek_align_args &a, const int *counts,
         scatter_slots(a, s_start, a.ids, a.rank, a.wts, 0, a.slots);
 }
 
-/* MoE, many slots: part `part` of `parts` of the slot -> sorted position
- * scatter, with the groups' starts scanned again from the counts by this
- * block (a few hundred groups cost less than one more launch). A thread
- * reads its first slot together with the counts, so the two round trips
- * overlap; slots past one a thread (more than 128 parts' worth) follow. */
+/* MoE, many slots: block `part`'s slots of the slot -> sorted position
+ * scatter, one a thread, with the groups' starts scanned again from the
+ * counts by this block (a few hundred groups cost less than one more
+ * launch). A thread reads its slot together with the counts, so the two
+ * round trips overlap. */
 __device__ void scatter_part(const moek_align_args &a, const int *counts,
-                             int part, int parts)
+                             int part)
 {
     __shared__ int s_st[MOEK_MAX_GROUPS];
     __shared__ int s_w[32];
-    const int per = (a.slots + parts - 1) / parts;
-    const int s0 = part * per, s1 = min(a.slots, s0 + per);
-    const int s = s0 + threadIdx.x;
+    const int s = part * (int)blockDim.x + (int)threadIdx.x;
     int r = -1, id = 0;
     float w = 0.f;
-    if (s < s1) {
+    if (s < a.slots) {
         r = a.rank[s];
         id = a.ids[s];
         w = a.wts[s];
@@ -436,9 +434,8 @@ __device__ void scatter_part(const moek_align_args &a, const int *counts,
         s_st[g] = counts[g * MOEK_COUNT_STRIDE];
     __syncthreads();
     block_exclusive_scan<int>(s_st, a.groups, s_w);
-    if (s < s1)
+    if (s < a.slots)
         put_slot(a, s, r < 0 ? -1 : s_st[id] + r, w);
-    scatter_slots(a, s_st, a.ids, a.rank, a.wts, s0 + blockDim.x, s1);
 }
 
 /* Field c (16 bits) of packed per-class sums. */
@@ -507,8 +504,10 @@ __device__ __forceinline__ align_chunk chunk_of(const moek_align_args &a,
     return q;
 }
 
-/* align_block's tile list for MoE counts, built by warps 0 .. W - 1 with
- * warp scans over chunks of 32 groups (warp w takes chunks w, w + W, ...):
+/* align_block's tile list for MoE counts, built by warps 0 .. W - 1 of the
+ * block (W: one per chunk of 32 groups, at most the block's warps; the
+ * others return at once) with warp scans over the chunks (warp w takes
+ * chunks w, w + W, ...):
  * each chunk's sums go to shared memory (s_run, s_sum: at most
  * MOEK_MAX_EXPERTS / 32 chunks), one barrier of the W warps (named barrier
  * 1), then each group's compact index from the chunks before it. Each
@@ -520,11 +519,13 @@ __device__ __forceinline__ align_chunk chunk_of(const moek_align_args &a,
  * has fewer than 2^16 token tiles in all (at most slots / bn + groups;
  * route_align_small: SMALL_SLOTS + MOEK_MAX_EXPERTS). */
 __device__ void align_warps(const moek_align_args &a, const int *counts,
-                            int *start, int W, int *s_run,
-                            unsigned long long *s_sum)
+                            int *start, int *s_run, unsigned long long *s_sum)
 {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, G = a.groups;
-    const int nq = (G + 31) / 32;
+    const int nq = (G + 31) / 32, nw = (int)(blockDim.x >> 5);
+    const int W = nq < nw ? nq : nw;
+    if (w >= W)
+        return;
     /* Pass 1: each chunk's rows, groups and token tiles. */
     for (int q = w; q < nq; q += W) {
         const align_chunk k = chunk_of(a, counts, 32 * q, lane);
@@ -616,10 +617,7 @@ __device__ void align_counts(const moek_align_args &a, bool scatter)
     for (int g = threadIdx.x; g < G; g += blockDim.x)
         s_cnt[g] = a.counts[g * MOEK_COUNT_STRIDE];
     __syncthreads();
-    const int nq = (G + 31) / 32, nw = (int)(blockDim.x >> 5);
-    const int W = nq < nw ? nq : nw;
-    if ((int)(threadIdx.x >> 5) < W)
-        align_warps(a, s_cnt, s_start, W, s_run, s_sum);
+    align_warps(a, s_cnt, s_start, s_run, s_sum);
     if (scatter) {
         __syncthreads();
         scatter_slots(a, s_start, a.ids, a.rank, a.wts, 0, a.slots);
@@ -733,11 +731,8 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
         __syncthreads();
         counts = s_aux;
     }
-    if (rank == 0) {
-        const int nq = (G + 31) / 32, W = nq < nw ? nq : nw;
-        if (warp < W)
-            align_warps(aa, counts, s_start, W, s_run, s_sum);
-    }
+    if (rank == 0)
+        align_warps(aa, counts, s_start, s_run, s_sum);
     cta_or_cluster_sync<NC>(); /* CTA 0's s_start is written */
     if constexpr (NC > 1) {
         if (rank != 0) {
@@ -877,7 +872,7 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
         else
             align_block(aa, aa.counts, gridDim.x == 1);
     } else {
-        scatter_part(aa, aa.counts, blockIdx.x - 1, gridDim.x - 1);
+        scatter_part(aa, aa.counts, blockIdx.x - 1);
     }
 }
 
@@ -1011,10 +1006,9 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
     a2.counts = counts_dev;
     /* The scatter of many slots spreads over blocks of a slot a thread
      * (one block walking 32768 slots took 75 us of a 1.1 ms forward). */
-    int parts = aa.slots > 2048 ? (aa.slots + MOEK_ALIGN_THREADS - 1) /
-                                      MOEK_ALIGN_THREADS
-                                : 0;
-    parts = parts > 128 ? 128 : parts;
+    const int parts = aa.slots > 2048 ? (aa.slots + MOEK_ALIGN_THREADS - 1) /
+                                            MOEK_ALIGN_THREADS
+                                      : 0;
     return moek_launch(align_kernel, dim3(1 + parts), dim3(MOEK_ALIGN_THREADS),
                        0, stream, pdl, a2);
 }
