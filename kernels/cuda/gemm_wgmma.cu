@@ -28,8 +28,9 @@
  *     plain store (moek_epi_pair); the staged epilogues (tiles of 128
  *     rows and wider) go through shared memory and out by TMA. The
  *     producer runs ahead into the next item meanwhile. With tiles of 64
- *     rows and wider, the consumers take each item as the producer
- *     decoded it (handoff) instead of decoding it again.
+ *     rows and wider outside cluster mode (handoff), and in ticketed GEMM
+ *     2 at any width (ring), the consumers take each item as the producer
+ *     decoded it instead of decoding it again.
  * Inside one instance:
  *   - token tiles of up to four widths (BN 128 and wider; cuda_common.cuh,
  *     moek_class_width, moek_tile_class), so a group pays

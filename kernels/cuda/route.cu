@@ -2,15 +2,16 @@
  * route.cu: routing and alignment, everything between the router logits and
  * the first GEMM, with no host synchronisation.
  *
- *   route_one       one warp routes one token (each lane holding VPL of
+ *   route_pick      one warp routes one token (each lane holding VPL of
  *                   the E logits, VPL the power of two that covers E / 32):
  *                   scores (softmax over E, or
  *                   sigmoid), top-k by a warp arg-max on 64-bit keys (score
  *                   bits, then the inverted expert index, so ties go to the
  *                   lower index and NaN ranks below every number), optional
  *                   renormalisation; or it takes the given ids and weights.
- *                   It also counts the slot into its expert (the returned
- *                   atomic value is the slot's rank inside the expert).
+ *   route_one       route_pick, then each slot counted into its expert in
+ *                   global memory (the returned atomic value is the slot's
+ *                   rank inside the expert): route_kernel's.
  *   align_block     one block turns the per-group sizes into the tile list
  *                   of cuda_common.cuh: prefix sums, the compact list of
  *                   non-empty groups (in order of token-tile class), the K
@@ -23,7 +24,8 @@
  *                   groups (or per several, when the block has fewer
  *                   warps) with warp scans and one barrier.
  *
- * Kernels (variants by token count, picked in moek_launch_route):
+ * Kernels (variants by token count, picked in moek_launch_route; a grouped
+ * GEMM's list in moek_launch_align_groups):
  *   route_align_tiny   T k <= 32: a warp per token routes, then one warp
  *                      builds the tile list with a lane per slot (ballots
  *                      and shuffles, no block scans): a decode step's whole
@@ -31,7 +33,9 @@
  *   route_align_small  T <= 256 (512 where routing a token is short) and
  *                      T k <= 4096: one launch does both, on one block up
  *                      to 32 tokens, else a cluster of 2, 4 or 8 (a warp
- *                      routes one token, two past 256), each CTA's slots
+ *                      routes one token, two past 256; 16 with
+ *                      MOEK_CUDA_ROUTE_CLUSTER=16, a warp a token up to
+ *                      512), each CTA's slots
  *                      in its shared memory, the tile list by a warp per
  *                      32 groups of CTA 0 (align_warps). A batch that
  *                      needs more CTAs than the layer's cap (what the
@@ -39,9 +43,11 @@
  *   route_kernel + align_kernel
  *                      larger T: a warp per token over many blocks (counts in
  *                      global memory, a 128-byte line each, zeroed by a
- *                      memset node before), then one block builds the tile
- *                      list (align_warps) while the others scatter the
- *                      slots, one a thread.
+ *                      memset node before), then block 0 builds the tile
+ *                      list (align_warps, or align_block past counts_fit)
+ *                      and, past 2048 slots, further blocks scatter the
+ *                      slots, one a thread (else block 0 scatters them
+ *                      too).
  *   align_kernel alone builds a grouped GEMM's tile list from m_sizes
  *                      (align_block).
  *
