@@ -176,13 +176,21 @@ static bool str_same(const char *a, const char *b)
     return !strcmp(a ? a : "", b ? b : "");
 }
 
+static bool u32s_same(const uint32_t *a, size_t na, const uint32_t *b, size_t nb)
+{
+    return na == nb && (na == 0 || !memcmp(a, b, na * sizeof(*a)));
+}
+
 static bool conf_same(const struct layer_conf *a, const struct layer_conf *b)
 {
     return a->kind == b->kind && a->dtype == b->dtype && a->experts == b->experts &&
            a->topk == b->topk && a->hidden == b->hidden && a->intermediate == b->intermediate &&
            a->routing == b->routing && a->renormalize == b->renormalize &&
            a->groups == b->groups && a->n == b->n && a->k == b->k && str_same(a->path, b->path) &&
-           str_same(a->prefix, b->prefix);
+           str_same(a->prefix, b->prefix) &&
+           u32s_same(a->devices, a->n_devices, b->devices, b->n_devices) &&
+           u32s_same(a->expert_devices, a->n_expert_devices, b->expert_devices,
+                     b->n_expert_devices);
 }
 
 /* What can be said of a section without reading its file. */
@@ -299,6 +307,11 @@ static void submit_load(struct reload *r, const struct layer_conf *lc)
     m.k = lc->k;
     m.path = lc->path;
     m.prefix = lc->prefix ? lc->prefix : "";
+    /* the section's placement, as layer_load_conf takes it at start */
+    m.n_devices = lc->n_devices;
+    m.devices = (uint32_t *)lc->devices;
+    m.n_expert_device = lc->n_expert_devices;
+    m.expert_device = lc->expert_devices;
     uint8_t no_route[1] = {0};
     struct stat st;
     bool have_st = stat(lc->path, &st) == 0;

@@ -9,7 +9,7 @@
  *     STOPPING=1; the watchdog interval; that pings stop while one batch runs
  *     longer than the watchdog interval; the drain of requests in flight.
  *   - SIGHUP reload: layers loaded, unloaded and reloaded as the file now
- *     says; a client's layer never touched.
+ *     says, on the devices it names; a client's layer never touched.
  *   - socket activation through systemd-socket-activate (two chained, since
  *     one passes sockets of one type only).
  *   - the units (systemd-analyze verify and security --offline), sysusers and
@@ -611,6 +611,111 @@ TEST(notify_ready_watchdog_reload_stopping_in_order)
     itest_rmdir(d.dir);
     itest_rmdir(wdir);
     nl_close(nl);
+}
+
+/* Wait up to ms for the layer list to hold name on n_devices devices;
+ * returns the list's length (infos filled) or fails the test. */
+static int wait_placed(moe_client *c, moe_layer_info *infos, int max, const char *name,
+                       int n_devices, int ms)
+{
+    uint64_t end = now_ms() + (uint64_t)ms;
+    for (;;) {
+        int n = moe_layer_list(c, infos, max);
+        CHECK_MSG(n >= 0, "layer list: %s", moe_errmsg());
+        const moe_layer_info *li = info_of(infos, n, name);
+        if (li && li->n_devices == n_devices)
+            return n;
+        if (now_ms() > end)
+            FAIL_AT("layer '%s' not on %d devices within %d ms (%s, %d)", name, n_devices, ms,
+                    li ? "loaded" : "absent", li ? li->n_devices : 0);
+        itest_sleep_ms(50);
+    }
+}
+
+/*
+ * A reload places each layer as its section now says (CPU backend, three
+ * virtual devices): alpha's `devices =` changes, so it is loaded again on
+ * its new devices; late's section is new, with devices and an expert per
+ * device named (expert_devices); kept's section, with a placement of its
+ * own, does not change, so it is kept. Every layer still computes the
+ * reference's result.
+ */
+TEST(reload_places_layers_on_their_devices)
+{
+    if (itest_on_gpu())
+        TEST_SKIP("virtual devices are the CPU backend's");
+    uint64_t seed = test_seed();
+    char wdir[] = "/tmp/moed-sdd.XXXXXX", conf[128], fa[128];
+    CHECK(mkdtemp(wdir) != NULL);
+    snprintf(conf, sizeof(conf), "%s/moed.conf", wdir);
+    snprintf(fa, sizeof(fa), "%s/a.safetensors", wdir);
+    struct itest_layer A = layer_def("alpha", 4, 2, 32, 48);
+    layer_file(&A, fa, "model.layers.0.mlp.", &seed);
+    struct itest_layer K = A, L = A; /* the same file and weights */
+    snprintf(K.name, sizeof(K.name), "kept");
+    snprintf(L.name, sizeof(L.name), "late");
+    const char *sec = "[layer %s]\nfile = %s\nprefix = model.layers.0.mlp.\ntopk = 2\n%s\n";
+    char conf1[1024], conf2[1536], part[512];
+    snprintf(conf1, sizeof(conf1), "[daemon]\nallowed_dirs = %s\n\n", wdir);
+    snprintf(part, sizeof(part), sec, "alpha", fa, "");
+    strcat(conf1, part);
+    snprintf(part, sizeof(part), sec, "kept", fa, "devices = 1,2\n");
+    strcat(conf1, part);
+    write_file(conf, "%s", conf1);
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--virtual-devices", "3", "--config", conf, NULL);
+    moe_client *c = itest_connect(&d, "placed");
+    moe_layer_info infos[8];
+    int n = wait_placed(c, infos, 8, "kept", 2, 5000);
+    CHECK_EQ_INT(n, 2);
+    const moe_layer_info *ia = info_of(infos, n, "alpha");
+    CHECK(ia != NULL);
+    CHECK_EQ_INT(ia->n_devices, 1);
+    CHECK_EQ_INT(ia->devices[0], 0);
+    forward_and_check(c, &A, 5, &seed);
+    forward_and_check(c, &K, 5, &seed);
+
+    /* The reload: alpha moves to devices 0 and 2, late arrives with two
+     * of its four experts on device 2 and one on each of 0 and 1. */
+    snprintf(conf2, sizeof(conf2), "[daemon]\nallowed_dirs = %s\n\n", wdir);
+    snprintf(part, sizeof(part), sec, "alpha", fa, "devices = 0,2\n");
+    strcat(conf2, part);
+    snprintf(part, sizeof(part), sec, "kept", fa, "devices = 1,2\n");
+    strcat(conf2, part);
+    snprintf(part, sizeof(part), sec, "late", fa,
+             "devices = 0,1,2\nexpert_devices = 2,0,2,1\n");
+    strcat(conf2, part);
+    write_file(conf, "%s", conf2);
+    kill(d.pid, SIGHUP);
+    wait_placed(c, infos, 8, "late", 3, 10000);
+    n = wait_placed(c, infos, 8, "alpha", 2, 10000);
+    CHECK_EQ_INT(n, 3);
+    ia = info_of(infos, n, "alpha");
+    const moe_layer_info *ik = info_of(infos, n, "kept"), *il = info_of(infos, n, "late");
+    CHECK(ia && ik && il);
+    CHECK(ia->devices[0] == 0 && ia->devices[1] == 2);
+    CHECK(ik->n_devices == 2 && ik->devices[0] == 1 && ik->devices[1] == 2);
+    CHECK_EQ_INT(ik->requests, 1); /* the layer from before the reload */
+    CHECK_EQ_INT(ia->requests, 0); /* loaded again */
+    /* late: devices 0, 1, 2 hold one, one and two experts' weights */
+    CHECK(il->devices[0] == 0 && il->devices[1] == 1 && il->devices[2] == 2);
+    CHECK(il->device_bytes[0] > 0 && il->device_bytes[0] == il->device_bytes[1]);
+    CHECK_MSG(il->device_bytes[2] == 2 * il->device_bytes[0], "device bytes %llu, %llu, %llu",
+              (unsigned long long)il->device_bytes[0], (unsigned long long)il->device_bytes[1],
+              (unsigned long long)il->device_bytes[2]);
+    forward_and_check(c, &A, 7, &seed);
+    forward_and_check(c, &K, 7, &seed);
+    forward_and_check(c, &L, 7, &seed);
+    char *log = read_file(d.log);
+    CHECK_STR_CONTAINS(log, "unloading layer 'alpha': its section changed");
+    CHECK_STR_CONTAINS(log, "reload: 2 layers loaded, 1 unloaded, 1 kept, 0 failed");
+    free(log);
+
+    moe_disconnect(&c);
+    itest_daemon_stop(&d);
+    itest_layer_free(&A);
+    itest_rmdir(d.dir);
+    itest_rmdir(wdir);
 }
 
 /*
@@ -1246,6 +1351,7 @@ int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
         TEST_CASE_TIMEOUT(notify_ready_watchdog_reload_stopping_in_order, 60),
+        TEST_CASE_TIMEOUT(reload_places_layers_on_their_devices, 60),
         TEST_CASE_TIMEOUT(watchdog_pings_stop_while_one_batch_runs_too_long, 90),
         TEST_CASE_TIMEOUT(socket_activation_passes_both_named_sockets, 30),
         TEST_CASE_TIMEOUT(socket_activation_session_only_binds_zmq_itself, 30),
