@@ -56,7 +56,7 @@ static void usage(FILE *f)
             "                               (each busy-polls up to U us for its reply)\n"
             "  zmq-rtt [--count N]          bare ZeroMQ round trips between two processes, no daemon\n\n"
             "The runtime directory defaults to $MOED_RUNTIME_DIR, /run/moed as root,\n"
-            "else $XDG_RUNTIME_DIR/moed.\n");
+            "else $XDG_RUNTIME_DIR/moed, else /tmp/moed-UID.\n");
 }
 
 int main(int argc, char **argv)

@@ -486,6 +486,7 @@ static void reload_begin(struct reload *r)
     warn_restart("io_threads", c->io_threads != n->io_threads);
     warn_restart("max_message_bytes", c->max_message_bytes != n->max_message_bytes);
     warn_restart("spin_us", c->spin_us != n->spin_us);
+    warn_restart("max_pending_messages", c->max_pending_messages != n->max_pending_messages);
     /* The table file may have been rewritten by moed --tune: read it again
      * for the layers loaded from now on. */
     char *tt = c->tile_table;
@@ -507,6 +508,9 @@ static void reload_begin(struct reload *r)
     c->max_pinned_bytes = n->max_pinned_bytes;
     c->max_queued_requests = n->max_queued_requests;
     c->max_queued_tokens = n->max_queued_tokens;
+    c->max_queued_total = n->max_queued_total;
+    c->max_layers = n->max_layers;
+    c->max_loads = n->max_loads;
     if (dirs_same(c, n)) {
         reconcile(r);
         return;

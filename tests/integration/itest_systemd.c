@@ -638,7 +638,7 @@ static int wait_placed(moe_client *c, moe_layer_info *infos, int max, const char
  * its new devices; late's section is new, with devices and an expert per
  * device named (expert_devices); kept's section, with a placement of its
  * own, does not change, so it is kept. Every layer still computes the
- * reference's result.
+ * reference's result, and the file's new max_layers holds at once.
  */
 TEST(reload_places_layers_on_their_devices)
 {
@@ -677,7 +677,8 @@ TEST(reload_places_layers_on_their_devices)
 
     /* The reload: alpha moves to devices 0 and 2, late arrives with two
      * of its four experts on device 2 and one on each of 0 and 1. */
-    snprintf(conf2, sizeof(conf2), "[daemon]\nallowed_dirs = %s\n\n", wdir);
+    snprintf(conf2, sizeof(conf2), "[daemon]\nallowed_dirs = %s\n\n[limits]\nmax_layers = 3\n\n",
+             wdir);
     snprintf(part, sizeof(part), sec, "alpha", fa, "devices = 0,2\n");
     strcat(conf2, part);
     snprintf(part, sizeof(part), sec, "kept", fa, "devices = 1,2\n");
@@ -706,6 +707,22 @@ TEST(reload_places_layers_on_their_devices)
     forward_and_check(c, &A, 7, &seed);
     forward_and_check(c, &K, 7, &seed);
     forward_and_check(c, &L, 7, &seed);
+    /* The reload's limits apply at once: with three layers loaded, a
+     * fourth is refused (max_layers = 3), before its weights are read. */
+    const size_t xb = 4 * 32 * 48 * 2;
+    moe_region *xr = NULL;
+    CHECK(moe_region_create(c, 3 * xb, "extra", &xr) == 0);
+    moe_layer_desc xd = {
+        .name = "extra", .kind = MOE_LAYER_MOE, .dtype = MOE_DTYPE_BF16, .experts = 4,
+        .topk = 2, .hidden = 32, .intermediate = 48, .routing = MOE_ROUTING_SOFTMAX,
+        .renormalize = true,
+        .w1 = moe_tensor_3d(xr, 0, MOE_DTYPE_BF16, 4, 48, 32),
+        .w3 = moe_tensor_3d(xr, xb, MOE_DTYPE_BF16, 4, 48, 32),
+        .w2 = moe_tensor_3d(xr, 2 * xb, MOE_DTYPE_BF16, 4, 32, 48),
+    };
+    CHECK_EQ_INT(moe_layer_load(c, &xd, NULL), -EDQUOT);
+    CHECK_STR_CONTAINS(moe_errmsg(), "max_layers");
+    moe_region_free(c, &xr);
     char *log = read_file(d.log);
     CHECK_STR_CONTAINS(log, "unloading layer 'alpha': its section changed");
     CHECK_STR_CONTAINS(log, "reload: 2 layers loaded, 1 unloaded, 1 kept, 0 failed");
