@@ -68,7 +68,8 @@ void moek_from_f32(moek_dtype dt, const float *src, void *dst, size_t n);
 /* Shape of a MoE layer. */
 typedef struct moek_moe_shape {
     int experts;      /* E */
-    int topk;         /* k, 1 <= k <= E */
+    int topk;         /* k >= 1; k <= E when routed from logits (a shard of a
+                         spread layer may have k > E) */
     int hidden;       /* H */
     int intermediate; /* I */
 } moek_moe_shape;

@@ -37,7 +37,7 @@
 #define MOEK_WTILE 128 /* weight rows per GEMM tile (two warpgroups of 64) */
 #define MOEK_KTILE 64  /* K per pipeline stage: one 128-byte swizzle row */
 
-/* Epilogues. SLOT (the wgmma kernel's, moek_combine4): COMBINE's product,
+/* Epilogues. SLOT (the wgmma kernel's, epi_slot_staged): COMBINE's product,
  * the routing weight times the output, stored in the dtype as the row of
  * the slot's sorted position, for a finalize that sums each token's k rows
  * (layer.cu, slot mode). */
@@ -353,7 +353,7 @@ __device__ __forceinline__ float moek_silu(float v)
 /*
  * The epilogue of one pair of accumulators: a thread of either GEMM kernel
  * holds, for token column c of the tile, the values of weight rows R_lo and
- * R_lo + 8 of its group (R_lo % 16 < 8). The weight layouts (layer.cu) make
+ * R_lo + 8 of its group (R_lo % 16 < 8). The weight layouts (weights.cu) make
  * that pair either (gate, up) of one intermediate feature (SWIGLU) or two
  * adjacent output features (COMBINE, STORE), so no data crosses threads.
  */
@@ -514,7 +514,8 @@ static inline cudaError_t moek_launch(void (*kernel)(KArgs...), dim3 grid,
                           std::forward<Args>(args)...);
 }
 
-/* The objects of the C ABI (weights.cu creates them, layer.cu runs them). */
+/* The objects of the C ABI (weights.cu creates the layer and weight set,
+ * layer.cu the workspace; layer.cu runs them). */
 struct moek_cuda_moe_layer {
     CUtensorMap tm13; /* w13 [E * 2I, H] */
     CUtensorMap tm2;  /* w2p [E * H16, I] */

@@ -14,20 +14,21 @@
  *      kernel, one block at small T, did that more slowly);
  *   3. GEMM 2 (inter . w2^T, times the routing weight, fp32 atomic adds into
  *      acc [T, H]; with few tiles split over K, or stream-K where every
- *      routing of the call would split: moe_stream_k); its weight loads
- *      start before GEMM 1 ends (early_a), and where GEMM 1 fills the
- *      card it may start each group as soon as GEMM 1 has written that
- *      group's rows, not when the whole of GEMM 1 is done (moek_dep,
- *      below), and there GEMM 1 and GEMM 2 run as one kernel;
+ *      routing of the call would split: moe_stream_k); where GEMM 1 fills
+ *      every SM its weight loads start before GEMM 1 ends (early_a), and it
+ *      may start each group as soon as GEMM 1 has written that group's
+ *      rows, not when the whole of GEMM 1 is done (moek_dep, below), with
+ *      tiled weights and at most 256 experts as one kernel with GEMM 1;
  *   4. finalize: out = acc rounded to the dtype.
  * Slot mode (prefill tiles, moe_slots) replaces the accumulator: GEMM 2
  * stores each slot's row, times its routing weight, in the dtype at the
  * slot's sorted position (never split), and the finalize sums each token's
  * k rows; nothing is zeroed and no atomics run.
- * Every kernel is launched with programmatic dependent launch (PDL) so its
- * launch and prologue overlap the previous kernel's tail; MOEK_CUDA_NO_PDL=1
- * in the environment turns that off, MOEK_CUDA_NO_EARLY=1 only GEMM 2's early
- * weight loads. A grouped GEMM is an align kernel and
+ * Every kernel on a stream of the caller's is launched with programmatic
+ * dependent launch (PDL) so its launch and prologue overlap the previous
+ * kernel's tail (the legacy default stream gets plain launches);
+ * MOEK_CUDA_NO_PDL=1 in the environment turns that off, MOEK_CUDA_NO_EARLY=1
+ * only GEMM 2's early weight loads. A grouped GEMM is an align kernel and
  * one GEMM with the plain store epilogue.
  */
 #include <errno.h>
@@ -609,7 +610,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
         return 0;
     if (!x || !out)
         return moek_cuda_refuse(-EINVAL, "fused_moe: NULL x or out");
-    /* 16-byte loads of x's rows, 8-byte stores of out's. */
+    /* 16-byte loads of x's rows; 8-byte stores of out's (slot mode: 16). */
     if (((uintptr_t)x & 15) || ((uintptr_t)out & 15))
         return moek_cuda_refuse(-EINVAL,
                                 "fused_moe: x and out must be 16-byte aligned");

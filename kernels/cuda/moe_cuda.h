@@ -15,8 +15,8 @@
  * compact list of (expert, token tile) pairs built on the device.
  *
  * Errors: every function returns 0 or a negative errno and never logs:
- *   -EINVAL   a bad argument (NULL pointer, negative size, T above the
- *             workspace's bound, ...);
+ *   -EINVAL   a bad argument (NULL pointer, negative size, misaligned
+ *             pointer, ...);
  *   -ENOTSUP  a shape or dtype these kernels do not compute (fp32 weights,
  *             H, I, N or K not a multiple of 8, E above 512, k above 32, no
  *             usable GPU); never computed wrong, always refused;
@@ -217,7 +217,9 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *layer, moek_cuda_workspace *ws,
 /*
  * The routing the last forward computed, copied out of the workspace
  * (ids [T, k], weights [T, k] on the host); synchronises the stream. For
- * tests and the daemon's --check mode.
+ * tests and the daemon's --check mode. Computed when routed from logits,
+ * or given with remap_dev (the ids are then the layer's own experts, -1
+ * for the others); with given ids and no remap the workspace holds none.
  */
 int moek_cuda_moe_read_routing(const moek_cuda_moe_layer *layer,
                                const moek_cuda_workspace *ws, int tokens,
@@ -313,8 +315,9 @@ int moek_cuda_moe_layer_tune(moek_cuda_moe_layer *layer,
 int moek_cuda_gemm_weights_tune(moek_cuda_gemm_weights *w,
                                 const moek_cuda_tuning *t);
 
-/* The token tile a call of `tokens` tokens would use (for reports): the
- * forced tile, else the layer's tile table, else the heuristic. */
+/* The token tile a call of `tokens` tokens would use (for reports): 16 on
+ * the portable SIMT path; else the forced tile, else the layer's tile
+ * table, else the heuristic. */
 int moek_cuda_moe_layer_token_tile(const moek_cuda_moe_layer *layer,
                                    int tokens);
 
@@ -342,8 +345,10 @@ bool moek_cuda_moe_layer_uses_stream_k(const moek_cuda_moe_layer *layer,
                                        int tokens);
 
 /* Whether such a call on a stream of its own (PDL) starts GEMM 2 per group
- * (layer.cu, moe_dep: sm_90, decode and mid-size tiles, not on a layer
- * made with MOEK_CUDA_NO_DEP=1). */
+ * (layer.cu, moe_dep: sm_90, one-class tiles, where GEMM 1 fills every SM
+ * and, for a short down GEMM, few slots an expert; not on a layer made
+ * with MOEK_CUDA_NO_DEP=1 or MOEK_CUDA_NO_EARLY=1, nor, though this does
+ * not look at it, MOEK_CUDA_NO_PDL=1). */
 bool moek_cuda_moe_layer_uses_dep(const moek_cuda_moe_layer *layer,
                                   int tokens);
 

@@ -13,7 +13,8 @@
  * 40 ms; the whole deepseek-v3 shape (E=256 k=8 H=7168 I=2048) over T = 1,
  * 2, 4, ..., 4096 takes about 5 s on an H200. The device is first kept
  * busy for 300 ms (its clocks ramp up), and a tile replaces the layer's
- * present choice (its table's, else the heuristic's) only when it is more
+ * present choice (its forced tile, else its table's, else the heuristic's)
+ * only when it is more
  * than 2% faster, so ties within the noise keep the heuristic.
  */
 #include <errno.h>
@@ -282,7 +283,8 @@ int moek_cuda_moe_layer_autotune(moek_cuda_moe_layer *L, const int *tokens,
         }
         if (i == 0 && (rc = warm_device(r, T)))
             return rc;
-        /* The layer's present choice for T (its table or the heuristic). */
+        /* The layer's present choice for T (forced, its table or the
+         * heuristic). */
         L->tune = r.saved;
         const int now_tile = moek_cuda_moe_layer_token_tile(L, T);
         int best = 0, now = -1;

@@ -9,7 +9,9 @@
  *                     intermediate feature and applies SiLU(gate)*up itself;
  *   w2p  [E][H16][I]  row 16b + r = feature 16b + 2r, row 16b + 8 + r =
  *                     feature 16b + 2r + 1, so a thread holds two adjacent
- *                     output features and adds them with one 8-byte atomic;
+ *                     output features (moek_epi_pair: one 8-byte atomic on
+ *                     sm_90; the wgmma kernel pairs lanes for 16-byte
+ *                     atomics of four, moek_combine4);
  *                     H16 = H rounded up to 16, the pad rows are zero;
  *   b    [G][N16][K]  the grouped GEMM's B, paired like w2p.
  * Rows and columns are then stored in tiles (moek_wt_index, cuda_common.cuh):
