@@ -328,16 +328,20 @@ int config_set_daemon(struct config *c, const char *k, const char *v)
     return -ENOENT;
 }
 
-/* Numeric keys of [batch] and [limits]: name, field, bounds. */
+/* Numeric keys of [batch] and [limits]: name, field, bounds, and whether a
+ * reload can apply them (config_take_numbers) or only a restart. */
 struct num_key {
     const char *section, *name;
     size_t off;
     bool is64;
     uint64_t lo, hi;
+    bool at_start;
 };
 
-#define NUM32(sec, nm, field, lo, hi) {sec, nm, offsetof(struct config, field), false, lo, hi}
-#define NUM64(sec, nm, field, lo) {sec, nm, offsetof(struct config, field), true, lo, UINT64_MAX}
+#define NUM32(sec, nm, field, lo, hi) \
+    {sec, nm, offsetof(struct config, field), false, lo, hi, false}
+#define NUM64(sec, nm, field, lo) \
+    {sec, nm, offsetof(struct config, field), true, lo, UINT64_MAX, false}
 
 static const struct num_key num_keys[] = {
     NUM32("batch", "max_batch_tokens", max_batch_tokens, 1, 1u << 20),
@@ -345,7 +349,8 @@ static const struct num_key num_keys[] = {
     NUM32("batch", "max_request_tokens", max_request_tokens, 1, 1u << 24),
     NUM32("batch", "max_slice_tokens", max_slice_tokens, 1, 1u << 24),
     NUM32("batch", "return_wait_us", return_wait_us, 0, 1000000),
-    NUM32("batch", "spin_us", spin_us, 0, 100000),
+    /* the compute thread reads it as it starts */
+    {"batch", "spin_us", offsetof(struct config, spin_us), false, 0, 100000, true},
     NUM32("limits", "max_sessions", max_sessions, 1, 65536),
     NUM32("limits", "max_regions", max_regions, 1, 65536),
     NUM64("limits", "max_region_bytes", max_region_bytes, 1),
@@ -354,11 +359,34 @@ static const struct num_key num_keys[] = {
     NUM32("limits", "max_queued_requests", max_queued_requests, 1, 1u << 20),
     NUM32("limits", "max_queued_tokens", max_queued_tokens, 1, 1u << 30),
     NUM32("limits", "max_queued_total", max_queued_total, 1, 1u << 24),
-    NUM64("limits", "max_message_bytes", max_message_bytes, 4096),
-    NUM32("limits", "max_pending_messages", max_pending_messages, 16, 1u << 20),
+    /* socket options, set as the sockets open */
+    {"limits", "max_message_bytes", offsetof(struct config, max_message_bytes), true, 4096,
+     UINT64_MAX, true},
+    {"limits", "max_pending_messages", offsetof(struct config, max_pending_messages), false, 16,
+     1u << 20, true},
     NUM32("limits", "max_layers", max_layers, 1, 65536),
     NUM32("limits", "max_loads", max_loads, 1, 1024),
 };
+
+static uint64_t num_get(const struct config *c, const struct num_key *nk)
+{
+    const char *p = (const char *)c + nk->off;
+    return nk->is64 ? *(const uint64_t *)p : *(const uint32_t *)p;
+}
+
+void config_take_numbers(struct config *c, const struct config *n,
+                         void (*at_start)(const char *key))
+{
+    for (size_t i = 0; i < sizeof(num_keys) / sizeof(num_keys[0]); i++) {
+        const struct num_key *nk = &num_keys[i];
+        if (num_get(c, nk) == num_get(n, nk))
+            continue;
+        if (nk->at_start)
+            at_start(nk->name);
+        else
+            memcpy((char *)c + nk->off, (const char *)n + nk->off, nk->is64 ? 8 : 4);
+    }
+}
 
 static int num_key(struct config *c, const char *section, const char *k, const char *v)
 {

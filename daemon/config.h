@@ -133,6 +133,11 @@ int config_add_allowed_dir(struct config *c, const char *dir);
 /* One [daemon] key as the file would set it: 0, -EINVAL for a bad value,
  * -ENOENT for an unknown key, -ENOMEM. */
 int config_set_daemon(struct config *c, const char *key, const char *value);
+/* Copy n's [batch] and [limits] numbers that a running daemon can take
+ * into c; for each other one that differs, call at_start(key) (it takes
+ * effect at the next start). */
+void config_take_numbers(struct config *c, const struct config *n,
+                         void (*at_start)(const char *key));
 
 /* The runtime directory rule shared with libmoe: $MOED_RUNTIME_DIR, else
  * /run/moed for root, else $XDG_RUNTIME_DIR/moed, else /tmp/moed-<uid>.

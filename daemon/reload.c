@@ -453,10 +453,15 @@ static void on_poll(void *data)
     finish(r);
 }
 
+static void at_next_start(const char *key)
+{
+    log_warn("reload: '%s' changed; it takes effect at the next start", key);
+}
+
 static void warn_restart(const char *key, bool changed)
 {
     if (changed)
-        log_warn("reload: '%s' changed; it takes effect at the next start", key);
+        at_next_start(key);
 }
 
 static void reload_begin(struct reload *r)
@@ -484,9 +489,8 @@ static void reload_begin(struct reload *r)
                              memcmp(c->gpus, n->gpus, sizeof(c->gpus)) != 0);
     warn_restart("transport", strcmp(c->transport, n->transport) != 0);
     warn_restart("io_threads", c->io_threads != n->io_threads);
-    warn_restart("max_message_bytes", c->max_message_bytes != n->max_message_bytes);
-    warn_restart("spin_us", c->spin_us != n->spin_us);
-    warn_restart("max_pending_messages", c->max_pending_messages != n->max_pending_messages);
+    /* [batch] and [limits] (config.c's table says which wait for a start) */
+    config_take_numbers(c, n, at_next_start);
     /* The table file may have been rewritten by moed --tune: read it again
      * for the layers loaded from now on. */
     char *tt = c->tile_table;
@@ -495,22 +499,7 @@ static void reload_begin(struct reload *r)
     reload_tiles(c->tile_table, s->backends, s->n_backends);
     c->log_level = n->log_level;
     log_set_level((enum log_level)n->log_level);
-    c->max_batch_tokens = n->max_batch_tokens;
-    c->max_delay_us = n->max_delay_us;
-    c->max_request_tokens = n->max_request_tokens;
-    c->max_slice_tokens = n->max_slice_tokens;
-    c->return_wait_us = n->return_wait_us;
     c->batching = n->batching;
-    c->max_sessions = n->max_sessions;
-    c->max_regions = n->max_regions;
-    c->max_region_bytes = n->max_region_bytes;
-    c->max_session_bytes = n->max_session_bytes;
-    c->max_pinned_bytes = n->max_pinned_bytes;
-    c->max_queued_requests = n->max_queued_requests;
-    c->max_queued_tokens = n->max_queued_tokens;
-    c->max_queued_total = n->max_queued_total;
-    c->max_layers = n->max_layers;
-    c->max_loads = n->max_loads;
     if (dirs_same(c, n)) {
         reconcile(r);
         return;

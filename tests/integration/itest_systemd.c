@@ -708,21 +708,11 @@ TEST(reload_places_layers_on_their_devices)
     forward_and_check(c, &K, 7, &seed);
     forward_and_check(c, &L, 7, &seed);
     /* The reload's limits apply at once: with three layers loaded, a
-     * fourth is refused (max_layers = 3), before its weights are read. */
-    const size_t xb = 4 * 32 * 48 * 2;
-    moe_region *xr = NULL;
-    CHECK(moe_region_create(c, 3 * xb, "extra", &xr) == 0);
-    moe_layer_desc xd = {
-        .name = "extra", .kind = MOE_LAYER_MOE, .dtype = MOE_DTYPE_BF16, .experts = 4,
-        .topk = 2, .hidden = 32, .intermediate = 48, .routing = MOE_ROUTING_SOFTMAX,
-        .renormalize = true,
-        .w1 = moe_tensor_3d(xr, 0, MOE_DTYPE_BF16, 4, 48, 32),
-        .w3 = moe_tensor_3d(xr, xb, MOE_DTYPE_BF16, 4, 48, 32),
-        .w2 = moe_tensor_3d(xr, 2 * xb, MOE_DTYPE_BF16, 4, 32, 48),
-    };
-    CHECK_EQ_INT(moe_layer_load(c, &xd, NULL), -EDQUOT);
+     * fourth is refused (max_layers = 3). */
+    struct itest_layer X = layer_def("extra", 4, 2, 32, 48);
+    CHECK_EQ_INT(itest_layer_try_upload(c, &X, &seed, NULL), -EDQUOT);
     CHECK_STR_CONTAINS(moe_errmsg(), "max_layers");
-    moe_region_free(c, &xr);
+    itest_layer_free(&X);
     /* The reload's summary follows its last load (poll for it). */
     char *log = NULL;
     for (uint64_t end = now_ms() + 5000;; itest_sleep_ms(20)) {

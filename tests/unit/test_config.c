@@ -693,10 +693,56 @@ TEST(layer_devices)
     CHECK_NO_LEAKS();
 }
 
+static char at_start_keys[256];
+static void note_at_start(const char *key)
+{
+    strcat(at_start_keys, key);
+    strcat(at_start_keys, " ");
+}
+
+/* A reload takes every [batch] and [limits] number a running daemon can
+ * apply, and names each of the others that changed instead of taking it. */
+TEST(take_numbers)
+{
+    struct config c, n;
+    char err[512] = "";
+    CHECK_EQ_INT(config_init(&c), 0);
+    CHECK_EQ_INT(config_init(&n), 0);
+    CHECK_EQ_INT(config_parse_string(&n, "[batch]\nmax_delay_us = 7\nspin_us = 9\n"
+                                         "[limits]\nmax_layers = 3\nmax_loads = 2\n"
+                                         "max_queued_total = 5\nmax_region_bytes = 12345\n"
+                                         "max_message_bytes = 8192\n"
+                                         "max_pending_messages = 64\n",
+                                     err, sizeof(err)), 0);
+    at_start_keys[0] = '\0';
+    config_take_numbers(&c, &n, note_at_start);
+    CHECK_EQ_INT(c.max_delay_us, 7);
+    CHECK_EQ_INT(c.max_layers, 3);
+    CHECK_EQ_INT(c.max_loads, 2);
+    CHECK_EQ_INT(c.max_queued_total, 5);
+    CHECK_EQ_INT(c.max_region_bytes, 12345);
+    CHECK_EQ_INT(c.max_batch_tokens, 4096); /* the same in both */
+    CHECK(c.spin_us == CONFIG_SPIN_AUTO);
+    CHECK_EQ_INT(c.max_message_bytes, 1u << 20);
+    CHECK_EQ_INT(c.max_pending_messages, 1024);
+    CHECK_STR_EQ(at_start_keys, "spin_us max_message_bytes max_pending_messages ");
+    /* nothing left to take: no call */
+    at_start_keys[0] = '\0';
+    n.spin_us = c.spin_us;
+    n.max_message_bytes = c.max_message_bytes;
+    n.max_pending_messages = c.max_pending_messages;
+    config_take_numbers(&c, &n, note_at_start);
+    CHECK_STR_EQ(at_start_keys, "");
+    config_done(&c);
+    config_done(&n);
+    CHECK_NO_LEAKS();
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
         TEST_CASE(layer_devices),
+        TEST_CASE(take_numbers),
         TEST_CASE(defaults),
         TEST_CASE(value_parsers),
         TEST_CASE(full_file),
