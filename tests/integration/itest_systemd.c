@@ -665,13 +665,15 @@ TEST(reload_places_layers_on_their_devices)
     struct itest_daemon d;
     itest_daemon_start(&d, "--virtual-devices", "3", "--config", conf, NULL);
     moe_client *c = itest_connect(&d, "placed");
+    /* configured layers are loaded before the daemon listens */
     moe_layer_info infos[8];
-    int n = wait_placed(c, infos, 8, "kept", 2, 5000);
+    int n = moe_layer_list(c, infos, 8);
     CHECK_EQ_INT(n, 2);
-    const moe_layer_info *ia = info_of(infos, n, "alpha");
-    CHECK(ia != NULL);
+    const moe_layer_info *ia = info_of(infos, n, "alpha"), *ik0 = info_of(infos, n, "kept");
+    CHECK(ia && ik0);
     CHECK_EQ_INT(ia->n_devices, 1);
     CHECK_EQ_INT(ia->devices[0], 0);
+    CHECK_EQ_INT(ik0->n_devices, 2);
     forward_and_check(c, &A, 5, &seed);
     forward_and_check(c, &K, 5, &seed);
 
