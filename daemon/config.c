@@ -520,17 +520,28 @@ static int on_ini(void *user, const char *section, const char *key, const char *
     return rc ? 0 : 1;
 }
 
+/* What can be said of the layer sections without reading their files. */
 static int config_check(struct config *c, char *err, size_t errlen)
 {
-    for (struct layer_conf *l = c->layers; l; l = l->next) {
-        if (!name_valid(l->name)) {
-            snprintf(err, errlen, "layer '%s': names are 1-64 characters of A-Z a-z 0-9 . _ -", l->name);
+    unsigned n = 0;
+    for (struct layer_conf *l = c->layers; l; l = l->next, n++) {
+        const char *why = !name_valid(l->name)
+                              ? "names are 1-64 characters of A-Z a-z 0-9 . _ -"
+                          : !l->path ? "no file"
+                          : l->kind == MOE__LAYER_KIND__LAYER_MOE && !l->topk
+                              ? "topk is required for a MoE layer"
+                          : l->kind == MOE__LAYER_KIND__LAYER_GEMM && (!l->prefix || !l->prefix[0])
+                              ? "a GEMM layer names its weight tensor with prefix ="
+                              : NULL;
+        if (why) {
+            snprintf(err, errlen, "layer '%s': %s", l->name, why);
             return -EINVAL;
         }
-        if (!l->path) {
-            snprintf(err, errlen, "layer '%s': no file", l->name);
-            return -EINVAL;
-        }
+    }
+    if (n > c->max_layers) {
+        snprintf(err, errlen, "%u [layer] sections, more than max_layers (%u)", n,
+                 c->max_layers);
+        return -EINVAL;
     }
     return 0;
 }

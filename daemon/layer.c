@@ -37,6 +37,9 @@ struct load_job {
     size_t route_len;
     uint64_t req_id;
     uint64_t start_us;
+    /* Queued: a failure is logged here (a synchronous load's caller reports
+     * it). */
+    bool report;
     /* Result. */
     int rc;
     char err[512];
@@ -207,7 +210,8 @@ static void load_done(struct job *job)
     Moe__Reply rep = MOE__REPLY__INIT;
     Moe__LayerInfo info;
     if (lj->rc) {
-        log_warn("cannot load layer '%s': %s", l->name, lj->err);
+        if (lj->report)
+            log_warn("cannot load layer '%s': %s", l->name, lj->err);
         layer_unlink(s, l);
         layer_unref(s, &l);
         if (lj->route_len)
@@ -324,21 +328,22 @@ static int load_job_devices(struct server *s, struct load_job *lj, int kind, con
     return 0;
 }
 
-void layer_handle_load(struct server *s, struct session *se, const uint8_t *route_id,
-                       size_t route_len, uint64_t req_id, const void *msg)
+/* Check a load and reserve its name: *out is the job, ready to run, its
+ * layer LOADING; or an error with err. from_client: a client's LoadLayer,
+ * which counts against max_loads (the configuration's loads do not). */
+static int load_prepare(struct server *s, struct session *se, const Moe__LoadLayer *m,
+                        bool from_client, struct load_job **out, char *err, size_t errlen)
 {
-    const Moe__LoadLayer *m = msg;
-    char err[512] = "";
-    int rc = 0;
+    err[0] = '\0';
     if (!name_valid(m->name)) {
-        server_reply_error(s, route_id, route_len, req_id, -EINVAL,
-                           "layer names are 1-64 characters of A-Z a-z 0-9 . _ -");
-        return;
+        snprintf(err, errlen, "layer names are 1-64 characters of A-Z a-z 0-9 . _ -");
+        return -EINVAL;
     }
-    if (layer_find(s, m->name)) {
-        server_reply_error(s, route_id, route_len, req_id, -EEXIST,
-                           "a layer named '%s' is already loaded", m->name);
-        return;
+    const struct layer *had = layer_find(s, m->name);
+    if (had) {
+        snprintf(err, errlen, "a layer named '%s' is already %s", m->name,
+                 had->state == LAYER_LOADING ? "being loaded" : "loaded");
+        return -EEXIST;
     }
     /* Layers outlive the sessions that load them, so their number is
      * capped, and so is the loader's queue. */
@@ -346,26 +351,21 @@ void layer_handle_load(struct server *s, struct session *se, const uint8_t *rout
     for (struct layer *l = s->layers; l; l = l->next)
         n_layers++;
     if (n_layers >= s->cfg->max_layers) {
-        server_reply_error(s, route_id, route_len, req_id, -EDQUOT,
-                           "%u layers are loaded or loading, the limit (max_layers)", n_layers);
-        return;
+        snprintf(err, errlen, "%u layers are loaded or loading, the limit (max_layers)", n_layers);
+        return -EDQUOT;
     }
-    if (worker_pending(s->loader) >= s->cfg->max_loads) {
-        server_reply_error(s, route_id, route_len, req_id, -EBUSY,
-                           "%u loads are in flight, the limit (max_loads); try again",
-                           worker_pending(s->loader));
-        return;
+    if (from_client && worker_pending(s->loader) >= s->cfg->max_loads) {
+        snprintf(err, errlen, "%u loads are in flight, the limit (max_loads); try again",
+                 worker_pending(s->loader));
+        return -EBUSY;
     }
     struct load_job *lj = calloc(1, sizeof(*lj));
     if (!lj) {
-        server_reply_error(s, route_id, route_len, req_id, -ENOMEM, "out of memory");
-        return;
+        snprintf(err, errlen, "out of memory");
+        return -ENOMEM;
     }
     lj->s = s;
-    lj->req_id = req_id;
     lj->start_us = now_us();
-    memcpy(lj->route_id, route_id, route_len);
-    lj->route_len = route_len;
     struct layer_spec *sp = &lj->spec;
     sp->kind = m->kind;
     sp->dtype = m->dtype;
@@ -377,12 +377,12 @@ void layer_handle_load(struct server *s, struct session *se, const uint8_t *rout
     sp->n = m->n;
     sp->k = m->k;
     struct layer tmp = {0};
-    rc = layer_declare(&tmp, sp, m->routing, m->renormalize, err, sizeof(err));
+    int rc = layer_declare(&tmp, sp, m->routing, m->renormalize, err, errlen);
     bool has_path = m->path && m->path[0];
     lj->upload = m->w1 != NULL;
     if (!rc && has_path == lj->upload) {
         rc = -EINVAL;
-        snprintf(err, sizeof(err), "give either a file path or weight tensors (w1, w3, w2), not %s",
+        snprintf(err, errlen, "give either a file path or weight tensors (w1, w3, w2), not %s",
                  has_path ? "both" : "neither");
     }
     if (!rc && lj->upload) {
@@ -390,26 +390,26 @@ void layer_handle_load(struct server *s, struct session *se, const uint8_t *rout
         uint64_t E = sp->experts, H = sp->hidden, I = sp->intermediate;
         if (!sp->dtype || (moe && (!E || !H || !I)) || (!moe && (!sp->groups || !sp->n || !sp->k))) {
             rc = -EINVAL;
-            snprintf(err, sizeof(err), "an upload must state dtype and every dimension");
+            snprintf(err, errlen, "an upload must state dtype and every dimension");
         }
         if (!rc)
-            rc = wire_tensor(se, m->w1, "w1", &lj->w1, err, sizeof(err));
+            rc = wire_tensor(se, m->w1, "w1", &lj->w1, err, errlen);
         if (!rc && moe)
-            rc = wire_tensor(se, m->w3, "w3", &lj->w3, err, sizeof(err));
+            rc = wire_tensor(se, m->w3, "w3", &lj->w3, err, errlen);
         if (!rc && moe)
-            rc = wire_tensor(se, m->w2, "w2", &lj->w2, err, sizeof(err));
+            rc = wire_tensor(se, m->w2, "w2", &lj->w2, err, errlen);
         if (!rc && moe && !(tensor_is(&lj->w1, sp->dtype, E, I, H) &&
                             tensor_is(&lj->w3, sp->dtype, E, I, H) &&
                             tensor_is(&lj->w2, sp->dtype, E, H, I))) {
             rc = -EINVAL;
-            snprintf(err, sizeof(err), "w1/w3 must be %s [%llu, %llu, %llu] and w2 [%llu, %llu, %llu]",
+            snprintf(err, errlen, "w1/w3 must be %s [%llu, %llu, %llu] and w2 [%llu, %llu, %llu]",
                      wire_dtype_name(sp->dtype), (unsigned long long)E, (unsigned long long)I,
                      (unsigned long long)H, (unsigned long long)E, (unsigned long long)H,
                      (unsigned long long)I);
         }
         if (!rc && !moe && !tensor_is(&lj->w1, sp->dtype, sp->groups, sp->n, sp->k)) {
             rc = -EINVAL;
-            snprintf(err, sizeof(err), "w1 must be %s [%u, %u, %u]", wire_dtype_name(sp->dtype),
+            snprintf(err, errlen, "w1 must be %s [%u, %u, %u]", wire_dtype_name(sp->dtype),
                      sp->groups, sp->n, sp->k);
         }
     } else if (!rc) {
@@ -422,56 +422,100 @@ void layer_handle_load(struct server *s, struct session *se, const uint8_t *rout
     }
     if (!rc)
         rc = load_job_devices(s, lj, sp->kind, m->devices, m->n_devices, m->expert_device,
-                              m->n_expert_device, err, sizeof(err));
+                              m->n_expert_device, err, errlen);
     if (!rc && !(lj->layer = layer_reserve(s, m->name)))
         rc = -ENOMEM;
     if (rc) {
-        server_reply_error(s, route_id, route_len, req_id, rc, "%s", err[0] ? err : "out of memory");
+        if (!err[0])
+            snprintf(err, errlen, "out of memory");
         load_job_free(lj);
-        return;
+        return rc;
     }
-    layer_declare(lj->layer, sp, m->routing, m->renormalize, err, sizeof(err));
+    layer_declare(lj->layer, sp, m->routing, m->renormalize, err, errlen);
     lj->job.run = load_run;
     lj->job.done = load_done;
+    *out = lj;
+    return 0;
+}
+
+void layer_handle_load(struct server *s, struct session *se, const uint8_t *route_id,
+                       size_t route_len, uint64_t req_id, const void *msg)
+{
+    struct load_job *lj;
+    char err[512] = "";
+    int rc = load_prepare(s, se, msg, true, &lj, err, sizeof(err));
+    if (rc) {
+        server_reply_error(s, route_id, route_len, req_id, rc, "%s", err);
+        return;
+    }
+    lj->req_id = req_id;
+    memcpy(lj->route_id, route_id, route_len);
+    lj->route_len = route_len;
+    lj->report = true;
     worker_submit(s->loader, &lj->job);
 }
 
-int layer_load_conf(struct server *s, const struct layer_conf *lc, char *err, size_t errlen)
+/* A layer section as the LoadLayer request a client would send for it: the
+ * one translation of a section into a load (strings borrowed from lc). */
+static void conf_request(const struct layer_conf *lc, Moe__LoadLayer *m)
 {
-    if (layer_find(s, lc->name)) {
-        snprintf(err, errlen, "a layer named '%s' is already loaded", lc->name);
-        return -EEXIST;
-    }
-    struct load_job lj = {.s = s};
-    lj.spec = (struct layer_spec){
-        .kind = lc->kind, .dtype = lc->dtype, .experts = lc->experts, .topk = lc->topk,
-        .hidden = lc->hidden, .intermediate = lc->intermediate, .groups = lc->groups,
-        .n = lc->n, .k = lc->k, .path = lc->path, .prefix = lc->prefix,
-    };
-    struct layer tmp = {0};
-    int rc = layer_declare(&tmp, &lj.spec, lc->routing, lc->renormalize, err, errlen);
-    if (!rc)
-        rc = load_job_devices(s, &lj, lc->kind, lc->devices, lc->n_devices, lc->expert_devices,
-                              lc->n_expert_devices, err, errlen);
-    if (rc) {
-        free(lj.expert_map);
+    *m = (Moe__LoadLayer)MOE__LOAD_LAYER__INIT;
+    m->name = lc->name;
+    m->kind = lc->kind;
+    m->dtype = lc->dtype;
+    m->experts = lc->experts;
+    m->topk = lc->topk;
+    m->hidden = lc->hidden;
+    m->intermediate = lc->intermediate;
+    m->routing = lc->routing;
+    m->renormalize = lc->renormalize;
+    m->groups = lc->groups;
+    m->n = lc->n;
+    m->k = lc->k;
+    m->path = lc->path;
+    m->prefix = lc->prefix ? lc->prefix : "";
+    m->n_devices = lc->n_devices;
+    m->devices = (uint32_t *)lc->devices;
+    m->n_expert_device = lc->n_expert_devices;
+    m->expert_device = lc->expert_devices;
+}
+
+int layer_load_conf(struct server *s, const struct layer_conf *lc, bool queued, char *err,
+                    size_t errlen)
+{
+    Moe__LoadLayer m;
+    conf_request(lc, &m);
+    struct load_job *lj;
+    int rc = load_prepare(s, NULL, &m, false, &lj, err, errlen);
+    if (rc)
         return rc;
+    if (queued) {
+        lj->report = true;
+        worker_submit(s->loader, &lj->job);
+        return 0;
     }
-    lj.layer = layer_reserve(s, lc->name);
-    if (!lj.layer)
-        return -ENOMEM;
-    layer_declare(lj.layer, &lj.spec, lc->routing, lc->renormalize, err, errlen);
-    load_run(&lj.job);
-    free(lj.expert_map);
-    if (lj.rc) {
-        snprintf(err, errlen, "%s", lj.err);
-        layer_unlink(s, lj.layer);
-        layer_unref(s, &lj.layer);
-        return lj.rc;
-    }
-    lj.layer->state = LAYER_READY;
-    layer_log_tiles(s, lj.layer);
-    return 0;
+    load_run(&lj->job);
+    rc = lj->rc;
+    if (rc)
+        snprintf(err, errlen, "%s", lj->err);
+    load_done(&lj->job);
+    return rc;
+}
+
+bool layer_conf_same(const struct layer_conf *a, const struct layer_conf *b)
+{
+    Moe__LoadLayer ma, mb;
+    conf_request(a, &ma);
+    conf_request(b, &mb);
+    size_t na = moe__load_layer__get_packed_size(&ma), nb = moe__load_layer__get_packed_size(&mb);
+    if (na != nb)
+        return false;
+    uint8_t *pa = malloc(na ? na : 1), *pb = malloc(nb ? nb : 1);
+    bool same = pa && pb && moe__load_layer__pack(&ma, pa) == na &&
+                moe__load_layer__pack(&mb, pb) == nb && !memcmp(pa, pb, na);
+    free(pa);
+    free(pb);
+    return same;
 }
 
 int layer_unload(struct server *s, const char *name)

@@ -659,7 +659,7 @@ int main(int argc, char **argv)
                                  .path = path, .prefix = "model.layers.0.block_sparse_moe.",
                                  .next = &gemm};
         for (struct layer_conf *lc = &moe; lc; lc = lc->next)
-            if ((rc = layer_load_conf(d.server, lc, err, sizeof(err))) < 0) {
+            if ((rc = layer_load_conf(d.server, lc, false, err, sizeof(err))) < 0) {
                 log_err("cannot load demo layer '%s': %s", lc->name, err);
                 return 1;
             }

@@ -171,42 +171,6 @@ static const struct layer_conf *conf_find(const struct layer_conf *l, const char
     return NULL;
 }
 
-static bool str_same(const char *a, const char *b)
-{
-    return !strcmp(a ? a : "", b ? b : "");
-}
-
-static bool u32s_same(const uint32_t *a, size_t na, const uint32_t *b, size_t nb)
-{
-    return na == nb && (na == 0 || !memcmp(a, b, na * sizeof(*a)));
-}
-
-static bool conf_same(const struct layer_conf *a, const struct layer_conf *b)
-{
-    return a->kind == b->kind && a->dtype == b->dtype && a->experts == b->experts &&
-           a->topk == b->topk && a->hidden == b->hidden && a->intermediate == b->intermediate &&
-           a->routing == b->routing && a->renormalize == b->renormalize &&
-           a->groups == b->groups && a->n == b->n && a->k == b->k && str_same(a->path, b->path) &&
-           str_same(a->prefix, b->prefix) &&
-           u32s_same(a->devices, a->n_devices, b->devices, b->n_devices) &&
-           u32s_same(a->expert_devices, a->n_expert_devices, b->expert_devices,
-                     b->n_expert_devices);
-}
-
-/* What can be said of a section without reading its file. */
-static int conf_check(const struct layer_conf *lc, char *err, size_t errlen)
-{
-    if (lc->kind == MOE__LAYER_KIND__LAYER_MOE && lc->topk == 0) {
-        snprintf(err, errlen, "topk is required for a MoE layer");
-        return -EINVAL;
-    }
-    if (lc->kind == MOE__LAYER_KIND__LAYER_GEMM && (!lc->prefix || !lc->prefix[0])) {
-        snprintf(err, errlen, "a GEMM layer names its weight tensor with prefix =");
-        return -EINVAL;
-    }
-    return 0;
-}
-
 static unsigned conf_count(const struct layer_conf *l)
 {
     unsigned n = 0;
@@ -228,17 +192,13 @@ int reload_load_initial(struct reload *r, char *err, size_t errlen)
         struct stat st;
         bool have_st = stat(lc->path, &st) == 0;
         notify_loading_layer(lc->name, ++i, n);
-        if ((rc = conf_check(lc, why, sizeof(why))) < 0 ||
-            (rc = layer_load_conf(s, lc, why, sizeof(why))) < 0) {
+        if ((rc = layer_load_conf(s, lc, false, why, sizeof(why))) < 0) {
             snprintf(err, errlen, "layer '%s': %s", lc->name, why);
             break;
         }
-        struct layer *l = layer_find(s, lc->name);
-        if (l)
-            l->from_config = true;
+        layer_find(s, lc->name)->from_config = true;
         if (have_st)
             file_track(r, lc->name, &st);
-        log_info("layer '%s' loaded from %s", lc->name, lc->path);
     }
     notify_loading_end();
     return rc;
@@ -280,50 +240,20 @@ static void finish(struct reload *r)
         r->done(r->done_data, r->failed);
 }
 
-/* Submit a load to the loader thread, as a client's LoadLayer would be but
- * with nobody to answer: the outcome is logged by layer.c and checked by
- * poll_loads(). */
+/* Queue a section's load on the loader thread: its outcome is logged by
+ * layer.c and checked by poll_loads(). */
 static void submit_load(struct reload *r, const struct layer_conf *lc)
 {
     struct server *s = r->s;
     char why[512] = "";
-    if (conf_check(lc, why, sizeof(why)) < 0) {
-        log_err("reload: layer '%s': %s", lc->name, why);
-        r->failed++;
-        return;
-    }
-    Moe__LoadLayer m = MOE__LOAD_LAYER__INIT;
-    m.name = lc->name;
-    m.kind = lc->kind;
-    m.dtype = lc->dtype;
-    m.experts = lc->experts;
-    m.topk = lc->topk;
-    m.hidden = lc->hidden;
-    m.intermediate = lc->intermediate;
-    m.routing = lc->routing;
-    m.renormalize = lc->renormalize;
-    m.groups = lc->groups;
-    m.n = lc->n;
-    m.k = lc->k;
-    m.path = lc->path;
-    m.prefix = lc->prefix ? lc->prefix : "";
-    /* the section's placement, as layer_load_conf takes it at start */
-    m.n_devices = lc->n_devices;
-    m.devices = (uint32_t *)lc->devices;
-    m.n_expert_device = lc->n_expert_devices;
-    m.expert_device = lc->expert_devices;
-    uint8_t no_route[1] = {0};
     struct stat st;
     bool have_st = stat(lc->path, &st) == 0;
-    layer_handle_load(s, NULL, no_route, 0, 0, &m);
-    struct layer *l = layer_find(s, lc->name);
-    if (!l) {
-        log_err("reload: layer '%s' was refused (moed --check-config names the problem)",
-                lc->name);
+    if (layer_load_conf(s, lc, true, why, sizeof(why)) < 0) {
+        log_err("reload: not loading layer '%s': %s", lc->name, why);
         r->failed++;
         return;
     }
-    l->from_config = true;
+    layer_find(s, lc->name)->from_config = true;
     if (have_st)
         file_track(r, lc->name, &st);
     snprintf(r->loading[r->n_loading++], sizeof(r->loading[0]), "%s", lc->name);
@@ -356,7 +286,7 @@ static void reconcile(struct reload *r)
             continue;
         const struct layer_conf *was = conf_find(old, l->name), *is = conf_find(now, l->name);
         const char *why = !is ? "its section is gone"
-                          : !was || !conf_same(was, is) ? "its section changed"
+                          : !was || !layer_conf_same(was, is) ? "its section changed"
                           : file_replaced(r, l->name, is->path) ? "its file was replaced"
                                                                  : NULL;
         if (why) {
@@ -551,12 +481,9 @@ int reload_check_layers(const struct config *c, char *err, size_t errlen)
     for (const struct layer_conf *lc = c->layers; lc; lc = lc->next) {
         char why[512] = "", canon[4096];
         struct st_file *f = NULL;
-        int rc = conf_check(lc, why, sizeof(why));
-        if (!rc) {
-            int fd = layer_open_allowed(lc->path, c->allowed_dirs, c->n_allowed_dirs, canon,
-                                        sizeof(canon), why, sizeof(why));
-            rc = fd < 0 ? fd : st_open_fd(fd, &f, why, sizeof(why));
-        }
+        int fd = layer_open_allowed(lc->path, c->allowed_dirs, c->n_allowed_dirs, canon,
+                                    sizeof(canon), why, sizeof(why));
+        int rc = fd < 0 ? fd : st_open_fd(fd, &f, why, sizeof(why));
         if (!rc)
             rc = check_tensors(lc, f, why, sizeof(why));
         st_close(&f);

@@ -302,8 +302,14 @@ void layer_unref(struct server *s, struct layer **l);
 void layer_handle_load(struct server *s, struct session *se, const uint8_t *route_id,
                        size_t route_len, uint64_t req_id, const void *msg /* Moe__LoadLayer */);
 int layer_unload(struct server *s, const char *name);
-/* Load a configured layer synchronously (at start). */
-int layer_load_conf(struct server *s, const struct layer_conf *lc, char *err, size_t errlen);
+/* Load a configured layer as a client's LoadLayer of the same fields would
+ * (max_loads aside): at once (at start), or queued on the loader thread (a
+ * reload), where the outcome is logged. 0 or -errno with err: the load is
+ * refused, or (at once) failed. */
+int layer_load_conf(struct server *s, const struct layer_conf *lc, bool queued, char *err,
+                    size_t errlen);
+/* Whether two layer sections ask for the same load. */
+bool layer_conf_same(const struct layer_conf *a, const struct layer_conf *b);
 void layer_unload_all(struct server *s);
 
 /* batch.c */

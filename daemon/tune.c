@@ -128,9 +128,6 @@ int tune_add_configured(struct tune_plan *p, const struct config *c, FILE *out, 
                          "heuristic and are not tuned\n", lc->name);
             continue;
         }
-        if (!lc->topk)
-            return errf(err, errlen, -EINVAL, "layer '%s': topk is required for a MoE layer",
-                        lc->name);
         struct layer_spec spec = {
             .kind = lc->kind, .dtype = lc->dtype, .experts = lc->experts, .topk = lc->topk,
             .hidden = lc->hidden, .intermediate = lc->intermediate, .path = lc->path,

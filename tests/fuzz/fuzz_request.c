@@ -261,7 +261,7 @@ static void restore_layers(void)
         if (layer_find(F.s, F.layers[i].name))
             continue;
         char err[512];
-        int rc = layer_load_conf(F.s, &F.layers[i], err, sizeof(err));
+        int rc = layer_load_conf(F.s, &F.layers[i], false, err, sizeof(err));
         FUZZ_CHECK(rc == 0, "load base layer '%s': %s", F.layers[i].name, err);
     }
     pump_idle();

@@ -734,6 +734,99 @@ TEST(reload_places_layers_on_their_devices)
     itest_rmdir(wdir);
 }
 
+/* Wait up to ms for the log to hold text; returns the log (to free). */
+static char *wait_log(const char *path, const char *text, int ms)
+{
+    char *log = NULL;
+    for (uint64_t end = now_ms() + (uint64_t)ms;; itest_sleep_ms(20)) {
+        free(log);
+        log = read_file(path);
+        if (strstr(log, text))
+            return log;
+        if (now_ms() > end) {
+            dump_log(path);
+            FAIL_AT("no '%s' in the log within %d ms", text, ms);
+        }
+    }
+}
+
+/*
+ * A reload's loads are the configuration's, not a client's: max_loads
+ * (here 1) does not cut short a reload that adds four layers, while
+ * max_layers holds for them as for a client's (counting the client's
+ * layer), and a load it refuses is logged with the reason. A file with
+ * more layer sections than max_layers is refused whole.
+ */
+TEST(reload_loads_past_max_loads_and_names_what_it_refuses)
+{
+    uint64_t seed = test_seed();
+    char wdir[] = "/tmp/moed-sdl.XXXXXX", conf[128], fa[128];
+    CHECK(mkdtemp(wdir) != NULL);
+    snprintf(conf, sizeof(conf), "%s/moed.conf", wdir);
+    snprintf(fa, sizeof(fa), "%s/a.safetensors", wdir);
+    struct itest_layer A = layer_def("alpha", 4, 2, 32, 48);
+    layer_file(&A, fa, "model.layers.0.mlp.", &seed);
+    const char *sec = "[layer %s]\nfile = %s\nprefix = model.layers.0.mlp.\ntopk = 2\n\n";
+    /* conf_n: alpha and the first n of b1 .. b6 */
+    char text[4][2048], part[512];
+    const int n_b[4] = {0, 4, 5, 6};
+    for (int i = 0; i < 4; i++) {
+        snprintf(text[i], sizeof(text[i]),
+                 "[daemon]\nallowed_dirs = %s\n\n[limits]\nmax_loads = 1\nmax_layers = 6\n\n",
+                 wdir);
+        snprintf(part, sizeof(part), sec, "alpha", fa);
+        strcat(text[i], part);
+        for (int j = 1; j <= n_b[i]; j++) {
+            char name[16];
+            snprintf(name, sizeof(name), "b%d", j);
+            snprintf(part, sizeof(part), sec, name, fa);
+            strcat(text[i], part);
+        }
+    }
+    write_file(conf, "%s", text[0]);
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--config", conf, NULL);
+    moe_client *c = itest_connect(&d, "reloads");
+    struct itest_layer U = layer_def("up", 4, 2, 32, 48);
+    itest_layer_upload(c, &U, &seed);
+
+    /* Four new sections, one load allowed in flight to clients. */
+    write_file(conf, "%s", text[1]);
+    kill(d.pid, SIGHUP);
+    free(wait_log(d.log, "reload: 4 layers loaded, 0 unloaded, 1 kept, 0 failed", 10000));
+    moe_layer_info infos[8];
+    CHECK_EQ_INT(moe_layer_list(c, infos, 8), 6);
+    for (int j = 1; j <= 4; j++) {
+        struct itest_layer B = A; /* the same file and weights */
+        snprintf(B.name, sizeof(B.name), "b%d", j);
+        forward_and_check(c, &B, 3, &seed);
+    }
+
+    /* A fifth: seven layers with the client's, past max_layers. */
+    write_file(conf, "%s", text[2]);
+    kill(d.pid, SIGHUP);
+    char *log = wait_log(d.log, "reload: 0 layers loaded, 0 unloaded, 5 kept, 1 failed", 10000);
+    CHECK_STR_CONTAINS(log, "reload: not loading layer 'b5': 6 layers are loaded or loading, "
+                            "the limit (max_layers)");
+    free(log);
+
+    /* Seven sections: the file is refused, the layers stay. */
+    write_file(conf, "%s", text[3]);
+    kill(d.pid, SIGHUP);
+    free(wait_log(d.log, "7 [layer] sections, more than max_layers (6); keeping the running "
+                         "configuration", 10000));
+    CHECK_EQ_INT(moe_layer_list(c, infos, 8), 6);
+    forward_and_check(c, &A, 3, &seed);
+    forward_and_check(c, &U, 3, &seed);
+
+    moe_disconnect(&c);
+    itest_daemon_stop(&d);
+    itest_layer_free(&A);
+    itest_layer_free(&U);
+    itest_rmdir(d.dir);
+    itest_rmdir(wdir);
+}
+
 /*
  * "A hung device must stop the pings": one batch that runs much longer than
  * WATCHDOG_USEC (a CPU layer, one big request, one thread) leaves a gap in
@@ -1368,6 +1461,7 @@ int main(int argc, char **argv)
     return test_main(argc, argv, (struct test_case[]){
         TEST_CASE_TIMEOUT(notify_ready_watchdog_reload_stopping_in_order, 60),
         TEST_CASE_TIMEOUT(reload_places_layers_on_their_devices, 60),
+        TEST_CASE_TIMEOUT(reload_loads_past_max_loads_and_names_what_it_refuses, 60),
         TEST_CASE_TIMEOUT(watchdog_pings_stop_while_one_batch_runs_too_long, 90),
         TEST_CASE_TIMEOUT(socket_activation_passes_both_named_sockets, 30),
         TEST_CASE_TIMEOUT(socket_activation_session_only_binds_zmq_itself, 30),

@@ -327,7 +327,7 @@ TEST(partial_files_layer)
         CHECK(c.batching);
     }
     /* A layer split over two sections of the same name is one layer. */
-    CHECK_EQ_INT(config_parse_string(&c, "[layer a]\nfile = /x\n[layer b]\nfile = /y\n"
+    CHECK_EQ_INT(config_parse_string(&c, "[layer a]\nfile = /x\ntopk = 2\n[layer b]\nfile = /y\ntopk = 2\n"
                                          "[layer a]\nexperts = 4\n", err, sizeof(err)), 0);
     CHECK(c.layers && c.layers->next && !c.layers->next->next);
     CHECK_STR_EQ(c.layers->name, "a");
@@ -340,7 +340,7 @@ TEST(partial_files_layer)
               "max_region_bytes = 18446744073709551615\nmax_message_bytes = 4096\n");
     expect_ok("[batch]\nmax_batch_tokens = 1048576\nmax_delay_us = 10000000\n");
     expect_ok("[daemon]\ncpu_threads = 1024\ndevice = 255\n");
-    expect_ok("[layer a]\nfile = /x\nhidden = 16777216\nexperts = 0\n");
+    expect_ok("[layer a]\nfile = /x\ntopk = 2\nhidden = 16777216\nexperts = 0\n");
     CHECK_NO_LEAKS();
 }
 
@@ -472,12 +472,27 @@ TEST(error_layers)
     expect_error("[layer bad/name]\nfile = /x\n", "layer 'bad/name'", "names are");
     expect_error("[layer two words]\nfile = /x\n", "layer 'two words'", NULL);
     expect_error("[layer ]\nfile = /x\n", "layer ''", NULL);
-    expect_ok("[layer \"quoted.name\"]\nfile = /x\n");
-    expect_ok("[layer A-z_0.9]\nfile = /x\n");
+    expect_ok("[layer \"quoted.name\"]\nfile = /x\ntopk = 2\n");
+    expect_ok("[layer A-z_0.9]\nfile = /x\ntopk = 2\n");
 
     /* A layer needs a file. */
     expect_error("[layer nofile]\nkind = moe\nexperts = 8\n", "layer 'nofile'", "no file");
-    expect_error("[layer good]\nfile = /x\n[layer second]\ndtype = bf16\n", "layer 'second'", "no file");
+    expect_error("[layer good]\nfile = /x\ntopk = 2\n[layer second]\ndtype = bf16\n", "layer 'second'", "no file");
+
+    /* What a load would refuse, refused here with the layer's name: a MoE
+     * layer without topk (it may come in a later section of the same name),
+     * a GEMM layer without the tensor's name. */
+    expect_error("[layer m]\nfile = /x\nexperts = 8\n", "layer 'm'", "topk is required");
+    expect_ok("[layer m]\nfile = /x\n[layer n]\nfile = /y\ntopk = 1\n[layer m]\ntopk = 2\n");
+    expect_error("[layer g]\nkind = gemm\nfile = /x\n", "layer 'g'", "prefix =");
+    expect_error("[layer g]\nkind = gemm\nfile = /x\nprefix =\n", "layer 'g'", "prefix =");
+    expect_ok("[layer g]\nkind = gemm\nfile = /x\nprefix = w\n");
+
+    /* No more sections than max_layers, wherever the limit is set. */
+    expect_error("[layer a]\nfile = /x\ntopk = 2\n[layer b]\nfile = /x\ntopk = 2\n"
+                 "[limits]\nmax_layers = 1\n", "2 [layer] sections", "max_layers (1)");
+    expect_ok("[limits]\nmax_layers = 2\n[layer a]\nfile = /x\ntopk = 2\n"
+              "[layer b]\nfile = /x\ntopk = 2\n");
     CHECK_NO_LEAKS();
 }
 
@@ -495,7 +510,7 @@ TEST(long_names_and_lines)
     name[64] = '\0';
     struct config c;
     CHECK_EQ_INT(config_init(&c), 0);
-    snprintf(text, sizeof(text), "[layer %s]\nfile = /x\n", name);
+    snprintf(text, sizeof(text), "[layer %s]\nfile = /x\ntopk = 2\n", name);
     int rc = config_parse_string(&c, text, err, sizeof(err));
     CHECK(rc == 0 || rc == -EINVAL);
     bool cut = rc == 0 && strcmp(c.layers->name, name) != 0;
@@ -504,7 +519,7 @@ TEST(long_names_and_lines)
     /* 65 characters: too long for name_valid, whatever inih does. */
     name[64] = 'x';
     name[65] = '\0';
-    snprintf(text, sizeof(text), "[layer %s]\nfile = /x\n", name);
+    snprintf(text, sizeof(text), "[layer %s]\nfile = /x\ntopk = 2\n", name);
     CHECK_EQ_INT(config_init(&c), 0);
     rc = config_parse_string(&c, text, err, sizeof(err));
     cut = cut || rc == 0;
@@ -516,7 +531,7 @@ TEST(long_names_and_lines)
     for (int i = 1; i < 300; i++)
         path[i] = "abcdefghij/"[test_rand(&s) % 10];
     path[300] = '\0';
-    snprintf(text, sizeof(text), "[layer a]\nfile = %s\nexperts = 4\n", path);
+    snprintf(text, sizeof(text), "[layer a]\nfile = %s\nexperts = 4\ntopk = 2\n", path);
     CHECK_EQ_INT(config_init(&c), 0);
     rc = config_parse_string(&c, text, err, sizeof(err));
     bool line_ok = rc == 0 ? strcmp(c.layers->path, path) == 0 : strstr(err, "line 2") != NULL;
@@ -672,7 +687,7 @@ TEST(layer_devices)
     struct config c;
     char err[512] = "";
     CHECK_EQ_INT(config_init(&c), 0);
-    CHECK_EQ_INT(config_parse_string(&c, "[layer x]\nfile = /x\ndevices = 0, 2,1\n"
+    CHECK_EQ_INT(config_parse_string(&c, "[layer x]\nfile = /x\ntopk = 2\ndevices = 0, 2,1\n"
                                          "expert_devices = 0,1,1,2\n", err, sizeof(err)), 0);
     CHECK_EQ_INT(c.layers->n_devices, 3);
     CHECK_EQ_INT(c.layers->devices[1], 2);
