@@ -39,7 +39,8 @@ struct moe_region {
 
 struct pending {
     uint64_t id;
-    Moe__Reply *reply;
+    Moe__Reply *reply; /* NULL: a synchronous call gave up on id; its reply,
+                        * when it comes, is dropped */
     struct pending *next;
 };
 
@@ -172,8 +173,13 @@ static int session_call(moe_client *c, Moe__SessionRequest *req, int fd,
             wait = spent < (uint64_t)c->timeout_ms ? c->timeout_ms - (int)spent : 0;
         }
     }
-    if (pr == 0)
+    /* Session replies carry no id: one that comes late would answer the
+     * next call. So the session ends here, and the next call opens a new one
+     * (the daemon frees what the old one held). */
+    if (pr == 0) {
+        c->broken = true;
         return seterr(-ETIMEDOUT, "the daemon did not answer within %d ms", c->timeout_ms);
+    }
     ssize_t r;
     while ((r = recv(c->sfd, buf, sizeof(buf), 0)) < 0 && errno == EINTR)
         ;
@@ -182,8 +188,10 @@ static int session_call(moe_client *c, Moe__SessionRequest *req, int fd,
         return seterr(-ECONNRESET, "the daemon closed the session");
     }
     Moe__SessionReply *rep = moe__session_reply__unpack(NULL, (size_t)r, buf);
-    if (!rep)
+    if (!rep) {
+        c->broken = true;
         return seterr(-EPROTO, "malformed session reply");
+    }
     if (rep->status != MOE__STATUS__STATUS_OK) {
         int e = status_to_errno(rep->status);
         seterr(e, "%s", rep->message && rep->message[0] ? rep->message : status_strerror(e));
@@ -234,7 +242,8 @@ static void connection_close(moe_client *c)
     while (c->pending) {
         struct pending *p = c->pending;
         c->pending = p->next;
-        moe__reply__free_unpacked(p->reply, NULL);
+        if (p->reply)
+            moe__reply__free_unpacked(p->reply, NULL);
         free(p);
     }
 }
@@ -453,7 +462,7 @@ static int send_request(moe_client *c, Moe__Request *req, bool compute)
 static Moe__Reply *pending_take(moe_client *c, uint64_t id)
 {
     for (struct pending **pp = &c->pending; *pp; pp = &(*pp)->next)
-        if ((*pp)->id == id) {
+        if ((*pp)->id == id && (*pp)->reply) {
             struct pending *p = *pp;
             *pp = p->next;
             Moe__Reply *r = p->reply;
@@ -461,6 +470,30 @@ static Moe__Reply *pending_take(moe_client *c, uint64_t id)
             return r;
         }
     return NULL;
+}
+
+/* A synchronous call stops waiting for id: drop its reply if it has come,
+ * else leave a mark so that pending_add drops it when it comes (it would
+ * stay in the list for good). Caller holds mu. */
+static void pending_give_up(moe_client *c, uint64_t id)
+{
+    Moe__Reply *r = pending_take(c, id);
+    if (r) {
+        moe__reply__free_unpacked(r, NULL);
+        return;
+    }
+    struct pending *p = malloc(sizeof(*p));
+    if (!p)
+        return; /* the reply, when it comes, stays in the list */
+    *p = (struct pending){.id = id, .next = c->pending};
+    c->pending = p;
+}
+
+static void give_up(moe_client *c, uint64_t id)
+{
+    pthread_mutex_lock(&c->mu);
+    pending_give_up(c, id);
+    pthread_mutex_unlock(&c->mu);
 }
 
 /* Keep the packed Reply of n bytes for whoever waits on its id. Caller
@@ -471,6 +504,14 @@ static int pending_add(moe_client *c, const void *buf, size_t n, uint64_t stop_i
     Moe__Reply *rep = moe__reply__unpack(NULL, n, buf);
     if (!rep)
         return 0;
+    for (struct pending **pp = &c->pending; *pp; pp = &(*pp)->next)
+        if ((*pp)->id == rep->id && !(*pp)->reply) { /* given up on */
+            struct pending *gone = *pp;
+            *pp = gone->next;
+            free(gone);
+            moe__reply__free_unpacked(rep, NULL);
+            return 0;
+        }
     struct pending *p = malloc(sizeof(*p));
     if (!p) {
         moe__reply__free_unpacked(rep, NULL);
@@ -651,8 +692,11 @@ static int call(moe_client *c, Moe__Request *req, Moe__Reply **out)
     if (rc)
         return rc;
     Moe__Reply *rep = NULL;
-    if ((rc = wait_reply(c, req->id, c->timeout_ms, &rep)) < 0)
+    if ((rc = wait_reply(c, req->id, c->timeout_ms, &rep)) < 0) {
+        if (rc == -ETIMEDOUT)
+            give_up(c, req->id);
         return rc;
+    }
     rc = reply_status(rep);
     if (rc || !out)
         moe__reply__free_unpacked(rep, NULL);
@@ -1104,19 +1148,29 @@ int moe_poll(moe_client *c, moe_request *r)
     return rc ? rc : found;
 }
 
+/* A synchronous call's wait: up to the client's timeout, then it gives up
+ * on the reply. */
+static int sync_wait(moe_client *c, const moe_request *r, moe_timings *timings)
+{
+    int rc = request_wait(c, r, -1, timings);
+    if (rc == -ETIMEDOUT)
+        give_up(c, r->id);
+    return rc;
+}
+
 /* The synchronous calls: a request on the stack, one connection check. */
 int moe_forward(moe_client *c, const moe_forward_args *a, moe_timings *timings)
 {
     moe_request r;
     int rc = submit(c, forward_build, a, &r);
-    return rc ? rc : request_wait(c, &r, -1, timings);
+    return rc ? rc : sync_wait(c, &r, timings);
 }
 
 int moe_gemm(moe_client *c, const moe_gemm_args *a, moe_timings *timings)
 {
     moe_request r;
     int rc = submit(c, gemm_build, a, &r);
-    return rc ? rc : request_wait(c, &r, -1, timings);
+    return rc ? rc : sync_wait(c, &r, timings);
 }
 
 /* ---- stats ------------------------------------------------------------- */

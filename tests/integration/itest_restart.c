@@ -79,9 +79,74 @@ TEST(client_reconnects_after_a_daemon_restart)
     itest_daemon_stop(&d);
 }
 
+/*
+ * A call that times out leaves nothing behind. Session replies carry no id,
+ * so a region call that timed out ends its session: its late reply must not
+ * answer the next call (which would hand out another region's id, and leave
+ * the timed-out region registered). A compute request that timed out has its
+ * late reply dropped, and the next one gets its own.
+ */
+TEST(timed_out_calls_leave_no_stale_reply)
+{
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    moe_client *c = itest_connect(&d, "impatient");
+    struct itest_layer L = {.name = "t", .dt = MOE_DTYPE_BF16, .sh = {8, 2, 256, 512},
+                            .routing = MOE_ROUTING_SOFTMAX, .renorm = true};
+    itest_layer_upload(c, &L, &seed);
+    struct itest_fwd f;
+    itest_fwd_make(c, &L, 16, &seed, &f);
+    moe_set_timeout(c, 200);
+
+    /* A region's registration that the stopped daemon answers late. */
+    moe_region *a = NULL, *b = NULL;
+    kill(d.pid, SIGSTOP);
+    int rc = moe_region_create(c, 4096, "late", &a);
+    kill(d.pid, SIGCONT);
+    CHECK_MSG(rc == -ETIMEDOUT, "create while stopped: %d (%s)", rc, moe_errmsg());
+    CHECK(a == NULL);
+    itest_sleep_ms(300); /* the late reply is sent */
+    CHECK_MSG(moe_region_create(c, 8192, "next", &b) == 0, "%s", moe_errmsg());
+    moe_stats s;
+    CHECK_MSG(moe_stats_get(c, &s) == 0, "%s", moe_errmsg());
+    CHECK_EQ_INT(s.regions, 2); /* f's and b, in the new session */
+    CHECK_EQ_INT(s.region_bytes, moe_region_size(f.r) + 8192);
+    CHECK(moe_region_id(b) != moe_region_id(f.r));
+    /* b is the region the daemon knows as b: its last byte is in bounds */
+    moe_forward_args args = f.args;
+    args.out = moe_tensor_2d(b, 8192 - f.T * 256 * 2, MOE_DTYPE_BF16, f.T, 256);
+    CHECK_MSG(moe_forward(c, &args, NULL) == 0, "%s", moe_errmsg());
+    memcpy((uint8_t *)moe_region_data(f.r) + f.o_off,
+           (uint8_t *)moe_region_data(b) + 8192 - f.T * 256 * 2, f.T * 256 * 2);
+    CHECK(itest_fwd_error(&L, &f) <= itest_tolerance(L.dt));
+
+    /* A forward that the stopped daemon answers late. */
+    kill(d.pid, SIGSTOP);
+    rc = moe_forward(c, &f.args, NULL);
+    kill(d.pid, SIGCONT);
+    CHECK_MSG(rc == -ETIMEDOUT, "forward while stopped: %d (%s)", rc, moe_errmsg());
+    itest_sleep_ms(300);
+    moe_set_timeout(c, 10000);
+    memset((uint8_t *)moe_region_data(f.r) + f.o_off, 0xff, f.T * 256 * 2);
+    CHECK_MSG(moe_forward(c, &f.args, NULL) == 0, "%s", moe_errmsg());
+    CHECK(itest_fwd_error(&L, &f) <= itest_tolerance(L.dt));
+    CHECK(moe_stats_get(c, &s) == 0);
+    CHECK_EQ_INT(s.regions, 2);
+
+    CHECK(moe_region_free(c, &b) == 0);
+    CHECK(moe_region_free(c, &f.r) == 0);
+    CHECK(moe_stats_get(c, &s) == 0);
+    CHECK_EQ_INT(s.regions, 0);
+    moe_disconnect(&c);
+    itest_layer_free(&L);
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
         TEST_CASE(client_reconnects_after_a_daemon_restart),
+        TEST_CASE(timed_out_calls_leave_no_stale_reply),
         {0}});
 }
