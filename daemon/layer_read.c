@@ -78,9 +78,18 @@ int layer_open_allowed(const char *path, char *const *allowed, size_t n_allowed,
     /* O_NONBLOCK: a FIFO must not hang the loader waiting for a writer. */
     int fd = open(real, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY | O_NONBLOCK);
     if (fd < 0) {
-        int e = -errno;
+        /* Permission, a file gone meanwhile and the daemon's own limits are
+         * what they say; any other failure (a socket, a device) is a file
+         * that cannot be read as weights. */
+        int e = errno;
         free(real);
-        return errf(err, errlen, e, "%s: %s", path, strerror(-e));
+        int rc = e == EACCES || e == EPERM ? -EACCES
+                 : e == ENOENT             ? -ENOENT
+                 : e == ENOMEM             ? -ENOMEM
+                 : e == EMFILE || e == ENFILE ? -EMFILE
+                                              : -EIO;
+        return errf(err, errlen, rc, "%s: %s%s", path, strerror(e),
+                    rc == -EIO ? " (not a readable regular file)" : "");
     }
     struct stat fst;
     if (fstat(fd, &fst) < 0 || !S_ISREG(fst.st_mode)) {

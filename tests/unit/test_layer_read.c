@@ -18,7 +18,9 @@
 #include <fcntl.h>
 #include <ftw.h>
 #include <limits.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 
 
 /* ---- helpers ------------------------------------------------------------ */
@@ -766,6 +768,21 @@ TEST(open_allowed_fd)
     close(fd);
     snprintf(p, sizeof(p), "%s/x", v.outside);
     CHECK_EQ_INT(layer_open_allowed(p, v.allow, 1, canon, sizeof(canon), err, sizeof(err)), -EACCES);
+    /* Neither a regular file nor openable (a socket: ENXIO): the file's
+     * fault, -EIO, not an error of the daemon's. A FIFO opens (without
+     * waiting for a writer) and is refused as not regular. */
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    CHECK(snprintf(sa.sun_path, sizeof(sa.sun_path), "%s/sock", v.allowed) < (int)sizeof(sa.sun_path));
+    int sk = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    CHECK(sk >= 0 && bind(sk, (struct sockaddr *)&sa, sizeof(sa)) == 0);
+    CHECK_EQ_INT(layer_open_allowed(sa.sun_path, v.allow, 1, canon, sizeof(canon), err,
+                                    sizeof(err)), -EIO);
+    CHECK_STR_CONTAINS(err, "not a readable regular file");
+    close(sk);
+    snprintf(p, sizeof(p), "%s/fifo", v.allowed);
+    CHECK(mkfifo(p, 0600) == 0);
+    CHECK_EQ_INT(layer_open_allowed(p, v.allow, 1, canon, sizeof(canon), err, sizeof(err)), -EIO);
+    CHECK_STR_CONTAINS(err, "not a regular file");
     tmp_cleanup();
     CHECK_NO_LEAKS();
 }
