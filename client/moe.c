@@ -534,8 +534,11 @@ static int receive_pushed(moe_client *c, uint64_t stop_id)
     for (;;) {
         uint8_t buf[4096];
         ssize_t r = recv(c->rfd, buf, sizeof(buf), MSG_DONTWAIT);
+        /* ECONNRESET: the daemon died with requests of ours unread, an end
+         * of file like any other. */
         if (r <= 0)
-            return r == 0 || errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR
+            return r == 0 || errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ||
+                           errno == ECONNRESET
                        ? found
                        : seterr(-errno, "reply socket: %s", strerror(errno));
         int rc = pending_add(c, buf, (size_t)r, stop_id);

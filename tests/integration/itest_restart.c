@@ -17,15 +17,17 @@ TEST(client_reconnects_after_a_daemon_restart)
                             .routing = MOE_ROUTING_SOFTMAX, .renorm = true};
     itest_layer_upload(c, &L, &seed);
     struct itest_fwd f;
-    itest_fwd_make(c, &L, 2048, &seed, &f); /* long enough to be in flight */
+    itest_fwd_make(c, &L, 2048, &seed, &f);
     uint64_t id0 = moe_region_id(f.r);
     CHECK(moe_forward(c, &f.args, NULL) == 0);
     CHECK(itest_fwd_error(&L, &f) <= itest_tolerance(L.dt));
 
-    /* Killed mid-request: the wait ends at once, not at its timeout. */
+    /* Killed mid-request: the wait ends at once, not at its timeout. The
+     * daemon is stopped before the request goes, so that it is surely
+     * unanswered however fast the backend. */
     moe_request *rq;
+    kill(d.pid, SIGSTOP);
     CHECK(moe_forward_submit(c, &f.args, &rq) == 0);
-    itest_sleep_ms(10);
     itest_daemon_kill(&d);
     uint64_t t0 = now_ms();
     int rc = moe_wait(c, &rq, 30000, NULL);
@@ -48,8 +50,8 @@ TEST(client_reconnects_after_a_daemon_restart)
 
     /* Killed with a request in flight, moe_poll reports the loss (an
      * error) instead of "not yet" forever. */
+    kill(d.pid, SIGSTOP);
     CHECK(moe_forward_submit(c, &f.args, &rq) == 0);
-    itest_sleep_ms(10);
     itest_daemon_kill(&d);
     t0 = now_ms();
     int p = 0;
