@@ -69,7 +69,7 @@ TEST(client_reconnects_after_a_daemon_restart)
     itest_daemon_restart(&d, NULL);
     moe_server_info info;
     CHECK_MSG(moe_hello(c, &info) == 0, "%s", moe_errmsg());
-    CHECK_STR_EQ(info.backend, "cpu");
+    CHECK_STR_EQ(info.backend, itest_on_gpu() ? "cuda" : "cpu");
     moe_stats s;
     CHECK(moe_stats_get(c, &s) == 0);
     CHECK_EQ_INT(s.regions, 1); /* f's region came back with us */
