@@ -328,6 +328,17 @@ static int load_job_devices(struct server *s, struct load_job *lj, int kind, con
     return 0;
 }
 
+/* A LoadLayer's layer as layer_read takes it (path and prefix borrowed from
+ * m, where a queued job copies them). */
+static void spec_of(const Moe__LoadLayer *m, struct layer_spec *sp)
+{
+    *sp = (struct layer_spec){
+        .kind = m->kind, .dtype = m->dtype, .experts = m->experts, .topk = m->topk,
+        .hidden = m->hidden, .intermediate = m->intermediate, .groups = m->groups, .n = m->n,
+        .k = m->k, .path = m->path, .prefix = m->prefix && m->prefix[0] ? m->prefix : NULL,
+    };
+}
+
 /* Check a load and reserve its name: *out is the job, ready to run, its
  * layer LOADING; or an error with err. from_client: a client's LoadLayer,
  * which counts against max_loads (the configuration's loads do not). */
@@ -367,15 +378,8 @@ static int load_prepare(struct server *s, struct session *se, const Moe__LoadLay
     lj->s = s;
     lj->start_us = now_us();
     struct layer_spec *sp = &lj->spec;
-    sp->kind = m->kind;
-    sp->dtype = m->dtype;
-    sp->experts = m->experts;
-    sp->topk = m->topk;
-    sp->hidden = m->hidden;
-    sp->intermediate = m->intermediate;
-    sp->groups = m->groups;
-    sp->n = m->n;
-    sp->k = m->k;
+    spec_of(m, sp);
+    sp->path = sp->prefix = NULL; /* the job's own copies, below */
     struct layer tmp = {0};
     int rc = layer_declare(&tmp, sp, m->routing, m->renormalize, err, errlen);
     bool has_path = m->path && m->path[0];
@@ -500,6 +504,18 @@ int layer_load_conf(struct server *s, const struct layer_conf *lc, bool queued, 
         snprintf(err, errlen, "%s", lj->err);
     load_done(&lj->job);
     return rc;
+}
+
+int layer_conf_check(const struct layer_conf *lc, char *const *allowed, size_t n_allowed,
+                     char *err, size_t errlen)
+{
+    Moe__LoadLayer m;
+    struct layer_spec sp;
+    struct layer tmp = {0};
+    conf_request(lc, &m);
+    spec_of(&m, &sp);
+    int rc = layer_declare(&tmp, &sp, m.routing, m.renormalize, err, errlen);
+    return rc ? rc : layer_check_weights(&sp, allowed, n_allowed, err, errlen);
 }
 
 bool layer_conf_same(const struct layer_conf *a, const struct layer_conf *b)

@@ -52,6 +52,15 @@ int layer_read_weights(const struct layer_spec *spec, char *const *allowed,
 void host_weights_done(struct host_weights *w);
 
 /*
+ * Every check layer_read_weights makes (the file, its tensors' names, shapes
+ * and dtypes, and a MoE layer's topk against its experts), from the file's
+ * header alone: whether that load would succeed short of memory. Same
+ * errors.
+ */
+int layer_check_weights(const struct layer_spec *spec, char *const *allowed, size_t n_allowed,
+                        char *err, size_t errlen);
+
+/*
  * A MoE layer's experts, hidden and intermediate sizes and dtype as
  * layer_read_weights would read them, from the file's header alone (for
  * moed --tune, which times layers of that shape): out gets the sizes, dtype

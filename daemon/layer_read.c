@@ -227,7 +227,9 @@ static int moe_shape(const struct layer_spec *spec, const struct st_file *f,
     return 0;
 }
 
-static int read_moe(const struct layer_spec *spec, const struct st_file *f,
+/* A MoE layer's tensors from f into out; read false: every check, from the
+ * header alone, and nothing read. */
+static int read_moe(const struct layer_spec *spec, const struct st_file *f, bool read,
                     struct host_weights *out, char *err, size_t errlen)
 {
     const char *prefix = spec->prefix ? spec->prefix : "";
@@ -242,12 +244,17 @@ static int read_moe(const struct layer_spec *spec, const struct st_file *f,
     uint64_t per = I * H, esz = dtype == MOE__DTYPE__DTYPE_FP32 ? 4 : 2, total;
     if (!mul_u64(per * esz, E, &total))
         return -EOVERFLOW;
-    out->w1 = malloc(total);
-    out->w3 = malloc(total);
-    out->w2 = malloc(total);
     out->bytes = 3 * total;
-    if (!out->w1 || !out->w3 || !out->w2)
-        return -ENOMEM;
+    if (spec->topk > E)
+        return errf(err, errlen, -EINVAL, "topk %u is above the layer's %u experts", spec->topk,
+                    E);
+    if (read) {
+        out->w1 = malloc(total);
+        out->w3 = malloc(total);
+        out->w2 = malloc(total);
+        if (!out->w1 || !out->w3 || !out->w2)
+            return -ENOMEM;
+    }
     void *dst[3] = {out->w1, out->w3, out->w2};
     for (uint32_t e = 0; e < E; e++)
         for (int p = 0; p < 3; p++) {
@@ -262,14 +269,15 @@ static int read_moe(const struct layer_spec *spec, const struct st_file *f,
                             "(want %s [%llu, %llu])", t->name, (unsigned long long)H,
                             (unsigned long long)I, p < 2 ? "gate/up" : "down",
                             (unsigned long long)(p < 2 ? I : H), (unsigned long long)(p < 2 ? H : I));
-            if ((rc = read_as(f, t, dtype, (uint8_t *)dst[p] + (uint64_t)e * per * esz, per,
-                              err, errlen)))
+            if (read && (rc = read_as(f, t, dtype, (uint8_t *)dst[p] + (uint64_t)e * per * esz,
+                                      per, err, errlen)))
                 return rc;
         }
     return 0;
 }
 
-static int read_gemm(const struct layer_spec *spec, const struct st_file *f,
+/* A GEMM layer's tensor, as read_moe. */
+static int read_gemm(const struct layer_spec *spec, const struct st_file *f, bool read,
                      struct host_weights *out, char *err, size_t errlen)
 {
     const char *name = spec->prefix ? spec->prefix : "";
@@ -295,6 +303,8 @@ static int read_gemm(const struct layer_spec *spec, const struct st_file *f,
     out->n = (uint32_t)t->shape[1];
     out->k = (uint32_t)t->shape[2];
     out->bytes = numel * (dtype == MOE__DTYPE__DTYPE_FP32 ? 4 : 2);
+    if (!read)
+        return 0;
     out->w1 = malloc(out->bytes);
     if (!out->w1)
         return -ENOMEM;
@@ -325,9 +335,9 @@ static void set_source(struct host_weights *out, const char *canon, const struct
         snprintf(out->source + n, sizeof(out->source) - (size_t)n, ":%s", spec->prefix);
 }
 
-int layer_read_weights(const struct layer_spec *spec, char *const *allowed,
-                       size_t n_allowed, struct host_weights *out, char *err,
-                       size_t errlen)
+/* layer_read_weights, or (read false) layer_check_weights into out. */
+static int read_layer(const struct layer_spec *spec, char *const *allowed, size_t n_allowed,
+                      bool read, struct host_weights *out, char *err, size_t errlen)
 {
     char canon[PATH_MAX];
     struct st_file *f = NULL;
@@ -335,8 +345,8 @@ int layer_read_weights(const struct layer_spec *spec, char *const *allowed,
     int rc = open_spec(spec, allowed, n_allowed, canon, &f, err, errlen);
     if (rc)
         return rc;
-    rc = spec->kind == MOE__LAYER_KIND__LAYER_GEMM ? read_gemm(spec, f, out, err, errlen)
-                                                   : read_moe(spec, f, out, err, errlen);
+    rc = spec->kind == MOE__LAYER_KIND__LAYER_GEMM ? read_gemm(spec, f, read, out, err, errlen)
+                                                   : read_moe(spec, f, read, out, err, errlen);
     st_close(&f);
     if (rc) {
         if (rc == -ENOMEM)
@@ -346,6 +356,22 @@ int layer_read_weights(const struct layer_spec *spec, char *const *allowed,
     }
     set_source(out, canon, spec);
     return 0;
+}
+
+int layer_read_weights(const struct layer_spec *spec, char *const *allowed,
+                       size_t n_allowed, struct host_weights *out, char *err,
+                       size_t errlen)
+{
+    return read_layer(spec, allowed, n_allowed, true, out, err, errlen);
+}
+
+int layer_check_weights(const struct layer_spec *spec, char *const *allowed, size_t n_allowed,
+                        char *err, size_t errlen)
+{
+    struct host_weights w;
+    int rc = read_layer(spec, allowed, n_allowed, false, &w, err, errlen);
+    host_weights_done(&w);
+    return rc;
 }
 
 int layer_read_shape(const struct layer_spec *spec, char *const *allowed, size_t n_allowed,

@@ -288,11 +288,24 @@ static void reconcile(struct reload *r)
         const char *why = !is ? "its section is gone"
                           : !was || !layer_conf_same(was, is) ? "its section changed"
                           : file_replaced(r, l->name, is->path) ? "its file was replaced"
-                                                                 : NULL;
-        if (why) {
-            log_info("reload: unloading layer '%s': %s", l->name, why);
-            snprintf(drop[n_drop++], sizeof(drop[0]), "%s", l->name);
+                          : l->conf_behind ? "a reload before kept it back"
+                                           : NULL;
+        if (!why)
+            continue;
+        /* A layer is loaded again only where the new load would succeed
+         * (short of memory): a mistake in its section or a broken file
+         * keeps it serving as it was. */
+        char bad[512] = "";
+        if (is && layer_conf_check(is, s->cfg->allowed_dirs, s->cfg->n_allowed_dirs, bad,
+                                   sizeof(bad)) < 0) {
+            log_err("reload: keeping layer '%s' as loaded (%s), since the load would fail: %s",
+                    l->name, why, bad);
+            l->conf_behind = true; /* the next reload tries again */
+            r->failed++;
+            continue;
         }
+        log_info("reload: unloading layer '%s': %s", l->name, why);
+        snprintf(drop[n_drop++], sizeof(drop[0]), "%s", l->name);
     }
     for (unsigned i = 0; i < n_drop; i++)
         if (layer_unload(s, drop[i]) == 0)
@@ -300,7 +313,9 @@ static void reconcile(struct reload *r)
     free(drop);
     for (const struct layer_conf *lc = now; lc; lc = lc->next) {
         struct layer *l = layer_find(s, lc->name);
-        if (l && l->from_config) {
+        if (l && l->from_config && l->conf_behind) {
+            /* kept as it was, counted as failed above */
+        } else if (l && l->from_config) {
             r->kept++;
         } else if (l) {
             log_warn("reload: not loading layer '%s': a layer of that name was loaded by a "
@@ -456,37 +471,11 @@ void reload_start(struct reload *r, reload_done_fn done, void *data)
 
 /* ---- --check-config ---------------------------------------------------------- */
 
-static int check_tensors(const struct layer_conf *lc, const struct st_file *f, char *err,
-                         size_t errlen)
-{
-    char a[400], b[400];
-    const char *p = lc->prefix ? lc->prefix : "";
-    if (lc->kind == MOE__LAYER_KIND__LAYER_GEMM) {
-        if (st_find(f, p))
-            return 0;
-        snprintf(err, errlen, "no tensor named '%s' in %s", p, lc->path);
-        return -EINVAL;
-    }
-    snprintf(a, sizeof(a), "%sexperts.0.w1.weight", p);
-    snprintf(b, sizeof(b), "%sexperts.0.gate_proj.weight", p);
-    if (st_find(f, a) || st_find(f, b))
-        return 0;
-    snprintf(err, errlen, "no tensor %sexperts.0.w1.weight (nor .gate_proj.weight) in %s", p,
-             lc->path);
-    return -EINVAL;
-}
-
 int reload_check_layers(const struct config *c, char *err, size_t errlen)
 {
     for (const struct layer_conf *lc = c->layers; lc; lc = lc->next) {
-        char why[512] = "", canon[4096];
-        struct st_file *f = NULL;
-        int fd = layer_open_allowed(lc->path, c->allowed_dirs, c->n_allowed_dirs, canon,
-                                    sizeof(canon), why, sizeof(why));
-        int rc = fd < 0 ? fd : st_open_fd(fd, &f, why, sizeof(why));
-        if (!rc)
-            rc = check_tensors(lc, f, why, sizeof(why));
-        st_close(&f);
+        char why[512] = "";
+        int rc = layer_conf_check(lc, c->allowed_dirs, c->n_allowed_dirs, why, sizeof(why));
         if (rc) {
             snprintf(err, errlen, "layer '%s': %s", lc->name, why);
             return rc;

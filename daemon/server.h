@@ -151,6 +151,8 @@ struct layer {
     enum layer_state state;
     bool unloaded;          /* removed from the registry, freed at refs 0 */
     bool from_config;       /* named by the configuration: a reload may unload it */
+    bool conf_behind;       /* a reload kept it as loaded, its new section failing
+                             * the checks: the next reload tries again */
     int refs;
     struct request *queue_head, *queue_tail;
     uint32_t queued;
@@ -308,6 +310,11 @@ int layer_unload(struct server *s, const char *name);
  * refused, or (at once) failed. */
 int layer_load_conf(struct server *s, const struct layer_conf *lc, bool queued, char *err,
                     size_t errlen);
+/* Whether a layer section's load would succeed, short of memory and of its
+ * devices: every check of the load, its file's from the header alone. 0 or
+ * -errno with err. */
+int layer_conf_check(const struct layer_conf *lc, char *const *allowed, size_t n_allowed,
+                     char *err, size_t errlen);
 /* Whether two layer sections ask for the same load. */
 bool layer_conf_same(const struct layer_conf *a, const struct layer_conf *b);
 void layer_unload_all(struct server *s);

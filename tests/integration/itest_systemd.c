@@ -828,6 +828,70 @@ TEST(reload_loads_past_max_loads_and_names_what_it_refuses)
 }
 
 /*
+ * A reload loads a layer again only where the new load would succeed: a
+ * changed section naming tensors the file lacks, and a file replaced by one
+ * that is not safetensors, leave both layers serving their old weights
+ * (the reload counts them failed, and says why). The next reload that
+ * mends them loads both again: alpha's section as it was before, beta's
+ * file with new weights.
+ */
+TEST(reload_keeps_a_layer_whose_new_load_would_fail)
+{
+    uint64_t seed = test_seed();
+    char wdir[] = "/tmp/moed-sdk.XXXXXX", conf[128], fa[128], fb[128];
+    CHECK(mkdtemp(wdir) != NULL);
+    snprintf(conf, sizeof(conf), "%s/moed.conf", wdir);
+    snprintf(fa, sizeof(fa), "%s/a.safetensors", wdir);
+    snprintf(fb, sizeof(fb), "%s/b.safetensors", wdir);
+    struct itest_layer A = layer_def("alpha", 4, 2, 32, 48), B = layer_def("beta", 4, 2, 32, 48);
+    layer_file(&A, fa, "m.", &seed);
+    layer_file(&B, fb, "m.", &seed);
+    const char *text = "[daemon]\nallowed_dirs = %s\n\n"
+                       "[layer alpha]\nfile = %s\nprefix = %s\ntopk = 2\n\n"
+                       "[layer beta]\nfile = %s\nprefix = m.\ntopk = 2\n";
+    write_file(conf, text, wdir, fa, "m.", fb);
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--config", conf, NULL);
+    moe_client *c = itest_connect(&d, "kept");
+    forward_and_check(c, &A, 5, &seed);
+    forward_and_check(c, &B, 5, &seed);
+
+    write_file(conf, text, wdir, fa, "wrong.", fb);
+    write_file(fb, "not a safetensors file\n");
+    kill(d.pid, SIGHUP);
+    char *log = wait_log(d.log, "reload: 0 layers loaded, 0 unloaded, 0 kept, 2 failed", 10000);
+    CHECK_STR_CONTAINS(log, "reload: keeping layer 'alpha' as loaded (its section changed), "
+                            "since the load would fail: no tensor wrong.experts.0.w1.weight");
+    CHECK_STR_CONTAINS(log, "reload: keeping layer 'beta' as loaded (its file was replaced), "
+                            "since the load would fail: ");
+    CHECK(strstr(log, "unloading layer") == NULL);
+    free(log);
+    forward_and_check(c, &A, 7, &seed);
+    forward_and_check(c, &B, 7, &seed);
+
+    /* Mended: alpha's section as at start (the running one is the failed
+     * one, so it counts as changed), beta's file with new weights. */
+    struct itest_layer B2 = layer_def("beta", 4, 2, 32, 48);
+    layer_file(&B2, fb, "m.", &seed);
+    write_file(conf, text, wdir, fa, "m.", fb);
+    kill(d.pid, SIGHUP);
+    log = wait_log(d.log, "reload: 2 layers loaded, 2 unloaded, 0 kept, 0 failed", 10000);
+    CHECK_STR_CONTAINS(log, "reload: unloading layer 'alpha': its section changed");
+    CHECK_STR_CONTAINS(log, "reload: unloading layer 'beta': its file was replaced");
+    free(log);
+    forward_and_check(c, &A, 9, &seed);
+    forward_and_check(c, &B2, 9, &seed);
+
+    moe_disconnect(&c);
+    itest_daemon_stop(&d);
+    itest_layer_free(&A);
+    itest_layer_free(&B);
+    itest_layer_free(&B2);
+    itest_rmdir(d.dir);
+    itest_rmdir(wdir);
+}
+
+/*
  * "A hung device must stop the pings": one batch that runs much longer than
  * WATCHDOG_USEC (a CPU layer, one big request, one thread) leaves a gap in
  * the pings as long as the batch; they resume when it completes. The batch
@@ -1462,6 +1526,7 @@ int main(int argc, char **argv)
         TEST_CASE_TIMEOUT(notify_ready_watchdog_reload_stopping_in_order, 60),
         TEST_CASE_TIMEOUT(reload_places_layers_on_their_devices, 60),
         TEST_CASE_TIMEOUT(reload_loads_past_max_loads_and_names_what_it_refuses, 60),
+        TEST_CASE_TIMEOUT(reload_keeps_a_layer_whose_new_load_would_fail, 60),
         TEST_CASE_TIMEOUT(watchdog_pings_stop_while_one_batch_runs_too_long, 90),
         TEST_CASE_TIMEOUT(socket_activation_passes_both_named_sockets, 30),
         TEST_CASE_TIMEOUT(socket_activation_session_only_binds_zmq_itself, 30),

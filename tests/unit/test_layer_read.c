@@ -188,10 +188,14 @@ static void env_init(struct env *v)
     v->allow[0] = v->allowed;
 }
 
-/* Read with the given spec; on error check the code and that err says so. */
+/* Read with the given spec; on error check the code and that err says so.
+ * The header-only check (layer_check_weights) must come to the same answer
+ * in the same words. */
 static int read_layer(const struct env *v, const struct layer_spec *spec, struct host_weights *w,
                       char *err, size_t errlen)
 {
+    char why[512] = "";
+    int want = layer_check_weights(spec, (char *const *)v->allow, 1, why, sizeof(why));
     err[0] = '\0';
     memset(w, 0xa5, sizeof(*w));
     int rc = layer_read_weights(spec, (char *const *)v->allow, 1, w, err, errlen);
@@ -199,6 +203,7 @@ static int read_layer(const struct env *v, const struct layer_spec *spec, struct
         CHECK_MSG(err[0] != '\0', "rc %d with an empty message", rc);
         CHECK(w->w1 == NULL && w->w3 == NULL && w->w2 == NULL);
     }
+    CHECK_MSG(want == rc && !strcmp(why, err), "check %d '%s', read %d '%s'", want, why, rc, err);
     return rc;
 }
 
@@ -493,6 +498,13 @@ TEST(error_missing_tensor)
     struct layer_spec spec = {.kind = MOE__LAYER_KIND__LAYER_MOE, .path = path, .prefix = "model."};
     CHECK_EQ_INT(read_layer(&v, &spec, &w, err, sizeof(err)), 0);
     CHECK_EQ_INT(w.experts, 2);
+    host_weights_done(&w);
+    /* topk above the experts read. */
+    spec.topk = 3;
+    CHECK_EQ_INT(read_layer(&v, &spec, &w, err, sizeof(err)), -EINVAL);
+    CHECK_STR_CONTAINS(err, "topk 3 is above the layer's 2 experts");
+    spec.topk = 2;
+    CHECK_EQ_INT(read_layer(&v, &spec, &w, err, sizeof(err)), 0);
     host_weights_done(&w);
     /* More experts asked for than the file has. */
     spec.experts = 5;
