@@ -136,11 +136,7 @@ static void load_run(struct job *job)
             l->k = hw.k;
         }
     }
-    if (l->kind == MOE__LAYER_KIND__LAYER_MOE && (l->shape.topk < 1 || l->shape.topk > l->shape.experts)) {
-        lj->rc = -EINVAL;
-        snprintf(lj->err, sizeof(lj->err), "topk %d must be between 1 and the %d experts",
-                 l->shape.topk, l->shape.experts);
-    } else if (l->kind == MOE__LAYER_KIND__LAYER_MOE && lj->n_devices > 0) {
+    if (l->kind == MOE__LAYER_KIND__LAYER_MOE && lj->n_devices > 0) {
         lj->rc = shard_plan(l->shape.experts, lj->devices, lj->n_devices, lj->expert_map, lj->n_map,
                             lj->s->n_backends, &l->shards, lj->err, sizeof(lj->err));
         if (!lj->rc)
@@ -395,6 +391,10 @@ static int load_prepare(struct server *s, struct session *se, const Moe__LoadLay
         if (!sp->dtype || (moe && (!E || !H || !I)) || (!moe && (!sp->groups || !sp->n || !sp->k))) {
             rc = -EINVAL;
             snprintf(err, errlen, "an upload must state dtype and every dimension");
+        } else if (moe && sp->topk > E) { /* a file's experts are checked as it is read */
+            rc = -EINVAL;
+            snprintf(err, errlen, "topk %u is above the layer's %llu experts", sp->topk,
+                     (unsigned long long)E);
         }
         if (!rc)
             rc = wire_tensor(se, m->w1, "w1", &lj->w1, err, errlen);
@@ -506,16 +506,36 @@ int layer_load_conf(struct server *s, const struct layer_conf *lc, bool queued, 
     return rc;
 }
 
-int layer_conf_check(const struct layer_conf *lc, char *const *allowed, size_t n_allowed,
-                     char *err, size_t errlen)
+int layer_conf_check(struct server *s, const struct layer_conf *lc, char *const *allowed,
+                     size_t n_allowed, struct host_weights *out, char *err, size_t errlen)
 {
     Moe__LoadLayer m;
     struct layer_spec sp;
     struct layer tmp = {0};
+    struct load_job lj = {.s = s};
+    struct host_weights hw;
+    out = out ? out : &hw;
+    memset(out, 0, sizeof(*out));
     conf_request(lc, &m);
     spec_of(&m, &sp);
     int rc = layer_declare(&tmp, &sp, m.routing, m.renormalize, err, errlen);
-    return rc ? rc : layer_check_weights(&sp, allowed, n_allowed, err, errlen);
+    if (!rc && s)
+        rc = load_job_devices(s, &lj, m.kind, m.devices, m.n_devices, m.expert_device,
+                              m.n_expert_device, err, errlen);
+    if (!rc)
+        rc = layer_check_weights(&sp, allowed, n_allowed, out, err, errlen);
+    /* the placement against the experts the file holds, as load_run plans it */
+    if (!rc && lj.n_devices > 0) {
+        struct shard_set set;
+        rc = shard_plan((int)out->experts, lj.devices, lj.n_devices, lj.expert_map, lj.n_map,
+                        s->n_backends, &set, err, errlen);
+        if (!rc)
+            shard_done(&set, s->backends);
+        else if (rc == -ENOMEM)
+            snprintf(err, errlen, "out of memory");
+    }
+    free(lj.expert_map);
+    return rc;
 }
 
 bool layer_conf_same(const struct layer_conf *a, const struct layer_conf *b)

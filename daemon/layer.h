@@ -54,19 +54,11 @@ void host_weights_done(struct host_weights *w);
 /*
  * Every check layer_read_weights makes (the file, its tensors' names, shapes
  * and dtypes, and a MoE layer's topk against its experts), from the file's
- * header alone: whether that load would succeed short of memory. Same
- * errors.
+ * header alone: whether that load would succeed short of memory. out gets
+ * what the read would (sizes, dtype, bytes and source), with no buffers.
+ * Same errors.
  */
 int layer_check_weights(const struct layer_spec *spec, char *const *allowed, size_t n_allowed,
-                        char *err, size_t errlen);
-
-/*
- * A MoE layer's experts, hidden and intermediate sizes and dtype as
- * layer_read_weights would read them, from the file's header alone (for
- * moed --tune, which times layers of that shape): out gets the sizes, dtype
- * and source, no buffers. Same errors as layer_read_weights.
- */
-int layer_read_shape(const struct layer_spec *spec, char *const *allowed, size_t n_allowed,
-                     struct host_weights *out, char *err, size_t errlen);
+                        struct host_weights *out, char *err, size_t errlen);
 
 #endif

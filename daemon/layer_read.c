@@ -366,30 +366,7 @@ int layer_read_weights(const struct layer_spec *spec, char *const *allowed,
 }
 
 int layer_check_weights(const struct layer_spec *spec, char *const *allowed, size_t n_allowed,
-                        char *err, size_t errlen)
+                        struct host_weights *out, char *err, size_t errlen)
 {
-    struct host_weights w;
-    int rc = read_layer(spec, allowed, n_allowed, false, &w, err, errlen);
-    host_weights_done(&w);
-    return rc;
-}
-
-int layer_read_shape(const struct layer_spec *spec, char *const *allowed, size_t n_allowed,
-                     struct host_weights *out, char *err, size_t errlen)
-{
-    char canon[PATH_MAX];
-    struct st_file *f = NULL;
-    memset(out, 0, sizeof(*out));
-    if (spec->kind != MOE__LAYER_KIND__LAYER_MOE)
-        return errf(err, errlen, -EINVAL, "not a MoE layer");
-    int rc = open_spec(spec, allowed, n_allowed, canon, &f, err, errlen);
-    if (rc)
-        return rc;
-    int sch;
-    rc = moe_shape(spec, f, out, &sch, err, errlen);
-    st_close(&f);
-    if (rc)
-        return rc;
-    set_source(out, canon, spec);
-    return 0;
+    return read_layer(spec, allowed, n_allowed, false, out, err, errlen);
 }

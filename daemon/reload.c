@@ -296,8 +296,8 @@ static void reconcile(struct reload *r)
          * (short of memory): a mistake in its section or a broken file
          * keeps it serving as it was. */
         char bad[512] = "";
-        if (is && layer_conf_check(is, s->cfg->allowed_dirs, s->cfg->n_allowed_dirs, bad,
-                                   sizeof(bad)) < 0) {
+        if (is && layer_conf_check(s, is, s->cfg->allowed_dirs, s->cfg->n_allowed_dirs, NULL,
+                                   bad, sizeof(bad)) < 0) {
             log_err("reload: keeping layer '%s' as loaded (%s), since the load would fail: %s",
                     l->name, why, bad);
             l->conf_behind = true; /* the next reload tries again */
@@ -310,21 +310,29 @@ static void reconcile(struct reload *r)
     for (unsigned i = 0; i < n_drop; i++)
         if (layer_unload(s, drop[i]) == 0)
             r->unloaded++;
-    free(drop);
-    for (const struct layer_conf *lc = now; lc; lc = lc->next) {
-        struct layer *l = layer_find(s, lc->name);
-        if (l && l->from_config && l->conf_behind) {
-            /* kept as it was, counted as failed above */
-        } else if (l && l->from_config) {
-            r->kept++;
-        } else if (l) {
-            log_warn("reload: not loading layer '%s': a layer of that name was loaded by a "
-                     "client", lc->name);
-            r->failed++;
-        } else {
-            submit_load(r, lc);
+    /* The layers just unloaded are loaded again first (pass 0), so that no
+     * new section takes the place they left under max_layers. */
+    for (int pass = 0; pass < 2; pass++)
+        for (const struct layer_conf *lc = now; lc; lc = lc->next) {
+            bool again = false;
+            for (unsigned i = 0; i < n_drop && !again; i++)
+                again = !strcmp(drop[i], lc->name);
+            if (again != (pass == 0))
+                continue;
+            struct layer *l = layer_find(s, lc->name);
+            if (l && l->from_config && l->conf_behind) {
+                /* kept as it was, counted as failed above */
+            } else if (l && l->from_config) {
+                r->kept++;
+            } else if (l) {
+                log_warn("reload: not loading layer '%s': a layer of that name was loaded by "
+                         "a client", lc->name);
+                r->failed++;
+            } else {
+                submit_load(r, lc);
+            }
         }
-    }
+    free(drop);
     /* The new sections are now the running ones; the old go with r->next. */
     struct layer_conf *tmp = s->cfg->layers;
     s->cfg->layers = r->next.layers;
@@ -475,7 +483,8 @@ int reload_check_layers(const struct config *c, char *err, size_t errlen)
 {
     for (const struct layer_conf *lc = c->layers; lc; lc = lc->next) {
         char why[512] = "";
-        int rc = layer_conf_check(lc, c->allowed_dirs, c->n_allowed_dirs, why, sizeof(why));
+        int rc = layer_conf_check(NULL, lc, c->allowed_dirs, c->n_allowed_dirs, NULL, why,
+                                  sizeof(why));
         if (rc) {
             snprintf(err, errlen, "layer '%s': %s", lc->name, why);
             return rc;

@@ -310,11 +310,13 @@ int layer_unload(struct server *s, const char *name);
  * refused, or (at once) failed. */
 int layer_load_conf(struct server *s, const struct layer_conf *lc, bool queued, char *err,
                     size_t errlen);
-/* Whether a layer section's load would succeed, short of memory and of its
- * devices: every check of the load, its file's from the header alone. 0 or
- * -errno with err. */
-int layer_conf_check(const struct layer_conf *lc, char *const *allowed, size_t n_allowed,
-                     char *err, size_t errlen);
+/* Whether a layer section's load would succeed, short of memory: every
+ * check of the load, its file's from the header alone (layer_check_weights,
+ * which fills out; may be NULL) and, with s, its placement on s's devices.
+ * 0 or -errno with err. */
+struct host_weights;
+int layer_conf_check(struct server *s, const struct layer_conf *lc, char *const *allowed,
+                     size_t n_allowed, struct host_weights *out, char *err, size_t errlen);
 /* Whether two layer sections ask for the same load. */
 bool layer_conf_same(const struct layer_conf *a, const struct layer_conf *b);
 void layer_unload_all(struct server *s);

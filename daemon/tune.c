@@ -9,6 +9,7 @@
 
 #include "daemon/config.h"
 #include "daemon/layer.h"
+#include "daemon/server.h"
 #include "daemon/util.h"
 #include "moe.pb-c.h"
 
@@ -128,14 +129,9 @@ int tune_add_configured(struct tune_plan *p, const struct config *c, FILE *out, 
                          "heuristic and are not tuned\n", lc->name);
             continue;
         }
-        struct layer_spec spec = {
-            .kind = lc->kind, .dtype = lc->dtype, .experts = lc->experts, .topk = lc->topk,
-            .hidden = lc->hidden, .intermediate = lc->intermediate, .path = lc->path,
-            .prefix = lc->prefix,
-        };
         struct host_weights hw;
         char why[512] = "";
-        int rc = layer_read_shape(&spec, c->allowed_dirs, c->n_allowed_dirs, &hw, why,
+        int rc = layer_conf_check(NULL, lc, c->allowed_dirs, c->n_allowed_dirs, &hw, why,
                                   sizeof(why));
         if (rc < 0)
             return errf(err, errlen, rc, "layer '%s': %s", lc->name, why);
@@ -144,9 +140,6 @@ int tune_add_configured(struct tune_plan *p, const struct config *c, FILE *out, 
                          "tuned\n", lc->name);
             continue;
         }
-        if (lc->topk > hw.experts)
-            return errf(err, errlen, -EINVAL, "layer '%s': topk %u is above its %u experts",
-                        lc->name, lc->topk, hw.experts);
         struct tune_shape t = {
             .s = {(int)hw.experts, (int)lc->topk, (int)hw.hidden, (int)hw.intermediate},
             .dt = hw.dtype == MOE__DTYPE__DTYPE_BF16 ? MOEK_DTYPE_BF16 : MOEK_DTYPE_FP16,

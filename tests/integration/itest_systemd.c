@@ -613,6 +613,22 @@ TEST(notify_ready_watchdog_reload_stopping_in_order)
     nl_close(nl);
 }
 
+/* Wait up to ms for the log to hold text; returns the log (to free). */
+static char *wait_log(const char *path, const char *text, int ms)
+{
+    char *log = NULL;
+    for (uint64_t end = now_ms() + (uint64_t)ms;; itest_sleep_ms(20)) {
+        free(log);
+        log = read_file(path);
+        if (strstr(log, text))
+            return log;
+        if (now_ms() > end) {
+            dump_log(path);
+            FAIL_AT("no '%s' in the log within %d ms", text, ms);
+        }
+    }
+}
+
 /* Wait up to ms for the layer list to hold name on n_devices devices;
  * returns the list's length (infos filled) or fails the test. */
 static int wait_placed(moe_client *c, moe_layer_info *infos, int max, const char *name,
@@ -715,6 +731,29 @@ TEST(reload_places_layers_on_their_devices)
     CHECK_EQ_INT(itest_layer_try_upload(c, &X, &seed, NULL), -EDQUOT);
     CHECK_STR_CONTAINS(moe_errmsg(), "max_layers");
     itest_layer_free(&X);
+    /* A placement the layer cannot take (three experts placed, four in the
+     * file): alpha keeps serving on 0 and 2. */
+    char conf3[1536];
+    snprintf(conf3, sizeof(conf3), "[daemon]\nallowed_dirs = %s\n\n[limits]\nmax_layers = 3\n\n",
+             wdir);
+    snprintf(part, sizeof(part), sec, "alpha", fa, "devices = 0,2\nexpert_devices = 0,2,2\n");
+    strcat(conf3, part);
+    snprintf(part, sizeof(part), sec, "kept", fa, "devices = 1,2\n");
+    strcat(conf3, part);
+    snprintf(part, sizeof(part), sec, "late", fa,
+             "devices = 0,1,2\nexpert_devices = 2,0,2,1\n");
+    strcat(conf3, part);
+    write_file(conf, "%s", conf3);
+    kill(d.pid, SIGHUP);
+    char *log3 = wait_log(d.log, "reload: 0 layers loaded, 0 unloaded, 2 kept, 1 failed", 10000);
+    CHECK_STR_CONTAINS(log3, "reload: keeping layer 'alpha' as loaded (its section changed), "
+                             "since the load would fail: the expert placement names 3 experts; "
+                             "the layer has 4");
+    free(log3);
+    n = moe_layer_list(c, infos, 8);
+    ia = info_of(infos, n, "alpha");
+    CHECK(ia && ia->n_devices == 2 && ia->devices[0] == 0 && ia->devices[1] == 2);
+    forward_and_check(c, &A, 5, &seed);
     /* The reload's summary follows its last load (poll for it). */
     char *log = NULL;
     for (uint64_t end = now_ms() + 5000;; itest_sleep_ms(20)) {
@@ -732,22 +771,6 @@ TEST(reload_places_layers_on_their_devices)
     itest_layer_free(&A);
     itest_rmdir(d.dir);
     itest_rmdir(wdir);
-}
-
-/* Wait up to ms for the log to hold text; returns the log (to free). */
-static char *wait_log(const char *path, const char *text, int ms)
-{
-    char *log = NULL;
-    for (uint64_t end = now_ms() + (uint64_t)ms;; itest_sleep_ms(20)) {
-        free(log);
-        log = read_file(path);
-        if (strstr(log, text))
-            return log;
-        if (now_ms() > end) {
-            dump_log(path);
-            FAIL_AT("no '%s' in the log within %d ms", text, ms);
-        }
-    }
 }
 
 /*
@@ -817,6 +840,30 @@ TEST(reload_loads_past_max_loads_and_names_what_it_refuses)
                          "configuration", 10000));
     CHECK_EQ_INT(moe_layer_list(c, infos, 8), 6);
     forward_and_check(c, &A, 3, &seed);
+    forward_and_check(c, &U, 3, &seed);
+
+    /* A new section before a changed one: the changed layer is loaded again
+     * into the place it left, and the new one is refused (max_layers). */
+    char text4[2048];
+    snprintf(text4, sizeof(text4),
+             "[daemon]\nallowed_dirs = %s\n\n[limits]\nmax_loads = 1\nmax_layers = 6\n\n", wdir);
+    snprintf(part, sizeof(part), sec, "b5", fa);
+    strcat(text4, part);
+    snprintf(part, sizeof(part),
+             "[layer alpha]\nfile = %s\nprefix = model.layers.0.mlp.\ntopk = 1\n\n", fa);
+    strcat(text4, part);
+    for (int j = 1; j <= 4; j++) {
+        char name[16];
+        snprintf(name, sizeof(name), "b%d", j);
+        snprintf(part, sizeof(part), sec, name, fa);
+        strcat(text4, part);
+    }
+    write_file(conf, "%s", text4);
+    kill(d.pid, SIGHUP);
+    free(wait_log(d.log, "reload: 1 layers loaded, 1 unloaded, 4 kept, 1 failed", 10000));
+    struct itest_layer A1 = A; /* alpha's weights, now with topk 1 */
+    A1.sh.topk = 1;
+    forward_and_check(c, &A1, 3, &seed);
     forward_and_check(c, &U, 3, &seed);
 
     moe_disconnect(&c);

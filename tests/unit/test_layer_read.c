@@ -195,7 +195,9 @@ static int read_layer(const struct env *v, const struct layer_spec *spec, struct
                       char *err, size_t errlen)
 {
     char why[512] = "";
-    int want = layer_check_weights(spec, (char *const *)v->allow, 1, why, sizeof(why));
+    struct host_weights hw;
+    int want = layer_check_weights(spec, (char *const *)v->allow, 1, &hw, why, sizeof(why));
+    CHECK(hw.w1 == NULL && hw.w3 == NULL && hw.w2 == NULL); /* nothing read */
     err[0] = '\0';
     memset(w, 0xa5, sizeof(*w));
     int rc = layer_read_weights(spec, (char *const *)v->allow, 1, w, err, errlen);
@@ -204,6 +206,10 @@ static int read_layer(const struct env *v, const struct layer_spec *spec, struct
         CHECK(w->w1 == NULL && w->w3 == NULL && w->w2 == NULL);
     }
     CHECK_MSG(want == rc && !strcmp(why, err), "check %d '%s', read %d '%s'", want, why, rc, err);
+    if (rc == 0) /* and the same layer */
+        CHECK(hw.dtype == w->dtype && hw.experts == w->experts && hw.hidden == w->hidden &&
+              hw.intermediate == w->intermediate && hw.groups == w->groups && hw.n == w->n &&
+              hw.k == w->k && hw.bytes == w->bytes && !strcmp(hw.source, w->source));
     return rc;
 }
 

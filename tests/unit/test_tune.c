@@ -381,15 +381,15 @@ TEST(configured_layers)
     struct layer_spec spec = {.kind = MOE__LAYER_KIND__LAYER_MOE, .topk = 2, .path = a,
                               .prefix = "mlp."};
     struct host_weights hw;
-    CHECK_EQ_INT(layer_read_shape(&spec, c.allowed_dirs, c.n_allowed_dirs, &hw, err,
-                                  sizeof(err)), 0);
+    CHECK_EQ_INT(layer_check_weights(&spec, c.allowed_dirs, c.n_allowed_dirs, &hw, err,
+                                     sizeof(err)), 0);
     CHECK(hw.experts == 6 && hw.hidden == 64 && hw.intermediate == 32 &&
           hw.dtype == MOE__DTYPE__DTYPE_BF16);
     CHECK(hw.w1 == NULL && hw.w3 == NULL && hw.w2 == NULL);
     CHECK_STR_CONTAINS(hw.source, "a.safetensors:mlp.");
     spec.kind = MOE__LAYER_KIND__LAYER_GEMM;
-    CHECK_EQ_INT(layer_read_shape(&spec, c.allowed_dirs, c.n_allowed_dirs, &hw, err,
-                                  sizeof(err)), -EINVAL);
+    CHECK_EQ_INT(layer_check_weights(&spec, c.allowed_dirs, c.n_allowed_dirs, &hw, err,
+                                     sizeof(err)), -EINVAL);
     config_done(&c);
 
     /* A layer whose file is missing (or outside the allowed directories)
