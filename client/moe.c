@@ -71,6 +71,8 @@ struct moe_client {
     struct pending *pending;
     unsigned generation;  /* connections made so far */
     bool broken;          /* the daemon went away; reconnect before the next call */
+    const char *lost;     /* why the requests of an ended session are lost, when
+                           * the daemon did not go away (NULL: it did) */
     char dir[PATH_MAX];
     char name[64];
 };
@@ -118,6 +120,12 @@ static uint64_t mono_us(void)
 
 /* ---- session socket ---------------------------------------------------- */
 
+/* Why a request of a session that ended is lost. Caller holds mu. */
+static const char *lost_why(const moe_client *c)
+{
+    return c->lost ? c->lost : "the daemon stopped or restarted; the request is lost";
+}
+
 static int session_call(moe_client *c, Moe__SessionRequest *req, int fd,
                         Moe__SessionReply **out)
 {
@@ -150,6 +158,7 @@ static int session_call(moe_client *c, Moe__SessionRequest *req, int fd,
     if (sent < 0) {
         int e = errno;
         c->broken = e == EPIPE || e == ECONNRESET || e == ENOTCONN;
+        c->lost = NULL;
         /* A daemon that refused the session (too many sessions, shutting
          * down) said why before it closed: that answer beats "reset". */
         ssize_t r = c->broken ? recv(c->sfd, buf, sizeof(buf), MSG_DONTWAIT) : -1;
@@ -178,6 +187,7 @@ static int session_call(moe_client *c, Moe__SessionRequest *req, int fd,
      * (the daemon frees what the old one held). */
     if (pr == 0) {
         c->broken = true;
+        c->lost = "a session call timed out, which ends the session; the request is lost";
         return seterr(-ETIMEDOUT, "the daemon did not answer within %d ms", c->timeout_ms);
     }
     ssize_t r;
@@ -185,11 +195,13 @@ static int session_call(moe_client *c, Moe__SessionRequest *req, int fd,
         ;
     if (r <= 0) {
         c->broken = true;
+        c->lost = NULL;
         return seterr(-ECONNRESET, "the daemon closed the session");
     }
     Moe__SessionReply *rep = moe__session_reply__unpack(NULL, (size_t)r, buf);
     if (!rep) {
         c->broken = true;
+        c->lost = "a session reply was malformed, which ends the session; the request is lost";
         return seterr(-EPROTO, "malformed session reply");
     }
     if (rep->status != MOE__STATUS__STATUS_OK) {
@@ -333,8 +345,10 @@ static int connection_ensure(moe_client *c)
         struct pollfd p = {c->sfd, POLLIN, 0};
         char b;
         if (poll(&p, 1, 0) == 1 &&
-            ((p.revents & (POLLHUP | POLLERR)) || recv(c->sfd, &b, 1, MSG_PEEK | MSG_DONTWAIT) == 0))
+            ((p.revents & (POLLHUP | POLLERR)) || recv(c->sfd, &b, 1, MSG_PEEK | MSG_DONTWAIT) == 0)) {
             c->broken = true;
+            c->lost = NULL;
+        }
     }
     if (!c->broken)
         return 0;
@@ -534,13 +548,21 @@ static int receive_pushed(moe_client *c, uint64_t stop_id)
     for (;;) {
         uint8_t buf[4096];
         ssize_t r = recv(c->rfd, buf, sizeof(buf), MSG_DONTWAIT);
-        /* ECONNRESET: the daemon died with requests of ours unread, an end
-         * of file like any other. */
-        if (r <= 0)
-            return r == 0 || errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ||
-                           errno == ECONNRESET
-                       ? found
-                       : seterr(-errno, "reply socket: %s", strerror(errno));
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
+            return found;
+        /* End of file, or ECONNRESET (closed with requests of ours unread):
+         * the daemon closed this socket, or went away, which the session
+         * socket tells. Either way requests and replies go by ZeroMQ from
+         * now on, and a socket that polls as hung up forever is no longer
+         * polled. */
+        if (r == 0 || (r < 0 && errno == ECONNRESET)) {
+            close(c->rfd);
+            c->rfd = -1;
+            c->socket_requests = false;
+            return found;
+        }
+        if (r < 0)
+            return seterr(-errno, "reply socket: %s", strerror(errno));
         int rc = pending_add(c, buf, (size_t)r, stop_id);
         if (rc < 0)
             return rc;
@@ -613,7 +635,7 @@ static int drain_last_replies(moe_client *c)
 static int receive_some(moe_client *c, uint64_t stop_id, int wait_ms)
 {
     if (c->broken || !c->zsock)
-        return seterr(-ECONNRESET, "the daemon stopped or restarted; the request is lost");
+        return seterr(-ECONNRESET, "%s", lost_why(c));
     int rc = receive_ready(c, stop_id);
     if (rc)
         return rc < 0 ? rc : 0;
@@ -631,6 +653,7 @@ static int receive_some(moe_client *c, uint64_t stop_id, int wait_ms)
         if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
             rc = drain_last_replies(c);
             c->broken = true;
+            c->lost = NULL;
             return rc < 0 ? rc : 0;
         }
     }
@@ -659,7 +682,7 @@ static int wait_reply(moe_client *c, uint64_t id, int timeout_ms, Moe__Reply **o
             if (!rc)
                 rep = pending_take(c, id);
             if (!rc && !rep && c->broken)
-                rc = seterr(-ECONNRESET, "the daemon stopped or restarted; the request is lost");
+                rc = seterr(-ECONNRESET, "%s", lost_why(c));
         }
         pthread_mutex_unlock(&c->mu);
         if (rc)
@@ -1111,7 +1134,9 @@ static int request_wait(moe_client *c, const moe_request *r, int timeout_ms, moe
     bool lost = r->generation != c->generation;
     pthread_mutex_unlock(&c->mu);
     if (lost)
-        rc = seterr(-ECONNRESET, "the daemon restarted since the request was sent; it is lost");
+        rc = seterr(-ECONNRESET, "%s", c->lost ? c->lost
+                                               : "the daemon restarted since the request was "
+                                                 "sent; it is lost");
     else
         rc = wait_reply(c, r->id, timeout_ms < 0 ? c->timeout_ms : timeout_ms, &rep);
     if (rc)

@@ -131,9 +131,11 @@ void moe_disconnect(moe_client **c);
 
 /* Default timeout of synchronous calls, ms (default 60000; <0: forever).
  * A call that times out gives up its reply (the request may still run).
- * Where it was a region's create or free, it also ends the session: the
- * next call opens a new one, as after a daemon restart (requests in flight
- * are lost, the regions are registered again). */
+ * Where it waited on the session socket (a region's create or free, or the
+ * regions registered again after a restart), it also ends the session: the
+ * next call opens a new one, as after a daemon restart, so requests in
+ * flight, other threads' too, are lost (-ECONNRESET), and the regions are
+ * registered again. */
 void moe_set_timeout(moe_client *c, int timeout_ms);
 /* Busy-poll up to spin_us microseconds for a reply before sleeping on the
  * socket (default 0: sleep at once). Spinning trades a CPU for the

@@ -106,6 +106,7 @@ TEST(timed_out_calls_leave_no_stale_reply)
     kill(d.pid, SIGSTOP);
     int rc = moe_region_create(c, 4096, "late", &a);
     kill(d.pid, SIGCONT);
+    moe_set_timeout(c, 10000);
     CHECK_MSG(rc == -ETIMEDOUT, "create while stopped: %d (%s)", rc, moe_errmsg());
     CHECK(a == NULL);
     itest_sleep_ms(300); /* the late reply is sent */
@@ -123,13 +124,15 @@ TEST(timed_out_calls_leave_no_stale_reply)
            (uint8_t *)moe_region_data(b) + 8192 - f.T * 256 * 2, f.T * 256 * 2);
     CHECK(itest_fwd_error(&L, &f) <= itest_tolerance(L.dt));
 
-    /* A forward that the stopped daemon answers late. */
+    /* A forward that the stopped daemon answers late: its reply is dropped
+     * when it comes, and not in place of the next forward's. */
+    moe_set_timeout(c, 200);
     kill(d.pid, SIGSTOP);
     rc = moe_forward(c, &f.args, NULL);
     kill(d.pid, SIGCONT);
+    moe_set_timeout(c, 10000);
     CHECK_MSG(rc == -ETIMEDOUT, "forward while stopped: %d (%s)", rc, moe_errmsg());
     itest_sleep_ms(300);
-    moe_set_timeout(c, 10000);
     memset((uint8_t *)moe_region_data(f.r) + f.o_off, 0xff, f.T * 256 * 2);
     CHECK_MSG(moe_forward(c, &f.args, NULL) == 0, "%s", moe_errmsg());
     CHECK(itest_fwd_error(&L, &f) <= itest_tolerance(L.dt));
