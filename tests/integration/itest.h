@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -130,6 +131,11 @@ static inline void itest_daemon_spawn(struct itest_daemon *d, bool reuse_dir, va
         }
         unsetenv("NOTIFY_SOCKET");
         unsetenv("LISTEN_FDS");
+        /* A test that fails (or dies) before stopping it leaves no daemon
+         * behind. */
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() == 1)
+            _exit(127);
         execv(bin, (char *const *)argv);
         _exit(127);
     }
