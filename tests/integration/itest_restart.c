@@ -7,17 +7,27 @@
  */
 #include "tests/integration/itest.h"
 
+/* A daemon, a client of it, a layer L the client uploaded, and f, a
+ * forward of T tokens through L. */
+static moe_client *start_with_layer(struct itest_daemon *d, const char *client, size_t T,
+                                    uint64_t *seed, struct itest_layer *L, struct itest_fwd *f)
+{
+    itest_daemon_start(d, NULL);
+    moe_client *c = itest_connect(d, client);
+    *L = (struct itest_layer){.name = "r", .dt = MOE_DTYPE_BF16, .sh = {8, 2, 256, 512},
+                              .routing = MOE_ROUTING_SOFTMAX, .renorm = true};
+    itest_layer_upload(c, L, seed);
+    itest_fwd_make(c, L, T, seed, f);
+    return c;
+}
+
 TEST(client_reconnects_after_a_daemon_restart)
 {
     uint64_t seed = test_seed();
     struct itest_daemon d;
-    itest_daemon_start(&d, NULL);
-    moe_client *c = itest_connect(&d, "survivor");
-    struct itest_layer L = {.name = "r", .dt = MOE_DTYPE_BF16, .sh = {8, 2, 256, 512},
-                            .routing = MOE_ROUTING_SOFTMAX, .renorm = true};
-    itest_layer_upload(c, &L, &seed);
+    struct itest_layer L;
     struct itest_fwd f;
-    itest_fwd_make(c, &L, 2048, &seed, &f);
+    moe_client *c = start_with_layer(&d, "survivor", 2048, &seed, &L, &f);
     uint64_t id0 = moe_region_id(f.r);
     CHECK(moe_forward(c, &f.args, NULL) == 0);
     CHECK(itest_fwd_error(&L, &f) <= itest_tolerance(L.dt));
@@ -92,13 +102,9 @@ TEST(timed_out_calls_leave_no_stale_reply)
 {
     uint64_t seed = test_seed();
     struct itest_daemon d;
-    itest_daemon_start(&d, NULL);
-    moe_client *c = itest_connect(&d, "impatient");
-    struct itest_layer L = {.name = "t", .dt = MOE_DTYPE_BF16, .sh = {8, 2, 256, 512},
-                            .routing = MOE_ROUTING_SOFTMAX, .renorm = true};
-    itest_layer_upload(c, &L, &seed);
+    struct itest_layer L;
     struct itest_fwd f;
-    itest_fwd_make(c, &L, 16, &seed, &f);
+    moe_client *c = start_with_layer(&d, "impatient", 16, &seed, &L, &f);
     moe_set_timeout(c, 200);
 
     /* A region's registration that the stopped daemon answers late. */

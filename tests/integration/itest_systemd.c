@@ -648,6 +648,32 @@ static int wait_placed(moe_client *c, moe_layer_info *infos, int max, const char
     }
 }
 
+/* A work directory from the template wdir, with the paths of a
+ * configuration file (conf) and of a layer file (fa) in it (128 bytes
+ * each). */
+static void work_dir(char *wdir, char *conf, char *fa)
+{
+    CHECK(mkdtemp(wdir) != NULL);
+    snprintf(conf, 128, "%s/moed.conf", wdir);
+    snprintf(fa, 128, "%s/a.safetensors", wdir);
+}
+
+/* reload_places_layers_on_their_devices' file after its reload: alpha
+ * with placement alpha_at, kept on devices 1 and 2, late with devices and
+ * an expert per device, and room for these three layers alone. */
+static void places_conf(char *buf, size_t len, const char *sec, const char *wdir,
+                        const char *fa, const char *alpha_at)
+{
+    char part[512];
+    snprintf(buf, len, "[daemon]\nallowed_dirs = %s\n\n[limits]\nmax_layers = 3\n\n", wdir);
+    snprintf(part, sizeof(part), sec, "alpha", fa, alpha_at);
+    strncat(buf, part, len - strlen(buf) - 1);
+    snprintf(part, sizeof(part), sec, "kept", fa, "devices = 1,2\n");
+    strncat(buf, part, len - strlen(buf) - 1);
+    snprintf(part, sizeof(part), sec, "late", fa, "devices = 0,1,2\nexpert_devices = 2,0,2,1\n");
+    strncat(buf, part, len - strlen(buf) - 1);
+}
+
 /*
  * A reload places each layer as its section now says (CPU backend, three
  * virtual devices): alpha's `devices =` changes, so it is loaded again on
@@ -662,9 +688,7 @@ TEST(reload_places_layers_on_their_devices)
         TEST_SKIP("virtual devices are the CPU backend's");
     uint64_t seed = test_seed();
     char wdir[] = "/tmp/moed-sdd.XXXXXX", conf[128], fa[128];
-    CHECK(mkdtemp(wdir) != NULL);
-    snprintf(conf, sizeof(conf), "%s/moed.conf", wdir);
-    snprintf(fa, sizeof(fa), "%s/a.safetensors", wdir);
+    work_dir(wdir, conf, fa);
     struct itest_layer A = layer_def("alpha", 4, 2, 32, 48);
     layer_file(&A, fa, "model.layers.0.mlp.", &seed);
     struct itest_layer K = A, L = A; /* the same file and weights */
@@ -695,15 +719,7 @@ TEST(reload_places_layers_on_their_devices)
 
     /* The reload: alpha moves to devices 0 and 2, late arrives with two
      * of its four experts on device 2 and one on each of 0 and 1. */
-    snprintf(conf2, sizeof(conf2), "[daemon]\nallowed_dirs = %s\n\n[limits]\nmax_layers = 3\n\n",
-             wdir);
-    snprintf(part, sizeof(part), sec, "alpha", fa, "devices = 0,2\n");
-    strcat(conf2, part);
-    snprintf(part, sizeof(part), sec, "kept", fa, "devices = 1,2\n");
-    strcat(conf2, part);
-    snprintf(part, sizeof(part), sec, "late", fa,
-             "devices = 0,1,2\nexpert_devices = 2,0,2,1\n");
-    strcat(conf2, part);
+    places_conf(conf2, sizeof(conf2), sec, wdir, fa, "devices = 0,2\n");
     write_file(conf, "%s", conf2);
     kill(d.pid, SIGHUP);
     wait_placed(c, infos, 8, "late", 3, 10000);
@@ -733,17 +749,8 @@ TEST(reload_places_layers_on_their_devices)
     itest_layer_free(&X);
     /* A placement the layer cannot take (three experts placed, four in the
      * file): alpha keeps serving on 0 and 2. */
-    char conf3[1536];
-    snprintf(conf3, sizeof(conf3), "[daemon]\nallowed_dirs = %s\n\n[limits]\nmax_layers = 3\n\n",
-             wdir);
-    snprintf(part, sizeof(part), sec, "alpha", fa, "devices = 0,2\nexpert_devices = 0,2,2\n");
-    strcat(conf3, part);
-    snprintf(part, sizeof(part), sec, "kept", fa, "devices = 1,2\n");
-    strcat(conf3, part);
-    snprintf(part, sizeof(part), sec, "late", fa,
-             "devices = 0,1,2\nexpert_devices = 2,0,2,1\n");
-    strcat(conf3, part);
-    write_file(conf, "%s", conf3);
+    places_conf(conf2, sizeof(conf2), sec, wdir, fa, "devices = 0,2\nexpert_devices = 0,2,2\n");
+    write_file(conf, "%s", conf2);
     kill(d.pid, SIGHUP);
     char *log3 = wait_log(d.log, "reload: 0 layers loaded, 0 unloaded, 2 kept, 1 failed", 10000);
     CHECK_STR_CONTAINS(log3, "reload: keeping layer 'alpha' as loaded (its section changed), "
@@ -784,9 +791,7 @@ TEST(reload_loads_past_max_loads_and_names_what_it_refuses)
 {
     uint64_t seed = test_seed();
     char wdir[] = "/tmp/moed-sdl.XXXXXX", conf[128], fa[128];
-    CHECK(mkdtemp(wdir) != NULL);
-    snprintf(conf, sizeof(conf), "%s/moed.conf", wdir);
-    snprintf(fa, sizeof(fa), "%s/a.safetensors", wdir);
+    work_dir(wdir, conf, fa);
     struct itest_layer A = layer_def("alpha", 4, 2, 32, 48);
     layer_file(&A, fa, "model.layers.0.mlp.", &seed);
     const char *sec = "[layer %s]\nfile = %s\nprefix = model.layers.0.mlp.\ntopk = 2\n\n";
@@ -886,9 +891,7 @@ TEST(reload_keeps_a_layer_whose_new_load_would_fail)
 {
     uint64_t seed = test_seed();
     char wdir[] = "/tmp/moed-sdk.XXXXXX", conf[128], fa[128], fb[128];
-    CHECK(mkdtemp(wdir) != NULL);
-    snprintf(conf, sizeof(conf), "%s/moed.conf", wdir);
-    snprintf(fa, sizeof(fa), "%s/a.safetensors", wdir);
+    work_dir(wdir, conf, fa);
     snprintf(fb, sizeof(fb), "%s/b.safetensors", wdir);
     struct itest_layer A = layer_def("alpha", 4, 2, 32, 48), B = layer_def("beta", 4, 2, 32, 48);
     layer_file(&A, fa, "m.", &seed);
