@@ -9,6 +9,7 @@
  */
 #include "tests/unit/unit.h"
 #include "daemon/config.h"
+#include "daemon/server.h"
 #include "moe.pb-c.h"
 
 #include <ftw.h>
@@ -753,6 +754,62 @@ TEST(take_numbers)
     CHECK_NO_LEAKS();
 }
 
+/* The first layer section of text (parsed into c). */
+static const struct layer_conf *first_layer(struct config *c, const char *text)
+{
+    char err[512] = "";
+    CHECK_EQ_INT(config_init(c), 0);
+    CHECK_MSG(config_parse_string(c, text, err, sizeof(err)) == 0, "%s: %s", text, err);
+    CHECK(c->layers != NULL);
+    return c->layers;
+}
+
+/* A reload loads a layer again when its section asks for another load
+ * (layer_conf_same): any field of the load, the placement's order
+ * included, and nothing else (the order of keys, an empty prefix). */
+TEST(layer_sections_compare)
+{
+    const char *base = "[layer a]\nfile = /x\nprefix = p.\ntopk = 2\ndevices = 0,1\n";
+    const char *same[] = {
+        "[layer a]\nfile = /x\nprefix = p.\ntopk = 2\ndevices = 0,1\n",
+        "[layer a]\ndevices = 0, 1\ntopk = 2\nprefix = p.\nfile = /x\nkind = moe\n",
+        "[layer a]\nfile = /x\nprefix = p.\n[layer a]\ntopk = 2\ndevices = 0,1\n",
+    };
+    const char *differ[] = {
+        "[layer a]\nfile = /y\nprefix = p.\ntopk = 2\ndevices = 0,1\n",
+        "[layer a]\nfile = /x\nprefix = q.\ntopk = 2\ndevices = 0,1\n",
+        "[layer a]\nfile = /x\nprefix = p.\ntopk = 3\ndevices = 0,1\n",
+        "[layer a]\nfile = /x\nprefix = p.\ntopk = 2\ndevices = 1,0\n",
+        "[layer a]\nfile = /x\nprefix = p.\ntopk = 2\ndevices = 0,1,2\n",
+        "[layer a]\nfile = /x\nprefix = p.\ntopk = 2\n",
+        "[layer a]\nfile = /x\nprefix = p.\ntopk = 2\ndevices = 0,1\nexpert_devices = 0,1\n",
+        "[layer a]\nfile = /x\nprefix = p.\ntopk = 2\ndevices = 0,1\nrouting = sigmoid\n",
+        "[layer a]\nfile = /x\nprefix = p.\ntopk = 2\ndevices = 0,1\nrenormalize = no\n",
+        "[layer a]\nfile = /x\nprefix = p.\ntopk = 2\ndevices = 0,1\ndtype = fp16\n",
+        "[layer a]\nfile = /x\nprefix = p.\ntopk = 2\ndevices = 0,1\nexperts = 8\n",
+        "[layer a]\nfile = /x\nprefix = p.\ntopk = 2\ndevices = 0,1\nhidden = 64\n",
+        "[layer a]\nfile = /x\nprefix = p.\ntopk = 2\ndevices = 0,1\nintermediate = 64\n",
+        "[layer a]\nkind = gemm\nfile = /x\nprefix = p.\ndevices = 0,1\n",
+    };
+    struct config a, b;
+    const struct layer_conf *la = first_layer(&a, base);
+    for (size_t i = 0; i < ARRAY_LEN(same); i++) {
+        CHECK_MSG(layer_conf_same(la, first_layer(&b, same[i])), "differs: %s", same[i]);
+        config_done(&b);
+    }
+    for (size_t i = 0; i < ARRAY_LEN(differ); i++) {
+        CHECK_MSG(!layer_conf_same(la, first_layer(&b, differ[i])), "same: %s", differ[i]);
+        config_done(&b);
+    }
+    config_done(&a);
+    /* An empty prefix is no prefix. */
+    la = first_layer(&a, "[layer g]\nfile = /x\ntopk = 1\nprefix =\n");
+    CHECK(layer_conf_same(la, first_layer(&b, "[layer g]\nfile = /x\ntopk = 1\n")));
+    config_done(&a);
+    config_done(&b);
+    CHECK_NO_LEAKS();
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -771,5 +828,6 @@ int main(int argc, char **argv)
         TEST_CASE(load_missing_file),
         TEST_CASE(runtime_dir_rule),
         TEST_CASE(tile_table),
+        TEST_CASE(layer_sections_compare),
         {0}});
 }
