@@ -37,9 +37,9 @@ struct load_job {
     size_t route_len;
     uint64_t req_id;
     uint64_t start_us;
-    /* Queued: a failure is logged here (a synchronous load's caller reports
-     * it). */
-    bool report;
+    /* Run at once by its caller, which reports a failure (a queued load's
+     * is logged here). */
+    bool sync;
     /* Result. */
     int rc;
     char err[512];
@@ -186,7 +186,8 @@ static void layer_log_tiles(struct server *s, const struct layer *l)
                  shard ? " (its first shard)" : "");
 }
 
-static void load_job_free(struct load_job *lj)
+/* What a job holds besides itself. */
+static void load_job_clear(struct load_job *lj)
 {
     tensor_ref_done(&lj->w1);
     tensor_ref_done(&lj->w3);
@@ -194,6 +195,13 @@ static void load_job_free(struct load_job *lj)
     free(lj->path);
     free(lj->prefix);
     free(lj->expert_map);
+    lj->path = lj->prefix = NULL;
+    lj->expert_map = NULL;
+}
+
+static void load_job_free(struct load_job *lj)
+{
+    load_job_clear(lj);
     free(lj);
 }
 
@@ -206,7 +214,7 @@ static void load_done(struct job *job)
     Moe__Reply rep = MOE__REPLY__INIT;
     Moe__LayerInfo info;
     if (lj->rc) {
-        if (lj->report)
+        if (!lj->sync)
             log_warn("cannot load layer '%s': %s", l->name, lj->err);
         layer_unlink(s, l);
         layer_unref(s, &l);
@@ -324,58 +332,20 @@ static int load_job_devices(struct server *s, struct load_job *lj, int kind, con
     return 0;
 }
 
-/* A LoadLayer's layer as layer_read takes it (path and prefix borrowed from
- * m, where a queued job copies them). */
-static void spec_of(const Moe__LoadLayer *m, struct layer_spec *sp)
+/* A LoadLayer's checks that need no file, into lj (cleared by the caller
+ * with load_job_clear on error too): the declared layer, the file or the
+ * uploaded tensors (from se's regions), and with s its placement on s's
+ * devices (without a daemon, as for --check-config, there are none to
+ * check it against). 0 or -errno with err. */
+static int load_job_fill(struct server *s, struct session *se, const Moe__LoadLayer *m,
+                         struct load_job *lj, char *err, size_t errlen)
 {
+    struct layer_spec *sp = &lj->spec;
     *sp = (struct layer_spec){
         .kind = m->kind, .dtype = m->dtype, .experts = m->experts, .topk = m->topk,
         .hidden = m->hidden, .intermediate = m->intermediate, .groups = m->groups, .n = m->n,
-        .k = m->k, .path = m->path, .prefix = m->prefix && m->prefix[0] ? m->prefix : NULL,
+        .k = m->k,
     };
-}
-
-/* Check a load and reserve its name: *out is the job, ready to run, its
- * layer LOADING; or an error with err. from_client: a client's LoadLayer,
- * which counts against max_loads (the configuration's loads do not). */
-static int load_prepare(struct server *s, struct session *se, const Moe__LoadLayer *m,
-                        bool from_client, struct load_job **out, char *err, size_t errlen)
-{
-    err[0] = '\0';
-    if (!name_valid(m->name)) {
-        snprintf(err, errlen, "layer names are 1-64 characters of A-Z a-z 0-9 . _ -");
-        return -EINVAL;
-    }
-    const struct layer *had = layer_find(s, m->name);
-    if (had) {
-        snprintf(err, errlen, "a layer named '%s' is already %s", m->name,
-                 had->state == LAYER_LOADING ? "being loaded" : "loaded");
-        return -EEXIST;
-    }
-    /* Layers outlive the sessions that load them, so their number is
-     * capped, and so is the loader's queue. */
-    unsigned n_layers = 0;
-    for (struct layer *l = s->layers; l; l = l->next)
-        n_layers++;
-    if (n_layers >= s->cfg->max_layers) {
-        snprintf(err, errlen, "%u layers are loaded or loading, the limit (max_layers)", n_layers);
-        return -EDQUOT;
-    }
-    if (from_client && worker_pending(s->loader) >= s->cfg->max_loads) {
-        snprintf(err, errlen, "%u loads are in flight, the limit (max_loads); try again",
-                 worker_pending(s->loader));
-        return -EBUSY;
-    }
-    struct load_job *lj = calloc(1, sizeof(*lj));
-    if (!lj) {
-        snprintf(err, errlen, "out of memory");
-        return -ENOMEM;
-    }
-    lj->s = s;
-    lj->start_us = now_us();
-    struct layer_spec *sp = &lj->spec;
-    spec_of(m, sp);
-    sp->path = sp->prefix = NULL; /* the job's own copies, below */
     struct layer tmp = {0};
     int rc = layer_declare(&tmp, sp, m->routing, m->renormalize, err, errlen);
     bool has_path = m->path && m->path[0];
@@ -424,18 +394,62 @@ static int load_prepare(struct server *s, struct session *se, const Moe__LoadLay
         sp->path = lj->path;
         sp->prefix = lj->prefix;
     }
-    if (!rc)
+    if (!rc && s)
         rc = load_job_devices(s, lj, sp->kind, m->devices, m->n_devices, m->expert_device,
                               m->n_expert_device, err, errlen);
-    if (!rc && !(lj->layer = layer_reserve(s, m->name)))
+    if (rc && !err[0])
+        snprintf(err, errlen, "out of memory");
+    return rc;
+}
+
+/* Check a load and reserve its name: *out is the job, ready to run, its
+ * layer LOADING; or an error with err. from_client: a client's LoadLayer,
+ * which counts against max_loads (the configuration's loads do not). */
+static int load_prepare(struct server *s, struct session *se, const Moe__LoadLayer *m,
+                        bool from_client, struct load_job **out, char *err, size_t errlen)
+{
+    err[0] = '\0';
+    if (!name_valid(m->name)) {
+        snprintf(err, errlen, "layer names are 1-64 characters of A-Z a-z 0-9 . _ -");
+        return -EINVAL;
+    }
+    const struct layer *had = layer_find(s, m->name);
+    if (had) {
+        snprintf(err, errlen, "a layer named '%s' is already %s", m->name,
+                 had->state == LAYER_LOADING ? "being loaded" : "loaded");
+        return -EEXIST;
+    }
+    /* Layers outlive the sessions that load them, so their number is
+     * capped, and so is the loader's queue. */
+    unsigned n_layers = 0;
+    for (struct layer *l = s->layers; l; l = l->next)
+        n_layers++;
+    if (n_layers >= s->cfg->max_layers) {
+        snprintf(err, errlen, "%u layers are loaded or loading, the limit (max_layers)", n_layers);
+        return -EDQUOT;
+    }
+    if (from_client && worker_pending(s->loader) >= s->cfg->max_loads) {
+        snprintf(err, errlen, "%u loads are in flight, the limit (max_loads); try again",
+                 worker_pending(s->loader));
+        return -EBUSY;
+    }
+    struct load_job *lj = calloc(1, sizeof(*lj));
+    if (!lj) {
+        snprintf(err, errlen, "out of memory");
+        return -ENOMEM;
+    }
+    lj->s = s;
+    lj->start_us = now_us();
+    int rc = load_job_fill(s, se, m, lj, err, errlen);
+    if (!rc && !(lj->layer = layer_reserve(s, m->name))) {
         rc = -ENOMEM;
+        snprintf(err, errlen, "out of memory");
+    }
     if (rc) {
-        if (!err[0])
-            snprintf(err, errlen, "out of memory");
         load_job_free(lj);
         return rc;
     }
-    layer_declare(lj->layer, sp, m->routing, m->renormalize, err, errlen);
+    layer_declare(lj->layer, &lj->spec, m->routing, m->renormalize, err, errlen);
     lj->job.run = load_run;
     lj->job.done = load_done;
     *out = lj;
@@ -455,7 +469,6 @@ void layer_handle_load(struct server *s, struct session *se, const uint8_t *rout
     lj->req_id = req_id;
     memcpy(lj->route_id, route_id, route_len);
     lj->route_len = route_len;
-    lj->report = true;
     worker_submit(s->loader, &lj->job);
 }
 
@@ -494,10 +507,10 @@ int layer_load_conf(struct server *s, const struct layer_conf *lc, bool queued, 
     if (rc)
         return rc;
     if (queued) {
-        lj->report = true;
         worker_submit(s->loader, &lj->job);
         return 0;
     }
+    lj->sync = true;
     load_run(&lj->job);
     rc = lj->rc;
     if (rc)
@@ -510,20 +523,15 @@ int layer_conf_check(struct server *s, const struct layer_conf *lc, char *const 
                      size_t n_allowed, struct host_weights *out, char *err, size_t errlen)
 {
     Moe__LoadLayer m;
-    struct layer_spec sp;
-    struct layer tmp = {0};
     struct load_job lj = {.s = s};
     struct host_weights hw;
     out = out ? out : &hw;
     memset(out, 0, sizeof(*out));
     conf_request(lc, &m);
-    spec_of(&m, &sp);
-    int rc = layer_declare(&tmp, &sp, m.routing, m.renormalize, err, errlen);
-    if (!rc && s)
-        rc = load_job_devices(s, &lj, m.kind, m.devices, m.n_devices, m.expert_device,
-                              m.n_expert_device, err, errlen);
+    err[0] = '\0';
+    int rc = load_job_fill(s, NULL, &m, &lj, err, errlen);
     if (!rc)
-        rc = layer_check_weights(&sp, allowed, n_allowed, out, err, errlen);
+        rc = layer_check_weights(&lj.spec, allowed, n_allowed, out, err, errlen);
     /* the placement against the experts the file holds, as load_run plans it */
     if (!rc && lj.n_devices > 0) {
         struct shard_set set;
@@ -534,7 +542,7 @@ int layer_conf_check(struct server *s, const struct layer_conf *lc, char *const 
         else if (rc == -ENOMEM)
             snprintf(err, errlen, "out of memory");
     }
-    free(lj.expert_map);
+    load_job_clear(&lj);
     return rc;
 }
 

@@ -179,6 +179,23 @@ static unsigned conf_count(const struct layer_conf *l)
     return n;
 }
 
+/* Load a section's layer (layer_load_conf: at once, or queued), marked as
+ * the configuration's, with the identity its file had before the load
+ * read it. 0 or -errno with why. */
+static int load_section(struct reload *r, const struct layer_conf *lc, bool queued, char *why,
+                        size_t whylen)
+{
+    struct stat st;
+    bool have_st = stat(lc->path, &st) == 0;
+    int rc = layer_load_conf(r->s, lc, queued, why, whylen);
+    if (rc < 0)
+        return rc;
+    layer_find(r->s, lc->name)->from_config = true;
+    if (have_st)
+        file_track(r, lc->name, &st);
+    return 0;
+}
+
 int reload_load_initial(struct reload *r, char *err, size_t errlen)
 {
     struct server *s = r->s;
@@ -189,16 +206,11 @@ int reload_load_initial(struct reload *r, char *err, size_t errlen)
         return 0;
     notify_loading_begin();
     for (const struct layer_conf *lc = s->cfg->layers; lc; lc = lc->next) {
-        struct stat st;
-        bool have_st = stat(lc->path, &st) == 0;
         notify_loading_layer(lc->name, ++i, n);
-        if ((rc = layer_load_conf(s, lc, false, why, sizeof(why))) < 0) {
+        if ((rc = load_section(r, lc, false, why, sizeof(why))) < 0) {
             snprintf(err, errlen, "layer '%s': %s", lc->name, why);
             break;
         }
-        layer_find(s, lc->name)->from_config = true;
-        if (have_st)
-            file_track(r, lc->name, &st);
     }
     notify_loading_end();
     return rc;
@@ -244,18 +256,12 @@ static void finish(struct reload *r)
  * layer.c and checked by poll_loads(). */
 static void submit_load(struct reload *r, const struct layer_conf *lc)
 {
-    struct server *s = r->s;
     char why[512] = "";
-    struct stat st;
-    bool have_st = stat(lc->path, &st) == 0;
-    if (layer_load_conf(s, lc, true, why, sizeof(why)) < 0) {
+    if (load_section(r, lc, true, why, sizeof(why)) < 0) {
         log_err("reload: not loading layer '%s': %s", lc->name, why);
         r->failed++;
         return;
     }
-    layer_find(s, lc->name)->from_config = true;
-    if (have_st)
-        file_track(r, lc->name, &st);
     snprintf(r->loading[r->n_loading++], sizeof(r->loading[0]), "%s", lc->name);
     log_info("reload: loading layer '%s' from %s", lc->name, lc->path);
 }
