@@ -120,6 +120,15 @@ static uint64_t mono_us(void)
 
 /* ---- session socket ---------------------------------------------------- */
 
+/* The session is over: the next call opens a new one. lost says why its
+ * requests are lost where the daemon did not go away (NULL: it did).
+ * Caller holds mu. */
+static void session_over(moe_client *c, const char *lost)
+{
+    c->broken = true;
+    c->lost = lost;
+}
+
 /* Why a request of a session that ended is lost. Caller holds mu. */
 static const char *lost_why(const moe_client *c)
 {
@@ -157,11 +166,12 @@ static int session_call(moe_client *c, Moe__SessionRequest *req, int fd,
         ;
     if (sent < 0) {
         int e = errno;
-        c->broken = e == EPIPE || e == ECONNRESET || e == ENOTCONN;
-        c->lost = NULL;
+        bool gone = e == EPIPE || e == ECONNRESET || e == ENOTCONN;
+        if (gone)
+            session_over(c, NULL);
         /* A daemon that refused the session (too many sessions, shutting
          * down) said why before it closed: that answer beats "reset". */
-        ssize_t r = c->broken ? recv(c->sfd, buf, sizeof(buf), MSG_DONTWAIT) : -1;
+        ssize_t r = gone ? recv(c->sfd, buf, sizeof(buf), MSG_DONTWAIT) : -1;
         Moe__SessionReply *why = r > 0 ? moe__session_reply__unpack(NULL, (size_t)r, buf) : NULL;
         if (why && why->status != MOE__STATUS__STATUS_OK) {
             int err = status_to_errno(why->status);
@@ -171,7 +181,7 @@ static int session_call(moe_client *c, Moe__SessionRequest *req, int fd,
         }
         if (why)
             moe__session_reply__free_unpacked(why, NULL);
-        return seterr(c->broken ? -ECONNRESET : -e, "cannot reach the daemon: %s", strerror(e));
+        return seterr(gone ? -ECONNRESET : -e, "cannot reach the daemon: %s", strerror(e));
     }
     struct pollfd p = {c->sfd, POLLIN, 0};
     uint64_t t0 = mono_ms();
@@ -186,22 +196,20 @@ static int session_call(moe_client *c, Moe__SessionRequest *req, int fd,
      * next call. So the session ends here, and the next call opens a new one
      * (the daemon frees what the old one held). */
     if (pr == 0) {
-        c->broken = true;
-        c->lost = "a session call timed out, which ends the session; the request is lost";
+        session_over(c, "a session call timed out, which ends the session; the request is lost");
         return seterr(-ETIMEDOUT, "the daemon did not answer within %d ms", c->timeout_ms);
     }
     ssize_t r;
     while ((r = recv(c->sfd, buf, sizeof(buf), 0)) < 0 && errno == EINTR)
         ;
     if (r <= 0) {
-        c->broken = true;
-        c->lost = NULL;
+        session_over(c, NULL);
         return seterr(-ECONNRESET, "the daemon closed the session");
     }
     Moe__SessionReply *rep = moe__session_reply__unpack(NULL, (size_t)r, buf);
     if (!rep) {
-        c->broken = true;
-        c->lost = "a session reply was malformed, which ends the session; the request is lost";
+        session_over(c, "a session reply was malformed, which ends the session; the request is "
+                        "lost");
         return seterr(-EPROTO, "malformed session reply");
     }
     if (rep->status != MOE__STATUS__STATUS_OK) {
@@ -345,10 +353,8 @@ static int connection_ensure(moe_client *c)
         struct pollfd p = {c->sfd, POLLIN, 0};
         char b;
         if (poll(&p, 1, 0) == 1 &&
-            ((p.revents & (POLLHUP | POLLERR)) || recv(c->sfd, &b, 1, MSG_PEEK | MSG_DONTWAIT) == 0)) {
-            c->broken = true;
-            c->lost = NULL;
-        }
+            ((p.revents & (POLLHUP | POLLERR)) || recv(c->sfd, &b, 1, MSG_PEEK | MSG_DONTWAIT) == 0))
+            session_over(c, NULL);
     }
     if (!c->broken)
         return 0;
@@ -652,8 +658,7 @@ static int receive_some(moe_client *c, uint64_t stop_id, int wait_ms)
         ssize_t n = recv(c->sfd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
         if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
             rc = drain_last_replies(c);
-            c->broken = true;
-            c->lost = NULL;
+            session_over(c, NULL);
             return rc < 0 ? rc : 0;
         }
     }
@@ -1131,12 +1136,10 @@ static int request_wait(moe_client *c, const moe_request *r, int timeout_ms, moe
     Moe__Reply *rep = NULL;
     int rc;
     pthread_mutex_lock(&c->mu);
-    bool lost = r->generation != c->generation;
+    const char *lost = r->generation != c->generation ? lost_why(c) : NULL;
     pthread_mutex_unlock(&c->mu);
     if (lost)
-        rc = seterr(-ECONNRESET, "%s", c->lost ? c->lost
-                                               : "the daemon restarted since the request was "
-                                                 "sent; it is lost");
+        rc = seterr(-ECONNRESET, "%s", lost);
     else
         rc = wait_reply(c, r->id, timeout_ms < 0 ? c->timeout_ms : timeout_ms, &rep);
     if (rc)
