@@ -119,6 +119,7 @@ int session_push_reply(struct session *se, void *reply)
 
 struct out_msg {
     struct out_msg *next;
+    uint64_t id; /* the reply's, for the error that may take its place */
     size_t n;
     uint8_t data[];
 };
@@ -185,13 +186,43 @@ static bool reply_socket_watch(struct server *s, struct session *se, uint32_t ev
     return rc == 0;
 }
 
+/* A reply larger than one datagram of the reply socket (its send buffer,
+ * which the client chose when it made the socket) becomes an error with
+ * the same id, in place: the client learns what happened, and the socket,
+ * with the replies queued behind this one, stays open. False when the
+ * error itself would not fit (a reply that small always goes). */
+static bool reply_shrink(struct server *s, struct session *se, struct out_msg *m)
+{
+    char msg[200];
+    snprintf(msg, sizeof(msg),
+             "the reply (%zu bytes) is larger than one datagram of the reply socket; "
+             "send this request on the request socket",
+             m->n);
+    Moe__Reply rep = MOE__REPLY__INIT;
+    rep.id = m->id;
+    rep.status = status_from_errno(-EMSGSIZE);
+    rep.message = msg;
+    size_t n = moe__reply__get_packed_size(&rep);
+    if (n >= m->n)
+        return false;
+    log_warn("session %llu (pid %d): reply %llu of %zu bytes does not fit the reply socket; "
+             "an error sent in its place",
+             (unsigned long long)se->id, (int)se->pid, (unsigned long long)m->id, m->n);
+    m->n = moe__reply__pack(&rep, m->data);
+    s->stats.errors++;
+    return true;
+}
+
 /* The socket has room: send what waits, and read requests again once
  * nothing does. */
 static void reply_socket_flush(struct server *s, struct session *se)
 {
     while (se->outq) {
         struct out_msg *m = se->outq;
-        if (reply_socket_sent(s, se, chan_send_bytes(se->chan, m->data, m->n)) <= 0)
+        int rc = chan_send_bytes(se->chan, m->data, m->n);
+        if (rc == -EMSGSIZE && reply_shrink(s, se, m))
+            rc = chan_send_bytes(se->chan, m->data, m->n);
+        if (reply_socket_sent(s, se, rc) <= 0)
             return;
         se->outq = m->next;
         se->n_out--;
@@ -222,6 +253,7 @@ void session_send_reply(struct server *s, uint64_t session_id, void *reply)
         return;
     }
     m->next = NULL;
+    m->id = ((Moe__Reply *)reply)->id;
     m->n = moe__reply__pack(reply, m->data);
     if (!se->outq) {
         /* Replies wait here now: the compute thread must not pass them. */

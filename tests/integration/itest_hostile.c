@@ -992,11 +992,14 @@ TEST(a_bad_reply_socket_is_refused)
     itest_daemon_stop(&d);
 }
 
-/* A raw session with a reply socket: its token in r, our end in *rfd. */
-static void open_with_socket(struct raw *r, const char *dir, int *rfd)
+/* A raw session with a reply socket: its token in r, our end in *rfd;
+ * the daemon's end gets a send buffer of sndbuf bytes unless 0. */
+static void open_with_socket_buf(struct raw *r, const char *dir, int *rfd, int sndbuf)
 {
     int sp[2];
     CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) == 0);
+    if (sndbuf)
+        CHECK(setsockopt(sp[1], SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof(sndbuf)) == 0);
     memset(r, 0, sizeof(*r));
     CHECK(raw_connect_session(r, dir) == 0);
     raw_connect_zmq(r, dir, 300);
@@ -1009,6 +1012,11 @@ static void open_with_socket(struct raw *r, const char *dir, int *rfd)
     moe__session_reply__free_unpacked(rep, NULL);
     close(sp[1]);
     *rfd = sp[0];
+}
+
+static void open_with_socket(struct raw *r, const char *dir, int *rfd)
+{
+    open_with_socket_buf(r, dir, rfd, 0);
 }
 
 /* Send bytes on a reply socket without blocking: 0, or -errno. */
@@ -1157,6 +1165,69 @@ TEST(requests_on_a_reply_socket_are_checked)
     close(afd);
     raw_close(&a);
     raw_close(&b);
+    itest_daemon_stop(&d);
+}
+
+/* A reply too large for one datagram of the reply socket (a ListLayers of
+ * many layers, on a socket whose send buffer the client made small) comes
+ * back as an error with the request's id, and the socket stays open: the
+ * replies behind it still come, and the same request on the request
+ * socket is answered in full. */
+TEST(a_reply_too_large_for_the_reply_socket_is_an_error)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    moe_client *c = itest_connect(&d, "itest");
+    uint64_t seed = 0x5eed1157;
+    enum { LAYERS = 64 };
+    for (int i = 0; i < LAYERS; i++) {
+        struct itest_layer L = {.dt = MOE_DTYPE_BF16, .sh = {2, 1, 64, 64},
+                                .routing = MOE_ROUTING_SOFTMAX};
+        /* 64 characters, the longest name. */
+        snprintf(L.name, sizeof(L.name), "a-long-layer-name-to-make-the-list-reply-large-%016d", i);
+        itest_layer_upload(c, &L, &seed);
+        itest_layer_free(&L);
+    }
+    struct raw a;
+    int afd;
+    open_with_socket_buf(&a, d.dir, &afd, 1); /* the kernel's least: a few KiB */
+    Moe__ListLayers ll = MOE__LIST_LAYERS__INIT;
+    Moe__Request list = MOE__REQUEST__INIT;
+    list.body_case = MOE__REQUEST__BODY_LIST_LAYERS;
+    list.list_layers = &ll;
+    Moe__Hello h;
+    Moe__Request hello = hello_req(&h);
+    hello.hello = &h;
+
+    CHECK_EQ_INT(socket_send_req(&a, afd, &list, NULL), 0);
+    uint64_t list_id = a.next_id;
+    CHECK_EQ_INT(socket_send_req(&a, afd, &hello, NULL), 0);
+    Moe__Reply *rep = socket_recv(afd, 5000);
+    CHECK_MSG(rep != NULL, "no reply: the reply socket was closed or the reply lost");
+    CHECK(rep->id == list_id);
+    CHECK_EQ_INT((int)rep->status, MOE__STATUS__STATUS_RESOURCE_EXHAUSTED);
+    CHECK_MSG(rep->message && strstr(rep->message, "request socket"), "message: %s",
+              rep->message ? rep->message : "(none)");
+    moe__reply__free_unpacked(rep, NULL);
+    rep = socket_recv(afd, 5000);
+    CHECK_MSG(rep != NULL, "the reply queued behind the large one was lost");
+    CHECK(rep->id == a.next_id && rep->status == 0 && rep->body_case == MOE__REPLY__BODY_HELLO);
+    moe__reply__free_unpacked(rep, NULL);
+
+    /* The socket still carries requests, and ZeroMQ carries the list. */
+    CHECK_EQ_INT(socket_send_req(&a, afd, &hello, NULL), 0);
+    rep = socket_recv(afd, 5000);
+    CHECK_MSG(rep != NULL && rep->status == 0, "the reply socket stopped answering");
+    moe__reply__free_unpacked(rep, NULL);
+    CHECK_EQ_INT(raw_send(&a, &list), 0);
+    rep = raw_recv(&a);
+    CHECK_EQ_INT((int)rep->status, 0);
+    CHECK(rep->body_case == MOE__REPLY__BODY_LAYERS && rep->layers->n_layers == LAYERS);
+    moe__reply__free_unpacked(rep, NULL);
+
+    close(afd);
+    raw_close(&a);
+    moe_disconnect(&c);
     itest_daemon_stop(&d);
 }
 
@@ -1331,6 +1402,7 @@ int main(int argc, char **argv)
         TEST_CASE(unregistering_a_region_is_answered),
         TEST_CASE(a_bad_reply_socket_is_refused),
         TEST_CASE(requests_on_a_reply_socket_are_checked),
+        TEST_CASE(a_reply_too_large_for_the_reply_socket_is_an_error),
         TEST_CASE(cross_wired_reply_sockets_do_not_loop),
         TEST_CASE(a_client_taking_signals_loses_no_reply),
         TEST_CASE(a_client_taking_signals_gets_the_replies_of_a_clean_stop),
