@@ -69,7 +69,7 @@ void region_unref(struct region **rp)
     if (!r || --r->refs > 0)
         return;
     if (r->release)
-        r->release(r->release_ctx, r->base, (size_t)r->size, r->pin_cookie);
+        r->release(r->release_ctx, r);
     munmap(r->base, (size_t)r->size);
     close_fd(&r->fd);
     free(r);

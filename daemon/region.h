@@ -17,7 +17,7 @@
 struct region;
 
 /* Called once before a region's memory is unmapped, e.g. to unpin it. */
-typedef void (*region_release_fn)(void *ctx, void *base, size_t size, void *cookie);
+typedef void (*region_release_fn)(void *ctx, struct region *r);
 
 struct region {
     uint64_t id;          /* random, never 0, unique in the daemon */
@@ -28,6 +28,7 @@ struct region {
     char name[64];
     int refs;
     void *pin_cookie;     /* backend's handle for a pinned mapping, or NULL */
+    bool retired;         /* unregistered while requests still held it */
     region_release_fn release;
     void *release_ctx;
     struct region *next;  /* in the owning session's list */

@@ -73,6 +73,11 @@ struct session {
     struct region *regions;
     uint32_t n_regions;
     uint64_t region_bytes;
+    /* Regions the client unregistered while requests in flight still held
+     * them: still mapped, so still counted against max_regions and
+     * max_session_bytes until the last of those requests ends. */
+    uint32_t n_retired;
+    uint64_t retired_bytes;
     uint32_t queued_requests;
     uint64_t queued_tokens;
     struct session *next;

@@ -363,12 +363,20 @@ static uint64_t region_new_id(struct server *s)
     }
 }
 
-static void region_release_pin(void *ctx, void *base, size_t size, void *cookie)
+/* A region's last reference is gone: unpinned, and no longer counted
+ * against its session (if that is still there) when the client had
+ * unregistered it before. */
+static void region_release(void *ctx, struct region *r)
 {
     struct server *s = ctx;
-    if (cookie && s->backend->ops->unpin) {
-        s->backend->ops->unpin(s->backend, base, size, cookie);
-        s->pinned_bytes -= size;
+    if (r->pin_cookie && s->backend->ops->unpin) {
+        s->backend->ops->unpin(s->backend, r->base, (size_t)r->size, r->pin_cookie);
+        s->pinned_bytes -= r->size;
+    }
+    struct session *se = r->retired ? session_by_id(s, r->session_id) : NULL;
+    if (se) {
+        se->n_retired--;
+        se->retired_bytes -= r->size;
     }
 }
 
@@ -381,13 +389,18 @@ static void session_register(struct server *s, struct session *se,
         session_fail(s, se, -EINVAL, "RegisterRegion needs exactly one file descriptor, got %d", nfds);
         return;
     }
-    if (se->n_regions >= s->cfg->max_regions) {
-        session_fail(s, se, -EDQUOT, "session has %u regions, the limit", se->n_regions);
+    static const char in_flight[] = " (counting regions unregistered that requests in flight still use)";
+    if (se->n_regions + se->n_retired >= s->cfg->max_regions) {
+        session_fail(s, se, -EDQUOT, "session has %u regions, the limit%s",
+                     se->n_regions + se->n_retired, se->n_retired ? in_flight : "");
         return;
     }
-    if (!add_u64(se->region_bytes, m->size, &total) || total > s->cfg->max_session_bytes) {
-        session_fail(s, se, -EDQUOT, "region of %llu bytes would exceed the session's %llu mapped bytes",
-                     (unsigned long long)m->size, (unsigned long long)s->cfg->max_session_bytes);
+    if (!add_u64(se->region_bytes + se->retired_bytes, m->size, &total) ||
+        total > s->cfg->max_session_bytes) {
+        session_fail(s, se, -EDQUOT,
+                     "region of %llu bytes would exceed the session's %llu mapped bytes%s",
+                     (unsigned long long)m->size, (unsigned long long)s->cfg->max_session_bytes,
+                     se->retired_bytes ? in_flight : "");
         return;
     }
     int rc = region_new(fds[0], m->size, s->cfg->max_region_bytes, &r);
@@ -416,9 +429,9 @@ static void session_register(struct server *s, struct session *se,
                       (int)se->pid, rc == -EDQUOT ? "over max_pinned_bytes" : strerror(-rc));
         else if (r->pin_cookie)
             s->pinned_bytes += r->size;
-        r->release = region_release_pin;
-        r->release_ctx = s;
     }
+    r->release = region_release;
+    r->release_ctx = s;
     r->next = se->regions;
     se->regions = r;
     se->n_regions++;
@@ -437,6 +450,11 @@ static void session_unregister(struct server *s, struct session *se, uint64_t id
         *pp = r->next;
         se->n_regions--;
         se->region_bytes -= r->size;
+        if (r->refs > 1) { /* requests in flight hold it: counted until they end */
+            r->retired = true;
+            se->n_retired++;
+            se->retired_bytes += r->size;
+        }
         region_unref(&r); /* batches in flight keep their own references */
         Moe__SessionReply rep = MOE__SESSION_REPLY__INIT;
         rep.region = id; /* never an empty datagram: that reads as EOF */

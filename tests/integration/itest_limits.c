@@ -169,6 +169,72 @@ TEST(regions_and_mapped_bytes_are_capped)
     itest_daemon_stop(&d);
 }
 
+/* A region unregistered while a request of its session still uses it stays
+ * mapped until that request ends, and counts against max_regions and
+ * max_session_bytes until then: unregistering and registering again cannot
+ * map more than the limits while requests are queued. */
+TEST(unregistered_regions_count_until_their_requests_end)
+{
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--max-slice-tokens", "4096", "--config",
+                       write_conf("[limits]\nmax_regions = 2\nmax_session_bytes = 8388608\n"), NULL);
+    moe_client *c = itest_connect(&d, "itest");
+    struct itest_layer L = big_layer();
+    itest_layer_upload(c, &L, &seed);
+    struct raw blocker, r;
+    raw_open(&blocker, d.dir, true);
+    raw_open(&r, d.dir, true);
+    raw_hello(&r);
+    void *base;
+    uint64_t ra = raw_region(&r, 4 << 20, &base);
+    itest_fill(&seed, MOE_DTYPE_BF16, base, 64 * 256, 1.0f);
+    itest_fill(&seed, MOE_DTYPE_FP32, (uint8_t *)base + 64 * 256 * 2, 64 * 8, 1.0f);
+    struct fwd f;
+    fwd_init(&f, &L, ra, 64);
+
+    /* The forward waits behind another session's long one; a Hello after
+     * it on the same socket, answered, says the daemon holds it. */
+    block_device(&blocker, &L);
+    CHECK(raw_send(&r, &f.req) == 0);
+    uint64_t fwd_id = f.req.id;
+    raw_hello(&r);
+    CHECK_EQ_INT(raw_unregister(&r, ra), 0);
+
+    char msg[256];
+    uint64_t id;
+    CHECK_EQ_INT(raw_region_try(&r, 8 << 20, NULL, &id, msg, sizeof(msg)),
+                 MOE__STATUS__STATUS_RESOURCE_EXHAUSTED);
+    CHECK_STR_CONTAINS(msg, "exceed the session's 8388608 mapped bytes (counting regions "
+                            "unregistered that requests in flight still use)");
+    raw_region(&r, 4 << 20, NULL);
+    CHECK_EQ_INT(raw_region_try(&r, 4096, NULL, &id, msg, sizeof(msg)),
+                 MOE__STATUS__STATUS_RESOURCE_EXHAUSTED);
+    CHECK_STR_CONTAINS(msg, "2 regions, the limit (counting");
+
+    /* The forward still reads and writes its region, and answers; then the
+     * room comes back (the last reference may go just after the reply). */
+    Moe__Reply *rep = raw_recv(&r);
+    CHECK(rep->id == fwd_id);
+    CHECK_MSG(rep->status == 0, "forward: %s", rep->message);
+    moe__reply__free_unpacked(rep, NULL);
+    int st = -1;
+    for (int i = 0; i < 100 && st != 0; i++) {
+        st = raw_region_try(&r, 4096, NULL, &id, msg, sizeof(msg));
+        if (st)
+            itest_sleep_ms(20);
+    }
+    CHECK_MSG(st == 0, "the region's room did not come back: %s", msg);
+    rep = raw_recv(&blocker);
+    CHECK_EQ_INT((int)rep->status, 0);
+    moe__reply__free_unpacked(rep, NULL);
+    raw_close(&blocker);
+    raw_close(&r);
+    moe_disconnect(&c);
+    itest_layer_free(&L);
+    itest_daemon_stop(&d);
+}
+
 TEST(queues_are_capped_per_session_and_in_all)
 {
     uint64_t seed = test_seed();
@@ -420,6 +486,7 @@ int main(int argc, char **argv)
     return test_main(argc, argv, (struct test_case[]){
         TEST_CASE(sessions_are_capped),
         TEST_CASE(regions_and_mapped_bytes_are_capped),
+        TEST_CASE(unregistered_regions_count_until_their_requests_end),
         TEST_CASE(queues_are_capped_per_session_and_in_all),
         TEST_CASE(message_size_is_capped),
         TEST_CASE(pending_replies_are_capped),

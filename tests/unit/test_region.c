@@ -246,15 +246,15 @@ static void *release_base;
 static size_t release_size;
 static void *release_cookie;
 
-static void on_release(void *ctx, void *base, size_t size, void *cookie)
+static void on_release(void *ctx, struct region *r)
 {
     CHECK(ctx == &release_calls);
     release_calls++;
-    release_base = base;
-    release_size = size;
-    release_cookie = cookie;
+    release_base = r->base;
+    release_size = (size_t)r->size;
+    release_cookie = r->pin_cookie;
     /* Still mapped while the release hook runs. */
-    CHECK(((volatile uint8_t *)base)[size - 1] == 0x5a);
+    CHECK(((volatile uint8_t *)r->base)[r->size - 1] == 0x5a);
 }
 
 TEST(refcount_frees_once)
