@@ -4,7 +4,8 @@
  *
  *   read the file -> [wait until the loader is idle, if allowed_dirs changed:
  *   the loader thread reads them] -> unload and submit loads -> wait until
- *   every submitted load has finished -> done (READY=1)
+ *   every submitted load has finished -> [load the layers whose new load
+ *   failed again from their former sections, and wait] -> done (READY=1)
  */
 #include "daemon/reload.h"
 
@@ -31,11 +32,22 @@
 /* The file a configured layer was loaded from, as it was then. */
 struct file_id {
     char name[65];
+    char *path;
     struct stat st;
     struct file_id *next;
 };
 
 enum phase { IDLE, WAIT_LOADER, WAIT_LOADS };
+
+/* A layer a reload unloaded to load it from its changed section: its
+ * former section (in the old configuration, which the reload holds until
+ * it ends) and the identity of the file that section names, as it was
+ * when the layer was loaded from it. */
+struct former {
+    char name[65];
+    const struct layer_conf *lc;
+    struct stat st;
+};
 
 struct reload {
     struct server *s;
@@ -51,7 +63,10 @@ struct reload {
     struct file_id *files;
     char (*loading)[65];      /* names submitted to the loader */
     unsigned n_loading;
-    unsigned loaded, unloaded, kept, failed;
+    struct former *former;    /* layers unloaded to load their new sections */
+    unsigned n_former;
+    bool restoring;           /* the loads are of former sections */
+    unsigned loaded, unloaded, kept, failed, restored;
 };
 
 int reload_new(struct server *s, reload_read_fn read, void *read_data, struct reload **out)
@@ -81,9 +96,11 @@ void reload_free(struct reload **rp)
     while (r->files) {
         struct file_id *f = r->files;
         r->files = f->next;
+        free(f->path);
         free(f);
     }
     free(r->loading);
+    free(r->former);
     free(r);
 }
 
@@ -102,31 +119,46 @@ static struct file_id *file_find(struct reload *r, const char *name)
     return NULL;
 }
 
-static void file_track(struct reload *r, const char *name, const struct stat *st)
+static void file_track(struct reload *r, const char *name, const char *path,
+                       const struct stat *st)
 {
     struct file_id *f = file_find(r, name);
+    char *p = strdup(path);
+    if (!p)
+        return; /* the layer is then never seen as replaced: harmless */
     if (!f) {
-        if (!(f = calloc(1, sizeof(*f))))
-            return; /* the layer is then never seen as replaced: harmless */
+        if (!(f = calloc(1, sizeof(*f)))) {
+            free(p);
+            return;
+        }
         snprintf(f->name, sizeof(f->name), "%s", name);
         f->next = r->files;
         r->files = f;
     }
+    free(f->path);
+    f->path = p;
     f->st = *st;
 }
 
-/* True when the file at path is no longer the one the layer was loaded
- * from. A file that cannot be stat'ed now is not "changed": reloading it
- * would fail and lose weights that are still resident. */
+static bool same_file(const struct stat *a, const struct stat *b)
+{
+    return a->st_dev == b->st_dev && a->st_ino == b->st_ino && a->st_size == b->st_size &&
+           a->st_mtim.tv_sec == b->st_mtim.tv_sec && a->st_mtim.tv_nsec == b->st_mtim.tv_nsec;
+}
+
+/* True when the file at path, which the layer was loaded from, is no
+ * longer the one it was then. A file that cannot be stat'ed now is not
+ * "changed": reloading it would fail and lose weights that are still
+ * resident. A layer loaded from another path (a reload served it again
+ * from its former section) is not "replaced" either: conf_behind says
+ * why it loads again. */
 static bool file_replaced(struct reload *r, const char *name, const char *path)
 {
     struct file_id *f = file_find(r, name);
     struct stat st;
-    if (!f || stat(path, &st) < 0)
+    if (!f || strcmp(f->path, path) != 0 || stat(path, &st) < 0)
         return false;
-    return st.st_dev != f->st.st_dev || st.st_ino != f->st.st_ino ||
-           st.st_size != f->st.st_size || st.st_mtim.tv_sec != f->st.st_mtim.tv_sec ||
-           st.st_mtim.tv_nsec != f->st.st_mtim.tv_nsec;
+    return !same_file(&st, &f->st);
 }
 
 /* ---- the token-tile table ------------------------------------------------ */
@@ -192,7 +224,7 @@ static int load_section(struct reload *r, const struct layer_conf *lc, bool queu
         return rc;
     layer_find(r->s, lc->name)->from_config = true;
     if (have_st)
-        file_track(r, lc->name, &st);
+        file_track(r, lc->name, lc->path, &st);
     return 0;
 }
 
@@ -239,8 +271,15 @@ static void finish(struct reload *r)
         r->have_next = false;
     }
     r->n_loading = 0;
-    log_notice("reload: %u layers loaded, %u unloaded, %u kept, %u failed", r->loaded,
-               r->unloaded, r->kept, r->failed);
+    r->n_former = 0;
+    r->restoring = false;
+    if (r->restored)
+        log_notice("reload: %u layers loaded, %u unloaded, %u kept, %u failed (%u of them "
+                   "serving again from their former sections)",
+                   r->loaded, r->unloaded, r->kept, r->failed, r->restored);
+    else
+        log_notice("reload: %u layers loaded, %u unloaded, %u kept, %u failed", r->loaded,
+                   r->unloaded, r->kept, r->failed);
     if (r->again && !r->s->draining) {
         log_info("reload: reading the configuration again, as asked meanwhile");
         reload_begin(r);
@@ -278,9 +317,12 @@ static void reconcile(struct reload *r)
         n_layers++;
     unsigned n_now = conf_count(now);
     free(r->loading);
+    free(r->former);
+    r->n_former = 0;
     r->loading = calloc(n_now + 1, sizeof(*r->loading));
+    r->former = calloc(n_layers + 1, sizeof(*r->former));
     drop = calloc(n_layers + 1, sizeof(*drop));
-    if (!r->loading || !drop) {
+    if (!r->loading || !r->former || !drop) {
         free(drop);
         log_err("reload: out of memory; keeping the running layers");
         r->failed++;
@@ -312,6 +354,15 @@ static void reconcile(struct reload *r)
         }
         log_info("reload: unloading layer '%s': %s", l->name, why);
         snprintf(drop[n_drop++], sizeof(drop[0]), "%s", l->name);
+        /* Its former section, should the new load fail after all (for
+         * memory): while its file is the one loaded, it can serve again. */
+        const struct file_id *f = file_find(r, l->name);
+        if (is && was && f) {
+            struct former *fo = &r->former[r->n_former++];
+            snprintf(fo->name, sizeof(fo->name), "%s", l->name);
+            fo->lc = was;
+            fo->st = f->st;
+        }
     }
     for (unsigned i = 0; i < n_drop; i++)
         if (layer_unload(s, drop[i]) == 0)
@@ -381,6 +432,37 @@ static void swap_dirs(struct config *a, struct config *b)
     b->n_allowed_dirs = n;
 }
 
+/* A layer that a reload unloaded for its changed section, and that failed
+ * to load from it (its checks passed, so for want of memory or a read
+ * error), is loaded again from its former section, whose file is still
+ * the one it was loaded from. Queued; on_poll waits for it. */
+static void restore(struct reload *r, const char *name)
+{
+    const struct former *fo = NULL;
+    for (unsigned i = 0; i < r->n_former && !fo; i++)
+        if (!strcmp(r->former[i].name, name))
+            fo = &r->former[i];
+    if (!fo)
+        return;
+    /* name may be r->loading's own entry, which the queue reuses: fo->name
+     * from here on. */
+    struct stat st;
+    if (stat(fo->lc->path, &st) < 0 || !same_file(&st, &fo->st)) {
+        log_err("reload: layer '%s' is not loaded: its former file %s has changed since",
+                fo->name, fo->lc->path);
+        return;
+    }
+    char why[512] = "";
+    if (load_section(r, fo->lc, true, why, sizeof(why)) < 0) {
+        log_err("reload: layer '%s' is not loaded: not even from its former section: %s",
+                fo->name, why);
+        return;
+    }
+    snprintf(r->loading[r->n_loading++], sizeof(r->loading[0]), "%s", fo->name);
+    log_info("reload: loading layer '%s' again from its former section (%s)", fo->name,
+             fo->lc->path);
+}
+
 static void on_poll(void *data)
 {
     struct reload *r = data;
@@ -402,14 +484,35 @@ static void on_poll(void *data)
         if (l && l->state == LAYER_LOADING)
             return;
     }
-    for (unsigned i = 0; i < r->n_loading; i++) {
+    if (r->restoring) {
+        for (unsigned i = 0; i < r->n_loading; i++) {
+            struct layer *l = layer_find(s, r->loading[i]);
+            if (l && l->from_config && l->state == LAYER_READY) {
+                l->conf_behind = true; /* the next reload tries its section again */
+                r->restored++;
+                log_notice("reload: layer '%s' serves again as loaded from its former section",
+                           r->loading[i]);
+            }
+        }
+        finish(r);
+        return;
+    }
+    unsigned n = r->n_loading;
+    r->n_loading = 0;
+    for (unsigned i = 0; i < n; i++) {
         struct layer *l = layer_find(s, r->loading[i]);
         if (l && l->from_config && l->state == LAYER_READY)
             r->loaded++;
-        else
+        else {
             r->failed++; /* layer.c logged why */
+            restore(r, r->loading[i]);
+        }
     }
-    finish(r);
+    if (r->n_loading == 0) {
+        finish(r);
+        return;
+    }
+    r->restoring = true;
 }
 
 static void at_next_start(const char *key)
@@ -429,7 +532,7 @@ static void reload_begin(struct reload *r)
     struct config *c = s->cfg, *n = &r->next;
     char err[512] = "";
     r->again = false;
-    r->loaded = r->unloaded = r->kept = r->failed = 0;
+    r->loaded = r->unloaded = r->kept = r->failed = r->restored = 0;
     r->phase = WAIT_LOADER; /* running from here on */
     if (r->have_next)
         config_done(n);

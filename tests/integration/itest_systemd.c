@@ -27,6 +27,7 @@
 #include <pthread.h>
 #include <pwd.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 
@@ -941,6 +942,81 @@ TEST(reload_keeps_a_layer_whose_new_load_would_fail)
     itest_rmdir(wdir);
 }
 
+/* The daemon's address space in bytes (VmSize). */
+static uint64_t vm_size(pid_t pid)
+{
+    char path[64], line[256];
+    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+    FILE *f = fopen(path, "r");
+    CHECK(f != NULL);
+    unsigned long long kib = 0;
+    while (fgets(line, sizeof(line), f))
+        if (sscanf(line, "VmSize: %llu kB", &kib) == 1)
+            break;
+    fclose(f);
+    CHECK(kib > 0);
+    return (uint64_t)kib << 10;
+}
+
+/*
+ * A reload whose new section passes every check but whose load then fails
+ * (here for memory: the daemon's address space is capped just above what
+ * it uses) does not lose the layer: it is loaded again from its former
+ * section, whose file is unchanged, and serves the old weights; the next
+ * reload, with room, loads the new section.
+ */
+TEST(reload_serves_a_layer_again_when_its_new_load_fails)
+{
+#if defined(__SANITIZE_ADDRESS__)
+    TEST_SKIP("AddressSanitizer's shadow memory cannot live under an address-space limit");
+#endif
+    if (itest_on_gpu())
+        TEST_SKIP("the address-space limit fails host allocations, the CPU backend's");
+    uint64_t seed = test_seed();
+    char wdir[] = "/tmp/moed-sdm.XXXXXX", conf[128], fa[128], fb[128];
+    work_dir(wdir, conf, fa);
+    snprintf(fb, sizeof(fb), "%s/big.safetensors", wdir);
+    struct itest_layer A = layer_def("alpha", 4, 2, 32, 48), Big = layer_def("alpha", 8, 2, 512, 1024);
+    layer_file(&A, fa, "m.", &seed);
+    layer_file(&Big, fb, "m.", &seed); /* 24 MiB of weights */
+    const char *text = "[daemon]\nallowed_dirs = %s\n\n[layer alpha]\nfile = %s\nprefix = m.\ntopk = 2\n";
+    write_file(conf, text, wdir, fa);
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--config", conf, NULL);
+    moe_client *c = itest_connect(&d, "kept");
+    forward_and_check(c, &A, 5, &seed);
+
+    struct rlimit was, cap;
+    CHECK(prlimit(d.pid, RLIMIT_AS, NULL, &was) == 0);
+    cap = was;
+    cap.rlim_cur = vm_size(d.pid) + (8u << 20);
+    CHECK(prlimit(d.pid, RLIMIT_AS, &cap, NULL) == 0);
+    write_file(conf, text, wdir, fb);
+    kill(d.pid, SIGHUP);
+    char *log = wait_log(d.log, "reload: 0 layers loaded, 1 unloaded, 0 kept, 1 failed (1 of them "
+                                "serving again from their former sections)", 20000);
+    CHECK_STR_CONTAINS(log, "cannot load layer 'alpha': ");
+    CHECK_STR_CONTAINS(log, "reload: loading layer 'alpha' again from its former section");
+    CHECK_STR_CONTAINS(log, "reload: layer 'alpha' serves again as loaded from its former section");
+    free(log);
+    CHECK(prlimit(d.pid, RLIMIT_AS, &was, NULL) == 0);
+    forward_and_check(c, &A, 7, &seed);
+
+    /* With room, the next reload loads the section the file names. */
+    kill(d.pid, SIGHUP);
+    log = wait_log(d.log, "reload: 1 layers loaded, 1 unloaded, 0 kept, 0 failed", 20000);
+    CHECK_STR_CONTAINS(log, "reload: unloading layer 'alpha': a reload before kept it back");
+    free(log);
+    forward_and_check(c, &Big, 3, &seed);
+
+    moe_disconnect(&c);
+    itest_daemon_stop(&d);
+    itest_layer_free(&A);
+    itest_layer_free(&Big);
+    itest_rmdir(d.dir);
+    itest_rmdir(wdir);
+}
+
 /*
  * "A hung device must stop the pings": one batch that runs much longer than
  * WATCHDOG_USEC (a CPU layer, one big request, one thread) leaves a gap in
@@ -1577,6 +1653,7 @@ int main(int argc, char **argv)
         TEST_CASE_TIMEOUT(reload_places_layers_on_their_devices, 60),
         TEST_CASE_TIMEOUT(reload_loads_past_max_loads_and_names_what_it_refuses, 60),
         TEST_CASE_TIMEOUT(reload_keeps_a_layer_whose_new_load_would_fail, 60),
+        TEST_CASE_TIMEOUT(reload_serves_a_layer_again_when_its_new_load_fails, 60),
         TEST_CASE_TIMEOUT(watchdog_pings_stop_while_one_batch_runs_too_long, 90),
         TEST_CASE_TIMEOUT(socket_activation_passes_both_named_sockets, 30),
         TEST_CASE_TIMEOUT(socket_activation_session_only_binds_zmq_itself, 30),
