@@ -3,7 +3,9 @@
  * thread, polled by a short timer:
  *
  *   read the file -> [wait until the loader is idle, if allowed_dirs changed:
- *   the loader thread reads them] -> unload and submit loads -> wait until
+ *   the loader thread reads them] -> the plan: which layers load again, and
+ *   would their loads pass their checks (on the loader thread, since it
+ *   reads files) -> unload and submit loads -> wait until
  *   every submitted load has finished -> [load the layers whose new load
  *   failed again from their former sections, and wait] -> done (READY=1)
  */
@@ -37,7 +39,7 @@ struct file_id {
     struct file_id *next;
 };
 
-enum phase { IDLE, WAIT_LOADER, WAIT_LOADS };
+enum phase { IDLE, WAIT_LOADER, WAIT_PLAN, WAIT_LOADS };
 
 /* A layer a reload unloaded to load it from its changed section: its
  * former section (in the old configuration, which the reload holds until
@@ -48,6 +50,8 @@ struct former {
     const struct layer_conf *lc;
     struct stat st;
 };
+
+struct plan;
 
 struct reload {
     struct server *s;
@@ -66,6 +70,8 @@ struct reload {
     struct former *former;    /* layers unloaded to load their new sections */
     unsigned n_former;
     bool restoring;           /* the loads are of former sections */
+    struct plan *plan;        /* on the loader thread (WAIT_PLAN) */
+    bool orphan;              /* reload_free ran meanwhile: the plan frees it */
     unsigned loaded, unloaded, kept, failed, restored;
 };
 
@@ -81,16 +87,10 @@ int reload_new(struct server *s, reload_read_fn read, void *read_data, struct re
     return 0;
 }
 
-void reload_free(struct reload **rp)
+/* What the reload holds (a plan on the loader thread reads r->next and
+ * r->files: not while one is out). */
+static void reload_destroy(struct reload *r)
 {
-    struct reload *r = *rp;
-    *rp = NULL;
-    if (!r)
-        return;
-    if (r->poll)
-        loop_unwatch(r->s->loop, &r->poll);
-    if (r->phase == WAIT_LOADS)
-        notify_loading_end();
     if (r->have_next)
         config_done(&r->next);
     while (r->files) {
@@ -102,6 +102,23 @@ void reload_free(struct reload **rp)
     free(r->loading);
     free(r->former);
     free(r);
+}
+
+void reload_free(struct reload **rp)
+{
+    struct reload *r = *rp;
+    *rp = NULL;
+    if (!r)
+        return;
+    if (r->poll)
+        loop_unwatch(r->s->loop, &r->poll);
+    if (r->phase == WAIT_LOADS)
+        notify_loading_end();
+    if (r->plan) {
+        r->orphan = true; /* the loader's last jobs finish in server_free: the plan frees it */
+        return;
+    }
+    reload_destroy(r);
 }
 
 bool reload_running(const struct reload *r)
@@ -212,19 +229,18 @@ static unsigned conf_count(const struct layer_conf *l)
 }
 
 /* Load a section's layer (layer_load_conf: at once, or queued), marked as
- * the configuration's, with the identity its file had before the load
- * read it. 0 or -errno with why. */
-static int load_section(struct reload *r, const struct layer_conf *lc, bool queued, char *why,
-                        size_t whylen)
+ * the configuration's, with st, the identity its file had before the load
+ * read it (NULL: unknown, and then never seen as replaced). 0 or -errno
+ * with why. */
+static int load_section(struct reload *r, const struct layer_conf *lc, bool queued,
+                        const struct stat *st, char *why, size_t whylen)
 {
-    struct stat st;
-    bool have_st = stat(lc->path, &st) == 0;
     int rc = layer_load_conf(r->s, lc, queued, why, whylen);
     if (rc < 0)
         return rc;
     layer_find(r->s, lc->name)->from_config = true;
-    if (have_st)
-        file_track(r, lc->name, lc->path, &st);
+    if (st)
+        file_track(r, lc->name, lc->path, st);
     return 0;
 }
 
@@ -239,7 +255,9 @@ int reload_load_initial(struct reload *r, char *err, size_t errlen)
     notify_loading_begin();
     for (const struct layer_conf *lc = s->cfg->layers; lc; lc = lc->next) {
         notify_loading_layer(lc->name, ++i, n);
-        if ((rc = load_section(r, lc, false, why, sizeof(why))) < 0) {
+        struct stat st;
+        bool have_st = stat(lc->path, &st) == 0;
+        if ((rc = load_section(r, lc, false, have_st ? &st : NULL, why, sizeof(why))) < 0) {
             snprintf(err, errlen, "layer '%s': %s", lc->name, why);
             break;
         }
@@ -291,12 +309,13 @@ static void finish(struct reload *r)
         r->done(r->done_data, r->failed);
 }
 
-/* Queue a section's load on the loader thread: its outcome is logged by
- * layer.c and checked by poll_loads(). */
-static void submit_load(struct reload *r, const struct layer_conf *lc)
+/* Queue a section's load on the loader thread, st its file's identity
+ * before (NULL: unknown): its outcome is logged by layer.c and checked by
+ * on_poll(). */
+static void submit_load(struct reload *r, const struct layer_conf *lc, const struct stat *st)
 {
     char why[512] = "";
-    if (load_section(r, lc, true, why, sizeof(why)) < 0) {
+    if (load_section(r, lc, true, st, why, sizeof(why)) < 0) {
         log_err("reload: not loading layer '%s': %s", lc->name, why);
         r->failed++;
         return;
@@ -305,23 +324,143 @@ static void submit_load(struct reload *r, const struct layer_conf *lc)
     log_info("reload: loading layer '%s' from %s", lc->name, lc->path);
 }
 
+/* ---- the plan: what a reload does with each layer ---------------------------
+ *
+ * Which configured layers to load again, and whether their new load would
+ * pass its checks, is decided on the loader thread: it stats the files and
+ * reads their headers, which the loop thread must not wait on (a slow
+ * disk or network filesystem would hold up every request). The loop thread
+ * takes a snapshot of the layers first and applies the plan when it comes
+ * back, skipping a layer that a client unloaded meanwhile. The plan reads
+ * the old and new sections, r->files and allowed_dirs, none of which
+ * changes until it is applied. */
+
+struct plan_item {
+    char name[65];
+    const struct layer_conf *was, *is; /* the running and the new section */
+    bool behind;                       /* the layer's conf_behind */
+    const char *why;                   /* why it loads again, or NULL */
+    bool bad;                          /* its new load would fail: */
+    char bad_why[512];
+};
+
+/* The identity of a new section's file before its load reads it. */
+struct plan_stat {
+    const struct layer_conf *lc;
+    bool have;
+    struct stat st;
+};
+
+struct plan {
+    struct job job;
+    struct reload *r;
+    struct plan_item *items;
+    unsigned n_items;
+    struct plan_stat *stats;
+    unsigned n_stats;
+};
+
+static void plan_free(struct plan *p)
+{
+    free(p->items);
+    free(p->stats);
+    free(p);
+}
+
+/* Loader thread. */
+static void plan_run(struct job *job)
+{
+    struct plan *p = (struct plan *)job;
+    struct reload *r = p->r;
+    struct server *s = r->s;
+    for (unsigned i = 0; i < p->n_items; i++) {
+        struct plan_item *it = &p->items[i];
+        it->why = !it->is ? "its section is gone"
+                  : !it->was || !layer_conf_same(it->was, it->is) ? "its section changed"
+                  : file_replaced(r, it->name, it->is->path) ? "its file was replaced"
+                  : it->behind ? "a reload before kept it back"
+                               : NULL;
+        /* A layer is loaded again only where the new load would succeed
+         * (short of memory): a mistake in its section or a broken file
+         * keeps it serving as it was. */
+        it->bad = it->why && it->is &&
+                  layer_conf_check(s, it->is, s->cfg->allowed_dirs, s->cfg->n_allowed_dirs,
+                                   NULL, it->bad_why, sizeof(it->bad_why)) < 0;
+    }
+    for (unsigned i = 0; i < p->n_stats; i++)
+        p->stats[i].have = stat(p->stats[i].lc->path, &p->stats[i].st) == 0;
+}
+
+static void reconcile_apply(struct reload *r, struct plan *p);
+
+/* Loop thread (or server_free's, at shutdown, once reload_free has let
+ * the reload go: then it is freed here). */
+static void plan_done(struct job *job)
+{
+    struct plan *p = (struct plan *)job;
+    struct reload *r = p->r;
+    r->plan = NULL;
+    if (r->orphan)
+        reload_destroy(r);
+    else
+        reconcile_apply(r, p);
+    plan_free(p);
+}
+
 /* Unload what the new configuration no longer names (or names differently),
- * then load what is new. */
+ * then load what is new: the plan is made on the loader thread, from a
+ * snapshot of the configured layers. */
 static void reconcile(struct reload *r)
 {
     struct server *s = r->s;
     const struct layer_conf *old = s->cfg->layers, *now = r->next.layers;
-    char (*drop)[65] = NULL;
-    unsigned n_drop = 0, n_layers = 0;
+    unsigned n_layers = 0;
     for (struct layer *l = s->layers; l; l = l->next)
         n_layers++;
-    unsigned n_now = conf_count(now);
+    struct plan *p = calloc(1, sizeof(*p));
+    if (p) {
+        p->items = calloc(n_layers + 1, sizeof(*p->items));
+        p->stats = calloc(conf_count(now) + 1, sizeof(*p->stats));
+    }
+    if (!p || !p->items || !p->stats) {
+        if (p)
+            plan_free(p);
+        log_err("reload: out of memory; keeping the running layers");
+        r->failed++;
+        finish(r);
+        return;
+    }
+    p->r = r;
+    for (struct layer *l = s->layers; l; l = l->next) {
+        if (!l->from_config || l->state != LAYER_READY)
+            continue;
+        struct plan_item *it = &p->items[p->n_items++];
+        snprintf(it->name, sizeof(it->name), "%s", l->name);
+        it->was = conf_find(old, l->name);
+        it->is = conf_find(now, l->name);
+        it->behind = l->conf_behind;
+    }
+    for (const struct layer_conf *lc = now; lc; lc = lc->next)
+        p->stats[p->n_stats++].lc = lc;
+    p->job.run = plan_run;
+    p->job.done = plan_done;
+    r->plan = p;
+    r->phase = WAIT_PLAN;
+    worker_submit(s->loader, &p->job);
+}
+
+static void reconcile_apply(struct reload *r, struct plan *p)
+{
+    struct server *s = r->s;
+    const struct layer_conf *now = r->next.layers;
+    char (*drop)[65] = NULL;
+    unsigned n_drop = 0;
     free(r->loading);
     free(r->former);
     r->n_former = 0;
-    r->loading = calloc(n_now + 1, sizeof(*r->loading));
-    r->former = calloc(n_layers + 1, sizeof(*r->former));
-    drop = calloc(n_layers + 1, sizeof(*drop));
+    r->loading = calloc(p->n_stats + 1, sizeof(*r->loading));
+    r->former = calloc(p->n_items + 1, sizeof(*r->former));
+    drop = calloc(p->n_items + 1, sizeof(*drop));
     if (!r->loading || !r->former || !drop) {
         free(drop);
         log_err("reload: out of memory; keeping the running layers");
@@ -329,38 +468,27 @@ static void reconcile(struct reload *r)
         finish(r);
         return;
     }
-    for (struct layer *l = s->layers; l; l = l->next) {
-        if (!l->from_config || l->state != LAYER_READY)
-            continue;
-        const struct layer_conf *was = conf_find(old, l->name), *is = conf_find(now, l->name);
-        const char *why = !is ? "its section is gone"
-                          : !was || !layer_conf_same(was, is) ? "its section changed"
-                          : file_replaced(r, l->name, is->path) ? "its file was replaced"
-                          : l->conf_behind ? "a reload before kept it back"
-                                           : NULL;
-        if (!why)
-            continue;
-        /* A layer is loaded again only where the new load would succeed
-         * (short of memory): a mistake in its section or a broken file
-         * keeps it serving as it was. */
-        char bad[512] = "";
-        if (is && layer_conf_check(s, is, s->cfg->allowed_dirs, s->cfg->n_allowed_dirs, NULL,
-                                   bad, sizeof(bad)) < 0) {
+    for (unsigned i = 0; i < p->n_items; i++) {
+        const struct plan_item *it = &p->items[i];
+        struct layer *l = layer_find(s, it->name);
+        if (!it->why || !l || !l->from_config || l->state != LAYER_READY)
+            continue; /* unchanged, or unloaded by a client meanwhile */
+        if (it->bad) {
             log_err("reload: keeping layer '%s' as loaded (%s), since the load would fail: %s",
-                    l->name, why, bad);
+                    l->name, it->why, it->bad_why);
             l->conf_behind = true; /* the next reload tries again */
             r->failed++;
             continue;
         }
-        log_info("reload: unloading layer '%s': %s", l->name, why);
+        log_info("reload: unloading layer '%s': %s", l->name, it->why);
         snprintf(drop[n_drop++], sizeof(drop[0]), "%s", l->name);
         /* Its former section, should the new load fail after all (for
          * memory): while its file is the one loaded, it can serve again. */
         const struct file_id *f = file_find(r, l->name);
-        if (is && was && f) {
+        if (it->is && it->was && f) {
             struct former *fo = &r->former[r->n_former++];
             snprintf(fo->name, sizeof(fo->name), "%s", l->name);
-            fo->lc = was;
+            fo->lc = it->was;
             fo->st = f->st;
         }
     }
@@ -386,7 +514,11 @@ static void reconcile(struct reload *r)
                          "a client", lc->name);
                 r->failed++;
             } else {
-                submit_load(r, lc);
+                const struct plan_stat *ps = NULL;
+                for (unsigned i = 0; i < p->n_stats && !ps; i++)
+                    if (p->stats[i].lc == lc)
+                        ps = &p->stats[i];
+                submit_load(r, lc, ps && ps->have ? &ps->st : NULL);
             }
         }
     free(drop);
@@ -453,7 +585,7 @@ static void restore(struct reload *r, const char *name)
         return;
     }
     char why[512] = "";
-    if (load_section(r, fo->lc, true, why, sizeof(why)) < 0) {
+    if (load_section(r, fo->lc, true, &st, why, sizeof(why)) < 0) {
         log_err("reload: layer '%s' is not loaded: not even from its former section: %s",
                 fo->name, why);
         return;

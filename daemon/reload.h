@@ -41,7 +41,9 @@ typedef int (*reload_read_fn)(void *data, struct config *out, char *err, size_t 
  * could not be applied (the log says why). */
 typedef void (*reload_done_fn)(void *data, unsigned failed);
 
-/* Caller owns the result; release with reload_free() before s is freed. */
+/* Caller owns the result; release with reload_free() before s is freed
+ * (a reload whose plan is still on the loader thread is freed by
+ * server_free, when that job ends). */
 int reload_new(struct server *s, reload_read_fn read, void *read_data, struct reload **out);
 void reload_free(struct reload **r);
 

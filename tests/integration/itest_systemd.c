@@ -1017,6 +1017,102 @@ TEST(reload_serves_a_layer_again_when_its_new_load_fails)
     itest_rmdir(wdir);
 }
 
+/* Copy the safetensors file in to out with n_keys entries of metadata
+ * spliced into its header: a header of megabytes, slow to parse. */
+static void pad_header(const char *in, const char *out, unsigned n_keys)
+{
+    FILE *f = fopen(in, "rb");
+    CHECK(f != NULL);
+    uint64_t hlen;
+    CHECK(fread(&hlen, 8, 1, f) == 1);
+    char *hdr = malloc(hlen);
+    CHECK(hdr && fread(hdr, 1, hlen, f) == hlen && hdr[0] == '{');
+    long data_at = ftell(f);
+    CHECK(fseek(f, 0, SEEK_END) == 0);
+    size_t data_len = (size_t)(ftell(f) - data_at);
+    uint8_t *data = malloc(data_len + 1);
+    CHECK(data && fseek(f, data_at, SEEK_SET) == 0 && fread(data, 1, data_len, f) == data_len);
+    fclose(f);
+    size_t cap = (size_t)n_keys * 24 + hlen + 64, n = 0;
+    char *h = malloc(cap);
+    CHECK(h != NULL);
+    n += (size_t)snprintf(h + n, cap - n, "{\"__metadata__\":{");
+    for (unsigned i = 0; i < n_keys; i++)
+        n += (size_t)snprintf(h + n, cap - n, "%s\"k%u\":\"v\"", i ? "," : "", i);
+    n += (size_t)snprintf(h + n, cap - n, "},");
+    memcpy(h + n, hdr + 1, hlen - 1);
+    n += hlen - 1;
+    while (n % 8)
+        h[n++] = ' ';
+    uint64_t nl = n;
+    f = fopen(out, "wb");
+    CHECK(f && fwrite(&nl, 8, 1, f) == 1 && fwrite(h, 1, n, f) == n &&
+          fwrite(data, 1, data_len, f) == data_len);
+    CHECK(fclose(f) == 0);
+    free(hdr);
+    free(data);
+    free(h);
+}
+
+/*
+ * A reload reads headers off the loop thread: while it checks and loads a
+ * layer whose file has a header of megabytes (seconds of parsing), another
+ * layer's forwards keep being answered promptly.
+ */
+TEST(reload_parses_headers_off_the_loop)
+{
+    uint64_t seed = test_seed();
+    char wdir[] = "/tmp/moed-sdh.XXXXXX", conf[128], fa[128], fb[128], fslow[128];
+    work_dir(wdir, conf, fa);
+    snprintf(fb, sizeof(fb), "%s/b.safetensors", wdir);
+    snprintf(fslow, sizeof(fslow), "%s/slow.safetensors", wdir);
+    struct itest_layer A = layer_def("alpha", 4, 2, 32, 48), B = layer_def("beta", 4, 2, 32, 48);
+    layer_file(&A, fa, "m.", &seed);
+    layer_file(&B, fb, "m.", &seed);
+    pad_header(fa, fslow, 1000000); /* 14 MB of header */
+    const char *text = "[daemon]\nallowed_dirs = %s\n\n"
+                       "[layer alpha]\nfile = %s\nprefix = m.\ntopk = 2\n\n"
+                       "[layer beta]\nfile = %s\nprefix = m.\ntopk = 2\n";
+    write_file(conf, text, wdir, fa, fb);
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--config", conf, NULL);
+    moe_client *c = itest_connect(&d, "kept");
+    forward_and_check(c, &B, 3, &seed);
+
+    write_file(conf, text, wdir, fslow, fb);
+    uint64_t t0 = now_ms(), worst = 0;
+    kill(d.pid, SIGHUP);
+    char *log = NULL;
+    int forwards = 0;
+    for (;; forwards++) {
+        uint64_t t = now_ms();
+        forward_and_check(c, &B, 3, &seed);
+        t = now_ms() - t;
+        worst = t > worst ? t : worst;
+        free(log);
+        log = read_file(d.log);
+        if (strstr(log, "reload: 1 layers loaded, 1 unloaded, 1 kept, 0 failed"))
+            break;
+        CHECK_MSG(now_ms() - t0 < 60000, "the reload did not end within 60 s");
+    }
+    uint64_t took = now_ms() - t0;
+    free(log);
+    /* The reload parses the header twice (its check, then the load). */
+    printf("  reload %llu ms, %d forwards meanwhile, the slowest %llu ms\n",
+           (unsigned long long)took, forwards, (unsigned long long)worst);
+    CHECK_MSG(took >= 500, "the reload took %llu ms: too fast to tell", (unsigned long long)took);
+    CHECK_MSG(worst * 4 < took, "a forward waited %llu ms of the reload's %llu ms",
+              (unsigned long long)worst, (unsigned long long)took);
+    forward_and_check(c, &A, 5, &seed); /* the same weights, from the padded file */
+
+    moe_disconnect(&c);
+    itest_daemon_stop(&d);
+    itest_layer_free(&A);
+    itest_layer_free(&B);
+    itest_rmdir(d.dir);
+    itest_rmdir(wdir);
+}
+
 /*
  * "A hung device must stop the pings": one batch that runs much longer than
  * WATCHDOG_USEC (a CPU layer, one big request, one thread) leaves a gap in
@@ -1654,6 +1750,7 @@ int main(int argc, char **argv)
         TEST_CASE_TIMEOUT(reload_loads_past_max_loads_and_names_what_it_refuses, 60),
         TEST_CASE_TIMEOUT(reload_keeps_a_layer_whose_new_load_would_fail, 60),
         TEST_CASE_TIMEOUT(reload_serves_a_layer_again_when_its_new_load_fails, 60),
+        TEST_CASE_TIMEOUT(reload_parses_headers_off_the_loop, 120),
         TEST_CASE_TIMEOUT(watchdog_pings_stop_while_one_batch_runs_too_long, 90),
         TEST_CASE_TIMEOUT(socket_activation_passes_both_named_sockets, 30),
         TEST_CASE_TIMEOUT(socket_activation_session_only_binds_zmq_itself, 30),
