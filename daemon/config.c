@@ -97,7 +97,7 @@ int config_init(struct config *c)
     return 0;
 }
 
-static void layer_conf_free(struct layer_conf *l)
+void layer_conf_free(struct layer_conf *l)
 {
     while (l) {
         struct layer_conf *next = l->next;
@@ -108,6 +108,28 @@ static void layer_conf_free(struct layer_conf *l)
         free(l);
         l = next;
     }
+}
+
+struct layer_conf *layer_conf_copy(const struct layer_conf *l)
+{
+    struct layer_conf *c = malloc(sizeof(*c));
+    if (!c)
+        return NULL;
+    *c = *l;
+    c->next = NULL;
+    c->name = strdup(l->name);
+    c->path = l->path ? strdup(l->path) : NULL;
+    c->prefix = l->prefix ? strdup(l->prefix) : NULL;
+    c->expert_devices = NULL;
+    if (l->n_expert_devices &&
+        (c->expert_devices = malloc(l->n_expert_devices * sizeof(*l->expert_devices))))
+        memcpy(c->expert_devices, l->expert_devices, l->n_expert_devices * sizeof(*l->expert_devices));
+    if (!c->name || (l->path && !c->path) || (l->prefix && !c->prefix) ||
+        (l->n_expert_devices && !c->expert_devices)) {
+        layer_conf_free(c);
+        return NULL;
+    }
+    return c;
 }
 
 void config_done(struct config *c)

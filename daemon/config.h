@@ -122,6 +122,11 @@ struct config {
 int config_init(struct config *c);
 void config_done(struct config *c);
 
+/* A copy of one layer section (next NULL), or NULL out of memory; freed
+ * with layer_conf_free, which frees a whole list. */
+struct layer_conf *layer_conf_copy(const struct layer_conf *l);
+void layer_conf_free(struct layer_conf *l);
+
 /* Read an INI file over c. 0, -errno for an unreadable file, or -EINVAL with
  * err naming the line and the problem. */
 int config_load(struct config *c, const char *path, char *err, size_t errlen);

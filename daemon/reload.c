@@ -31,23 +31,25 @@
 
 #define POLL_US 20000
 
-/* The file a configured layer was loaded from, as it was then. */
+/* The section a configured layer was loaded from (a copy), and the
+ * identity its file had then, if known. */
 struct file_id {
     char name[65];
-    char *path;
+    struct layer_conf *lc;
+    bool have_st;
     struct stat st;
     struct file_id *next;
 };
 
 enum phase { IDLE, WAIT_LOADER, WAIT_PLAN, WAIT_LOADS };
 
-/* A layer a reload unloaded to load it from its changed section: its
- * former section (in the old configuration, which the reload holds until
- * it ends) and the identity of the file that section names, as it was
- * when the layer was loaded from it. */
+/* A layer a reload unloaded to load it from its changed section: the
+ * section it was loaded from (a copy; not always the running
+ * configuration's, which may be one a reload kept it back from) and the
+ * identity of that section's file when it was. */
 struct former {
     char name[65];
-    const struct layer_conf *lc;
+    struct layer_conf *lc;
     struct stat st;
 };
 
@@ -87,6 +89,13 @@ int reload_new(struct server *s, reload_read_fn read, void *read_data, struct re
     return 0;
 }
 
+static void formers_clear(struct reload *r)
+{
+    for (unsigned i = 0; i < r->n_former; i++)
+        layer_conf_free(r->former[i].lc);
+    r->n_former = 0;
+}
+
 /* What the reload holds (a plan on the loader thread reads r->next and
  * r->files: not while one is out). */
 static void reload_destroy(struct reload *r)
@@ -96,10 +105,11 @@ static void reload_destroy(struct reload *r)
     while (r->files) {
         struct file_id *f = r->files;
         r->files = f->next;
-        free(f->path);
+        layer_conf_free(f->lc);
         free(f);
     }
     free(r->loading);
+    formers_clear(r);
     free(r->former);
     free(r);
 }
@@ -136,25 +146,27 @@ static struct file_id *file_find(struct reload *r, const char *name)
     return NULL;
 }
 
-static void file_track(struct reload *r, const char *name, const char *path,
-                       const struct stat *st)
+/* A layer is being loaded from section lc, whose file was st (NULL:
+ * unknown). Out of memory, the layer is never seen as replaced and cannot
+ * serve again from this section: harmless. */
+static void file_track(struct reload *r, const struct layer_conf *lc, const struct stat *st)
 {
-    struct file_id *f = file_find(r, name);
-    char *p = strdup(path);
-    if (!p)
-        return; /* the layer is then never seen as replaced: harmless */
-    if (!f) {
-        if (!(f = calloc(1, sizeof(*f)))) {
-            free(p);
-            return;
-        }
-        snprintf(f->name, sizeof(f->name), "%s", name);
+    struct file_id *f = file_find(r, lc->name);
+    struct layer_conf *copy = layer_conf_copy(lc);
+    if (!f && copy && (f = calloc(1, sizeof(*f)))) {
+        snprintf(f->name, sizeof(f->name), "%s", lc->name);
         f->next = r->files;
         r->files = f;
     }
-    free(f->path);
-    f->path = p;
-    f->st = *st;
+    if (!f) {
+        layer_conf_free(copy);
+        return;
+    }
+    layer_conf_free(f->lc);
+    f->lc = copy;
+    f->have_st = copy && st;
+    if (st)
+        f->st = *st;
 }
 
 static bool same_file(const struct stat *a, const struct stat *b)
@@ -173,7 +185,7 @@ static bool file_replaced(struct reload *r, const char *name, const char *path)
 {
     struct file_id *f = file_find(r, name);
     struct stat st;
-    if (!f || strcmp(f->path, path) != 0 || stat(path, &st) < 0)
+    if (!f || !f->lc || !f->have_st || strcmp(f->lc->path, path) != 0 || stat(path, &st) < 0)
         return false;
     return !same_file(&st, &f->st);
 }
@@ -239,8 +251,7 @@ static int load_section(struct reload *r, const struct layer_conf *lc, bool queu
     if (rc < 0)
         return rc;
     layer_find(r->s, lc->name)->from_config = true;
-    if (st)
-        file_track(r, lc->name, lc->path, st);
+    file_track(r, lc, st);
     return 0;
 }
 
@@ -289,7 +300,7 @@ static void finish(struct reload *r)
         r->have_next = false;
     }
     r->n_loading = 0;
-    r->n_former = 0;
+    formers_clear(r);
     r->restoring = false;
     if (r->restored)
         log_notice("reload: %u layers loaded, %u unloaded, %u kept, %u failed (%u of them "
@@ -456,8 +467,8 @@ static void reconcile_apply(struct reload *r, struct plan *p)
     char (*drop)[65] = NULL;
     unsigned n_drop = 0;
     free(r->loading);
+    formers_clear(r);
     free(r->former);
-    r->n_former = 0;
     r->loading = calloc(p->n_stats + 1, sizeof(*r->loading));
     r->former = calloc(p->n_items + 1, sizeof(*r->former));
     drop = calloc(p->n_items + 1, sizeof(*drop));
@@ -482,14 +493,15 @@ static void reconcile_apply(struct reload *r, struct plan *p)
         }
         log_info("reload: unloading layer '%s': %s", l->name, it->why);
         snprintf(drop[n_drop++], sizeof(drop[0]), "%s", l->name);
-        /* Its former section, should the new load fail after all (for
-         * memory): while its file is the one loaded, it can serve again. */
+        /* The section it was loaded from, should the new load fail after
+         * all (for memory): while that file is unchanged, it can serve
+         * again. */
         const struct file_id *f = file_find(r, l->name);
-        if (it->is && it->was && f) {
-            struct former *fo = &r->former[r->n_former++];
+        struct former *fo = &r->former[r->n_former];
+        if (it->is && f && f->lc && f->have_st && (fo->lc = layer_conf_copy(f->lc))) {
             snprintf(fo->name, sizeof(fo->name), "%s", l->name);
-            fo->lc = it->was;
             fo->st = f->st;
+            r->n_former++;
         }
     }
     for (unsigned i = 0; i < n_drop; i++)
@@ -579,9 +591,11 @@ static void restore(struct reload *r, const char *name)
     /* name may be r->loading's own entry, which the queue reuses: fo->name
      * from here on. */
     struct stat st;
-    if (stat(fo->lc->path, &st) < 0 || !same_file(&st, &fo->st)) {
-        log_err("reload: layer '%s' is not loaded: its former file %s has changed since",
-                fo->name, fo->lc->path);
+    int gone = stat(fo->lc->path, &st) < 0 ? errno : 0;
+    if (gone || !same_file(&st, &fo->st)) {
+        log_err("reload: layer '%s' is not loaded: the file it was loaded from, %s, %s%s",
+                fo->name, fo->lc->path, gone ? "cannot be found: " : "is no longer the same",
+                gone ? strerror(gone) : "");
         return;
     }
     char why[512] = "";

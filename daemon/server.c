@@ -215,8 +215,8 @@ static void handle_stats(struct server *s, const uint8_t *rid, size_t rlen, cons
     sr.tokens = st->tokens;
     sr.sessions = s->n_sessions;
     for (struct session *se = s->sessions; se; se = se->next) {
-        sr.regions += se->n_regions;
-        sr.region_bytes += se->region_bytes;
+        sr.regions += se->n_regions + se->n_retired;
+        sr.region_bytes += se->region_bytes + se->retired_bytes;
     }
     sr.queue_depth = s->queued_total;
     sr.queue_wait_p50_us = ring_quantile(&st->queue_wait_us, 0.5);

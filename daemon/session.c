@@ -205,9 +205,9 @@ static bool reply_shrink(struct server *s, struct session *se, struct out_msg *m
     size_t n = moe__reply__get_packed_size(&rep);
     if (n >= m->n)
         return false;
-    log_warn("session %llu (pid %d): reply %llu of %zu bytes does not fit the reply socket; "
-             "an error sent in its place",
-             (unsigned long long)se->id, (int)se->pid, (unsigned long long)m->id, m->n);
+    log_debug("session %llu (pid %d): reply %llu of %zu bytes does not fit the reply socket; "
+              "an error sent in its place",
+              (unsigned long long)se->id, (int)se->pid, (unsigned long long)m->id, m->n);
     m->n = moe__reply__pack(&rep, m->data);
     s->stats.errors++;
     return true;
