@@ -1126,8 +1126,26 @@ TEST(reload_parses_headers_off_the_loop)
               (unsigned long long)worst, (unsigned long long)took);
     forward_and_check(c, &A, 5, &seed); /* the same weights, from the padded file */
 
+    /* Stopped at once (two SIGTERMs: no drain) while a reload's plan
+     * still parses beta's new header: the daemon exits cleanly, the
+     * reload freed once the plan ends (AddressSanitizer's builds would
+     * fail the exit status on a leak or a use after free). */
+    char fslow_b[160];
+    snprintf(fslow_b, sizeof(fslow_b), "%s/slow-b.safetensors", wdir);
+    pad_header(fb, fslow_b, 1000000);
+    write_file(conf, text, wdir, fslow, fslow_b);
     moe_disconnect(&c);
-    itest_daemon_stop(&d);
+    kill(d.pid, SIGHUP);
+    free(wait_log(d.log, "reloading the configuration", 10000));
+    kill(d.pid, SIGTERM);
+    itest_sleep_ms(20);
+    kill(d.pid, SIGTERM);
+    itest_daemon_wait_stopped(&d);
+    log = read_file(d.log);
+    CHECK_STR_CONTAINS(log, "second signal: stopping without draining");
+    CHECK(strstr(log, "unloading layer 'beta'") == NULL); /* it stopped before the plan came */
+    free(log);
+    itest_rmdir(d.dir);
     itest_layer_free(&A);
     itest_layer_free(&B);
     itest_rmdir(d.dir);
