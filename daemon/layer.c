@@ -312,7 +312,7 @@ static int load_job_devices(struct server *s, struct load_job *lj, int kind, con
         return -EINVAL;
     }
     for (size_t i = 0; i < n_devs; i++)
-        if ((int)devs[i] >= s->n_backends) {
+        if (devs[i] >= (uint32_t)s->n_backends) {
             snprintf(err, errlen, "device %u does not exist (this daemon has %d)", devs[i],
                      s->n_backends);
             return -EINVAL;

@@ -33,7 +33,7 @@ int shard_plan(int experts, const uint32_t *devices, int n_devices, const uint32
         return errf(err, errlen, -EINVAL, "%d devices for %d experts: each device needs an expert",
                     n_devices, experts);
     for (int i = 0; i < n_devices; i++) {
-        if ((int)devices[i] >= n_backends)
+        if (n_backends < 0 || devices[i] >= (uint32_t)n_backends)
             return errf(err, errlen, -EINVAL, "device %u does not exist (this daemon has %d)",
                         devices[i], n_backends);
         for (int j = 0; j < i; j++)

@@ -153,6 +153,9 @@ TEST(bad_placements_are_refused)
     moe_client *c;
     int n_dev = shard_daemon(&d, "2", &c);
     const uint32_t nodev[] = {0, (uint32_t)n_dev};
+    /* Above INT_MAX: not a negative index into the daemon's devices. */
+    static const uint32_t huge[] = {0, 0x80000000u}, all_ones[] = {0xffffffffu, 0},
+                          high[] = {0xfffffffeu};
     static const uint32_t dup[] = {1, 1}, ok2[] = {0, 1};
     static const uint32_t short_map[] = {0, 1, 0}, stray[] = {0, 1, 1, 2},
                           empty_dev[] = {0, 0, 0, 0};
@@ -162,6 +165,9 @@ TEST(bad_placements_are_refused)
         const char *needle;
     } cases[] = {
         {nodev, NULL, 2, 0, "does not exist"},
+        {huge, NULL, 2, 0, "device 2147483648 does not exist"},
+        {all_ones, NULL, 2, 0, "device 4294967295 does not exist"},
+        {high, NULL, 1, 0, "device 4294967294 does not exist"},
         {dup, NULL, 2, 0, "listed twice"},
         {ok2, short_map, 2, 3, "names 3 experts"},
         {ok2, stray, 2, 4, "not among the layer's devices"},

@@ -466,6 +466,11 @@ TEST(unavailable_device_refuses_its_layers)
     const uint32_t devs[2] = {0, 1};
     struct shard_set set;
     char err[256] = "";
+    /* A device number above INT_MAX is no negative index. */
+    struct shard_set bad;
+    const uint32_t huge[2] = {0, 0x80000000u};
+    CHECK_EQ_INT(shard_plan(4, huge, 2, NULL, 0, 2, &bad, err, sizeof(err)), -EINVAL);
+    CHECK_STR_CONTAINS(err, "device 2147483648 does not exist");
     CHECK_EQ_INT(shard_plan(4, devs, 2, NULL, 0, 2, &set, err, sizeof(err)), 0);
     const moek_moe_shape shape = {4, 2, 16, 8};
     uint16_t w[4 * 16 * 8];
