@@ -406,8 +406,9 @@ static void session_register(struct server *s, struct session *se,
     int rc = region_new(fds[0], m->size, s->cfg->max_region_bytes, &r);
     if (rc) {
         session_fail(s, se, rc,
-                     rc == -EINVAL ? "region must be a memfd sealed with F_SEAL_SHRINK and "
-                                     "F_SEAL_GROW whose size is the declared %llu bytes (nonzero)"
+                     rc == -EINVAL ? "region must be a memfd (shared memory, not huge pages) "
+                                     "sealed with F_SEAL_SHRINK and F_SEAL_GROW whose size is "
+                                     "the declared %llu bytes (nonzero)"
                      : rc == -EDQUOT ? "region of %llu bytes is over the per-region limit"
                                      : "cannot map region of %llu bytes",
                      (unsigned long long)m->size);
@@ -578,8 +579,8 @@ static void session_on_readable(void *data, int fd, uint32_t events)
         ssize_t n = recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
         if (n < 0 && (errno == EAGAIN || errno == EINTR))
             return;
-        if (n <= 0) {
-            session_close(s, se, n == 0 ? "closed" : strerror(errno));
+        if (n < 0) {
+            session_close(s, se, strerror(errno));
             return;
         }
         int fds[SESSION_MAX_FDS];
@@ -597,12 +598,18 @@ static void session_on_readable(void *data, int fd, uint32_t events)
                     close(f);
             }
         }
-        if (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC))
+        /* An empty datagram reads as the end; the descriptors that came
+         * with it are closed like those of any other. */
+        if (n > 0 && (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)))
             session_fail(s, se, -EPROTO, "session message or its descriptors were truncated");
-        else
+        else if (n > 0)
             session_handle(s, se, buf, (size_t)n, fds, nfds);
         for (int i = 0; i < nfds; i++)
             close_fd(&fds[i]);
+        if (n == 0) {
+            session_close(s, se, "closed");
+            return;
+        }
     }
 }
 

@@ -1231,6 +1231,52 @@ TEST(a_reply_too_large_for_the_reply_socket_is_an_error)
     itest_daemon_stop(&d);
 }
 
+/* Descriptors sent with an empty datagram on the session socket (which
+ * reads as the end of the session) are closed with it, not kept by the
+ * daemon for good. */
+TEST(descriptors_with_an_empty_datagram_are_closed)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    struct raw probe;
+    raw_open(&probe, d.dir, true);
+    raw_hello(&probe);
+    int before = itest_count_fds(d.pid);
+    for (int i = 0; i < 30; i++) {
+        struct raw r;
+        memset(&r, 0, sizeof(r));
+        CHECK(raw_connect_session(&r, d.dir) == 0);
+        int fds[4];
+        for (int k = 0; k < 4; k++)
+            fds[k] = memfd_sized(4096, F_SEAL_SHRINK | F_SEAL_GROW);
+        union {
+            char raw[CMSG_SPACE(sizeof(fds))];
+            struct cmsghdr align;
+        } cb;
+        memset(&cb, 0, sizeof(cb));
+        struct iovec iov = {NULL, 0};
+        struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cb.raw,
+                            .msg_controllen = sizeof(cb.raw)};
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(fds));
+        memcpy(CMSG_DATA(cm), fds, sizeof(fds));
+        CHECK(sendmsg(r.sfd, &mh, MSG_NOSIGNAL) == 0);
+        for (int k = 0; k < 4; k++)
+            close(fds[k]);
+        /* The daemon closes the session: our end reads its end. */
+        uint8_t b;
+        CHECK(recv(r.sfd, &b, 1, 0) == 0);
+        close(r.sfd);
+    }
+    raw_hello(&probe); /* the daemon has read everything before */
+    int after = itest_count_fds(d.pid);
+    CHECK_MSG(after <= before + 2, "the daemon holds %d descriptors, %d before", after, before);
+    raw_close(&probe);
+    itest_daemon_stop(&d);
+}
+
 /* CPU time (user + system, clock ticks) the process has used. */
 static long cpu_ticks(pid_t pid)
 {
@@ -1403,6 +1449,7 @@ int main(int argc, char **argv)
         TEST_CASE(a_bad_reply_socket_is_refused),
         TEST_CASE(requests_on_a_reply_socket_are_checked),
         TEST_CASE(a_reply_too_large_for_the_reply_socket_is_an_error),
+        TEST_CASE(descriptors_with_an_empty_datagram_are_closed),
         TEST_CASE(cross_wired_reply_sockets_do_not_loop),
         TEST_CASE(a_client_taking_signals_loses_no_reply),
         TEST_CASE(a_client_taking_signals_gets_the_replies_of_a_clean_stop),
