@@ -7,10 +7,12 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include "daemon/util.h"
@@ -28,9 +30,15 @@ int region_new(int fd, uint64_t declared_size, uint64_t max_size,
      * size checked is the size mapped. (The other order lets a client shrink
      * the file between the two checks, seal it, and make the daemon fault.) */
     int seals = fcntl(fd, F_GET_SEALS);
-    if (seals < 0)
-        return errno == EBADF ? -EBADF : -EINVAL; /* EINVAL: not a sealable file */
+    if (seals < 0) /* not a sealable file (EBADF also for an O_PATH descriptor) */
+        return errno == EBADF && fcntl(fd, F_GETFD) < 0 ? -EBADF : -EINVAL;
     if ((seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW))
+        return -EINVAL;
+    /* Shared memory only: a memfd of huge pages (hugetlbfs) can have holes
+     * punched in it despite the seals, and the daemon's write to a hole
+     * with no huge page left to fill it is a SIGBUS. */
+    struct statfs sf;
+    if (fstatfs(fd, &sf) < 0 || sf.f_type != TMPFS_MAGIC)
         return -EINVAL;
     if (fstat(fd, &st) < 0)
         return -errno;

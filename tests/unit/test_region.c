@@ -154,6 +154,28 @@ TEST(refuses_unsealed_and_wrong_files)
     expect_refused(fd, size, max, -EINVAL);
     close(fd);
 
+    /* A sealed memfd opened again by path (O_PATH: no file operations). */
+    fd = sealed_memfd(size);
+    char self[64];
+    snprintf(self, sizeof(self), "/proc/self/fd/%d", fd);
+    int pfd = open(self, O_PATH | O_CLOEXEC);
+    CHECK(pfd >= 0);
+    expect_refused(pfd, size, max, -EINVAL);
+    close(pfd);
+    close(fd);
+
+    /* A sealed memfd of huge pages: holes can be punched in it. Created
+     * where the kernel has hugetlbfs, with or without pages reserved. */
+    fd = memfd_create("moed-test-huge", MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_HUGETLB);
+    if (fd >= 0) {
+        CHECK(ftruncate(fd, 2 << 20) == 0);
+        CHECK(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) == 0);
+        expect_refused(fd, 2 << 20, 4 << 20, -EINVAL);
+        close(fd);
+    } else {
+        printf("  (no hugetlbfs memfd here: %s)\n", strerror(errno));
+    }
+
     /* A directory, /dev/null. */
     fd = open("/tmp", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     CHECK(fd >= 0);
