@@ -314,7 +314,11 @@ static int build_fused(struct server *s, struct session *se, const Moe__FusedMoe
     req->kind = REQ_FUSED_MOE;
     if ((rc = wire_tensor(se, m->x, "x", &req->x, err, errlen)))
         return rc;
-    uint64_t T = req->x.ndim == 2 ? req->x.shape[0] : 0;
+    if (req->x.ndim != 2) {
+        snprintf(err, errlen, "x must be [tokens, hidden] (2 dimensions), not %d", req->x.ndim);
+        return -EINVAL;
+    }
+    uint64_t T = req->x.shape[0];
     if (T < 1 || T > s->cfg->max_request_tokens) {
         snprintf(err, errlen, "x: %llu tokens (1 to %u per request)", (unsigned long long)T,
                  s->cfg->max_request_tokens);

@@ -71,7 +71,7 @@ TEST(bad_requests_are_refused_and_the_daemon_keeps_serving)
     raw_expect(&r, &req, MOE__STATUS__STATUS_INVALID_ARGUMENT, "shape");
     uint64_t s3[] = {T, H, 1};
     RESET(); bad = x; bad.shape = s3; bad.n_shape = 3; fm.x = &bad;
-    raw_expect(&r, &req, MOE__STATUS__STATUS_INVALID_ARGUMENT, NULL);
+    raw_expect(&r, &req, MOE__STATUS__STATUS_INVALID_ARGUMENT, "x must be [tokens, hidden] (2 dimensions), not 3");
     uint64_t sT[] = {T + 1, H};
     RESET(); bad = out; bad.shape = sT; fm.out = &bad;
     raw_expect(&r, &req, MOE__STATUS__STATUS_INVALID_ARGUMENT, "out");
