@@ -239,12 +239,16 @@ static int default_runtime_dir(char *buf, size_t len)
 
 void moe_set_timeout(moe_client *c, int timeout_ms)
 {
+    pthread_mutex_lock(&c->mu);
     c->timeout_ms = timeout_ms;
+    pthread_mutex_unlock(&c->mu);
 }
 
 void moe_set_spin_us(moe_client *c, unsigned spin_us)
 {
+    pthread_mutex_lock(&c->mu);
     c->spin_us = spin_us;
+    pthread_mutex_unlock(&c->mu);
 }
 
 /* Close the sockets of the current connection (not the regions). */
@@ -278,20 +282,31 @@ static int connection_open(moe_client *c)
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
     if (snprintf(sa.sun_path, sizeof(sa.sun_path), "%s/moed.sock", c->dir) >= (int)sizeof(sa.sun_path))
         return seterr(-ENAMETOOLONG, "runtime directory path too long for a socket");
-    c->sfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    c->sfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (c->sfd < 0)
         return seterr(-errno, "socket: %s", strerror(errno));
-    /* connect waits only while the daemon's backlog is full; a unix socket
-     * interrupted there is left unconnected, so connect again. */
+    /* Not blocking: a daemon that has stopped accepting (hung) fills its
+     * backlog, and a blocking connect would then wait for good. EAGAIN
+     * says the backlog is full: tried again every 2 ms up to the client's
+     * timeout. */
+    uint64_t deadline = c->timeout_ms >= 0 ? mono_ms() + (uint64_t)c->timeout_ms : UINT64_MAX;
     int rc;
-    while ((rc = connect(c->sfd, (struct sockaddr *)&sa, sizeof(sa))) < 0 && errno == EINTR)
-        ;
+    while ((rc = connect(c->sfd, (struct sockaddr *)&sa, sizeof(sa))) < 0 &&
+           (errno == EINTR || (errno == EAGAIN && mono_ms() < deadline)))
+        if (errno == EAGAIN)
+            nanosleep(&(struct timespec){0, 2000000}, NULL);
     if (rc < 0) {
         int e = errno;
+        if (e == EAGAIN)
+            return seterr(-ETIMEDOUT, "%s accepted no connection within %d ms (its backlog is "
+                          "full: is moed hung?)", sa.sun_path, c->timeout_ms);
         return seterr(e == ENOENT || e == ECONNREFUSED ? -ECONNREFUSED : -e,
                       "cannot connect to %s: %s%s", sa.sun_path, strerror(e),
                       e == ENOENT || e == ECONNREFUSED ? " (is moed running?)" : "");
     }
+    int sfl = fcntl(c->sfd, F_GETFL);
+    if (sfl < 0 || fcntl(c->sfd, F_SETFL, sfl & ~O_NONBLOCK) < 0)
+        return seterr(-errno, "fcntl: %s", strerror(errno));
     Moe__SessionRequest req = MOE__SESSION_REQUEST__INIT;
     Moe__OpenSession open = MOE__OPEN_SESSION__INIT;
     open.protocol_version = MOE_PROTOCOL_VERSION;
@@ -366,16 +381,6 @@ static int connection_ensure(moe_client *c)
         c->broken = false;
     if (rc < 0)
         c->broken = true;
-    return rc;
-}
-
-/* Reconnect if needed before a request names regions: their ids change
- * when a new session re-registers them. */
-static int connection_ready(moe_client *c)
-{
-    pthread_mutex_lock(&c->mu);
-    int rc = connection_ensure(c);
-    pthread_mutex_unlock(&c->mu);
     return rc;
 }
 
@@ -466,16 +471,37 @@ static int send_request(moe_client *c, Moe__Request *req, bool compute)
     if (zmq_msg_init_size(&msg, n) != 0)
         return seterr(-ENOMEM, "out of memory");
     moe__request__pack(req, zmq_msg_data(&msg));
-    /* EINTR: a signal of the caller's landed first; nothing was sent. */
-    int rc;
-    while ((rc = zmq_msg_send(&msg, c->zsock, 0)) < 0 && zmq_errno() == EINTR)
-        ;
-    if (rc < 0) {
+    /* A daemon that stops reading lets ZeroMQ's queue fill (1000
+     * messages); a send then waits for room up to the client's timeout, in
+     * slices with mu released, so that the other threads go on (polling
+     * ZMQ_FD, not the socket, which is only used under mu). A connection
+     * replaced meanwhile makes this request's token and region ids stale:
+     * it is not sent. */
+    uint64_t deadline = c->timeout_ms >= 0 ? mono_ms() + (uint64_t)c->timeout_ms : UINT64_MAX;
+    unsigned gen = c->generation;
+    for (;;) {
+        if (zmq_msg_send(&msg, c->zsock, ZMQ_DONTWAIT) >= 0)
+            return 0;
         int e = zmq_errno();
-        zmq_msg_close(&msg);
-        return seterr(-e, "cannot send to the daemon: %s", zmq_strerror(e));
+        if (e == EINTR) /* a signal of the caller's landed first; nothing was sent */
+            continue;
+        uint64_t now = mono_ms();
+        if (e != EAGAIN || now >= deadline) {
+            zmq_msg_close(&msg);
+            if (e == EAGAIN)
+                return seterr(-ETIMEDOUT, "the daemon took no request within %d ms (it "
+                              "has stopped reading them)", c->timeout_ms);
+            return seterr(-e, "cannot send to the daemon: %s", zmq_strerror(e));
+        }
+        struct pollfd p = {c->zfd, POLLIN, 0};
+        pthread_mutex_unlock(&c->mu);
+        poll(&p, 1, deadline - now > 10 ? 10 : (int)(deadline - now));
+        pthread_mutex_lock(&c->mu);
+        if (c->generation != gen || c->broken || !c->zsock) {
+            zmq_msg_close(&msg);
+            return seterr(-ECONNRESET, "%s", lost_why(c));
+        }
     }
-    return 0;
 }
 
 /* Take the reply for id from the pending list, or NULL. Caller holds mu. */
@@ -666,17 +692,22 @@ static int receive_some(moe_client *c, uint64_t stop_id, int wait_ms)
     return rc < 0 ? rc : 0;
 }
 
-/* Wait for the reply to id. timeout_ms < 0: forever. On success *out is the
- * reply (caller frees) whatever its status. */
-static int wait_reply(moe_client *c, uint64_t id, int timeout_ms, Moe__Reply **out)
+/* Wait for the reply to id, sent on connection gen. timeout_ms < 0:
+ * forever. On success *out is the reply (caller frees) whatever its
+ * status. A connection that another thread replaced meanwhile lost it. */
+static int wait_reply(moe_client *c, uint64_t id, unsigned gen, int timeout_ms, Moe__Reply **out)
 {
     uint64_t deadline = timeout_ms >= 0 ? mono_ms() + (uint64_t)timeout_ms : UINT64_MAX;
+    pthread_mutex_lock(&c->mu);
     uint64_t spin_end = c->spin_us ? mono_us() + c->spin_us : 0;
+    pthread_mutex_unlock(&c->mu);
     for (;;) {
         pthread_mutex_lock(&c->mu);
-        Moe__Reply *rep = pending_take(c, id);
+        Moe__Reply *rep = gen == c->generation ? pending_take(c, id) : NULL;
         int rc = 0;
-        if (!rep) {
+        if (gen != c->generation) {
+            rc = seterr(-ECONNRESET, "%s", lost_why(c));
+        } else if (!rep) {
             uint64_t now = mono_ms();
             /* Short slices, so other threads can send while one waits;
              * none while spinning. */
@@ -712,18 +743,26 @@ static int reply_status(const Moe__Reply *rep)
     return seterr(e, "%s", rep->message && rep->message[0] ? rep->message : status_strerror(e));
 }
 
-/* Send req and wait for its reply (kept in *out on success if out != NULL). */
-static int call(moe_client *c, Moe__Request *req, Moe__Reply **out)
+/* Send req and wait for its reply (kept in *out on success if out !=
+ * NULL). fill(req, arg), if given, completes req under the same hold of mu
+ * as the connection check and the send: what names regions by id, since
+ * a reconnection gives them new ids. */
+static int call_filled(moe_client *c, Moe__Request *req, void (*fill)(Moe__Request *, const void *),
+                       const void *arg, Moe__Reply **out)
 {
     pthread_mutex_lock(&c->mu);
     int rc = connection_ensure(c);
+    if (!rc && fill)
+        fill(req, arg);
     if (!rc)
         rc = send_request(c, req, false);
+    unsigned gen = c->generation;
+    int timeout_ms = c->timeout_ms;
     pthread_mutex_unlock(&c->mu);
     if (rc)
         return rc;
     Moe__Reply *rep = NULL;
-    if ((rc = wait_reply(c, req->id, c->timeout_ms, &rep)) < 0) {
+    if ((rc = wait_reply(c, req->id, gen, timeout_ms, &rep)) < 0) {
         if (rc == -ETIMEDOUT)
             give_up(c, req->id);
         return rc;
@@ -734,6 +773,11 @@ static int call(moe_client *c, Moe__Request *req, Moe__Reply **out)
     else
         *out = rep;
     return rc;
+}
+
+static int call(moe_client *c, Moe__Request *req, Moe__Reply **out)
+{
+    return call_filled(c, req, NULL, NULL, out);
 }
 
 int moe_hello(moe_client *c, moe_server_info *info)
@@ -845,11 +889,11 @@ int moe_region_free(moe_client *c, moe_region **rp)
         return 0;
     Moe__SessionRequest req = MOE__SESSION_REQUEST__INIT;
     Moe__UnregisterRegion un = MOE__UNREGISTER_REGION__INIT;
-    un.region = r->id;
     req.body_case = MOE__SESSION_REQUEST__BODY_UNREGISTER_REGION;
     req.unregister_region = &un;
     Moe__SessionReply *rep = NULL;
     pthread_mutex_lock(&c->mu);
+    un.region = r->id; /* a reconnection re-registers it under mu */
     /* After a daemon restart the region was never registered with the new
      * one; there is nothing to tell it. */
     int rc = c->broken ? 0 : session_call(c, &req, -1, &rep);
@@ -956,14 +1000,27 @@ static void layer_info_from(const Moe__LayerInfo *li, moe_layer_info *o)
     }
 }
 
+/* The uploaded tensors of a LoadLayer, which name regions by id: filled
+ * under mu (call_filled). */
+struct upload_tensors {
+    const moe_layer_desc *d;
+    Moe__Tensor t1, t3, t2;
+};
+
+static void upload_fill(Moe__Request *req, const void *arg)
+{
+    struct upload_tensors *u = (struct upload_tensors *)arg;
+    req->load_layer->w1 = wire_tensor(&u->d->w1, &u->t1);
+    req->load_layer->w3 = wire_tensor(&u->d->w3, &u->t3);
+    req->load_layer->w2 = wire_tensor(&u->d->w2, &u->t2);
+}
+
 int moe_layer_load(moe_client *c, const moe_layer_desc *d, moe_layer_info *info)
 {
-    int rc = connection_ready(c);
-    if (rc)
-        return rc;
+    int rc;
     Moe__Request req = MOE__REQUEST__INIT;
     Moe__LoadLayer m = MOE__LOAD_LAYER__INIT;
-    Moe__Tensor t1, t3, t2;
+    struct upload_tensors u = {.d = d};
     m.name = (char *)(d->name ? d->name : "");
     m.kind = (Moe__LayerKind)d->kind;
     m.dtype = (Moe__DType)d->dtype;
@@ -978,9 +1035,6 @@ int moe_layer_load(moe_client *c, const moe_layer_desc *d, moe_layer_info *info)
     m.k = d->k;
     m.path = (char *)(d->path ? d->path : "");
     m.prefix = (char *)(d->prefix ? d->prefix : "");
-    m.w1 = wire_tensor(&d->w1, &t1);
-    m.w3 = wire_tensor(&d->w3, &t3);
-    m.w2 = wire_tensor(&d->w2, &t2);
     m.n_devices = d->devices ? d->n_devices : 0;
     m.devices = (uint32_t *)d->devices;
     m.n_expert_device = d->expert_device ? d->n_expert_device : 0;
@@ -988,7 +1042,7 @@ int moe_layer_load(moe_client *c, const moe_layer_desc *d, moe_layer_info *info)
     req.body_case = MOE__REQUEST__BODY_LOAD_LAYER;
     req.load_layer = &m;
     Moe__Reply *rep = NULL;
-    rc = call(c, &req, &rep);
+    rc = call_filled(c, &req, upload_fill, &u, &rep);
     if (rc)
         return rc;
     if (info && rep->body_case == MOE__REPLY__BODY_LAYER)
@@ -1136,12 +1190,10 @@ static int request_wait(moe_client *c, const moe_request *r, int timeout_ms, moe
     Moe__Reply *rep = NULL;
     int rc;
     pthread_mutex_lock(&c->mu);
-    const char *lost = r->generation != c->generation ? lost_why(c) : NULL;
+    if (timeout_ms < 0)
+        timeout_ms = c->timeout_ms;
     pthread_mutex_unlock(&c->mu);
-    if (lost)
-        rc = seterr(-ECONNRESET, "%s", lost);
-    else
-        rc = wait_reply(c, r->id, timeout_ms < 0 ? c->timeout_ms : timeout_ms, &rep);
+    rc = wait_reply(c, r->id, r->generation, timeout_ms, &rep);
     if (rc)
         return rc;
     timings_from(rep, timings);
@@ -1166,17 +1218,19 @@ int moe_wait(moe_client *c, moe_request **rp, int timeout_ms, moe_timings *timin
 int moe_poll(moe_client *c, moe_request *r)
 {
     pthread_mutex_lock(&c->mu);
-    /* A request of an earlier connection is settled: moe_wait says lost. */
-    int rc = r->generation != c->generation ? 1 : receive_some(c, 0, 0);
-    if (rc == 1) {
-        pthread_mutex_unlock(&c->mu);
-        return 1;
+    /* A request of an earlier connection is settled: moe_wait says lost.
+     * A reply that has come is looked for first: it stands even when the
+     * connection broke since. */
+    bool found = r->generation != c->generation;
+    int rc = 0;
+    for (int pass = 0; pass < 2 && !found && !rc; pass++) {
+        if (pass == 1)
+            rc = receive_some(c, 0, 0);
+        for (struct pending *p = c->pending; p && !found; p = p->next)
+            found = p->id == r->id && p->reply;
     }
-    bool found = false;
-    for (struct pending *p = c->pending; p && !found; p = p->next)
-        found = p->id == r->id;
     pthread_mutex_unlock(&c->mu);
-    return rc ? rc : found;
+    return found ? 1 : rc;
 }
 
 /* A synchronous call's wait: up to the client's timeout, then it gives up

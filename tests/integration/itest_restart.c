@@ -154,10 +154,73 @@ TEST(timed_out_calls_leave_no_stale_reply)
     itest_daemon_stop(&d);
 }
 
+/*
+ * A daemon that stops reading (SIGSTOP: hung) never holds a call past the
+ * client's timeout, however many calls pile up: once the sockets' queues
+ * are full a submit waits for room up to the timeout and fails; session
+ * calls time out, each ending its session, and the next connects again
+ * into the daemon's listen backlog until that is full, when connecting
+ * too gives up at the timeout. Resumed, the daemon serves the client
+ * again.
+ */
+TEST(a_hung_daemon_never_holds_a_call_past_its_timeout)
+{
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    struct itest_layer L;
+    struct itest_fwd f;
+    moe_client *c = start_with_layer(&d, "hung", 1, &seed, &L, &f);
+    moe_set_timeout(c, 50);
+    kill(d.pid, SIGSTOP);
+    enum { MAX_SUBMITS = 50000 };
+    moe_request **rq = calloc(MAX_SUBMITS, sizeof(*rq));
+    CHECK(rq != NULL);
+    int n = 0, rc = 0;
+    uint64_t worst = 0;
+    for (; n < MAX_SUBMITS && rc == 0; n++) {
+        uint64_t t = now_ms();
+        rc = moe_forward_submit(c, &f.args, &rq[n]);
+        t = now_ms() - t;
+        worst = t > worst ? t : worst;
+    }
+    CHECK_MSG(rc == -ETIMEDOUT, "submit %d: %d (%s)", n, rc, moe_errmsg());
+    CHECK_STR_CONTAINS(moe_errmsg(), "took no request within 50 ms");
+    CHECK_MSG(worst < 2000, "a submit took %llu ms", (unsigned long long)worst);
+
+    bool backlog_full = false;
+    for (int i = 0; i < 400 && !backlog_full; i++) {
+        moe_region *r = NULL;
+        uint64_t t = now_ms();
+        rc = moe_region_create(c, 4096, "hung", &r);
+        t = now_ms() - t;
+        CHECK_MSG(rc == -ETIMEDOUT, "create %d: %d (%s)", i, rc, moe_errmsg());
+        CHECK_MSG(t < 2000, "create %d took %llu ms", i, (unsigned long long)t);
+        backlog_full = strstr(moe_errmsg(), "accepted no connection") != NULL;
+    }
+    CHECK_MSG(backlog_full, "the listen backlog never filled: %s", moe_errmsg());
+
+    kill(d.pid, SIGCONT);
+    moe_set_timeout(c, 20000);
+    /* The submitted requests went with their session. */
+    for (int i = 0; i < n - 1; i++) {
+        rc = moe_wait(c, &rq[i], 0, NULL);
+        CHECK_MSG(rc == -ECONNRESET, "request %d: %d (%s)", i, rc, moe_errmsg());
+    }
+    free(rq);
+    memset((uint8_t *)moe_region_data(f.r) + f.o_off, 0xff, f.T * 256 * 2);
+    CHECK_MSG(moe_forward(c, &f.args, NULL) == 0, "%s", moe_errmsg());
+    CHECK(itest_fwd_error(&L, &f) <= itest_tolerance(L.dt));
+    moe_region_free(c, &f.r);
+    moe_disconnect(&c);
+    itest_layer_free(&L);
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
         TEST_CASE(client_reconnects_after_a_daemon_restart),
         TEST_CASE(timed_out_calls_leave_no_stale_reply),
+        TEST_CASE_TIMEOUT(a_hung_daemon_never_holds_a_call_past_its_timeout, 120),
         {0}});
 }
