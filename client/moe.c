@@ -1233,6 +1233,21 @@ int moe_poll(moe_client *c, moe_request *r)
     return found ? 1 : rc;
 }
 
+void moe_request_free(moe_client *c, moe_request **rp)
+{
+    moe_request *r = *rp;
+    *rp = NULL;
+    if (!r)
+        return;
+    if (c) {
+        pthread_mutex_lock(&c->mu);
+        if (r->generation == c->generation)
+            pending_give_up(c, r->id);
+        pthread_mutex_unlock(&c->mu);
+    }
+    free(r);
+}
+
 /* A synchronous call's wait: up to the client's timeout, then it gives up
  * on the reply. */
 static int sync_wait(moe_client *c, const moe_request *r, moe_timings *timings)

@@ -126,11 +126,17 @@ const char *moe_errmsg(void);
  */
 int moe_connect(const char *runtime_dir, const char *client_name, moe_client **out);
 /* Close the session (the daemon releases its regions); sets *c = NULL.
- * Regions not freed are unmapped here too. Accepts NULL. */
+ * Regions not freed are unmapped here too. Requests not yet collected are
+ * lost: free their handles with moe_request_free(NULL, &req). Accepts
+ * NULL. The connection's first session call (OpenSession) waits up to the
+ * default timeout of 60 s: none can be set before there is a client. */
 void moe_disconnect(moe_client **c);
 
 /* Default timeout of synchronous calls, ms (default 60000; <0: forever).
- * A call that times out gives up its reply (the request may still run).
+ * It bounds every wait of a call on a daemon that stopped answering: for
+ * room to send (a submit too: -ETIMEDOUT, nothing sent), to connect, and
+ * for the reply. A call that times out gives up its reply (the request may
+ * still run).
  * Where it waited on the session socket (a region's create or free, or the
  * regions registered again after a restart), it also ends the session: the
  * next call opens a new one, as after a daemon restart, so requests in
@@ -268,6 +274,10 @@ int moe_gemm_submit(moe_client *c, const moe_gemm_args *args, moe_request **req)
 int moe_wait(moe_client *c, moe_request **req, int timeout_ms, moe_timings *timings);
 /* 1 if the result has arrived (moe_wait will not block), 0 if not, <0 error. */
 int moe_poll(moe_client *c, moe_request *req);
+/* Give up a request without waiting for it: its result, when it comes, is
+ * dropped. c may be NULL (after moe_disconnect: the handle is freed).
+ * Sets *req = NULL; accepts NULL. */
+void moe_request_free(moe_client *c, moe_request **req);
 
 /* ---- stats ------------------------------------------------------------- */
 

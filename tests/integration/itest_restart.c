@@ -170,6 +170,13 @@ TEST(a_hung_daemon_never_holds_a_call_past_its_timeout)
     struct itest_layer L;
     struct itest_fwd f;
     moe_client *c = start_with_layer(&d, "hung", 1, &seed, &L, &f);
+    /* A request given up (moe_request_free): its reply is dropped when it
+     * comes, and the next call gets its own. */
+    moe_request *given_up;
+    CHECK(moe_forward_submit(c, &f.args, &given_up) == 0);
+    moe_request_free(c, &given_up);
+    CHECK(given_up == NULL);
+    CHECK_MSG(moe_forward(c, &f.args, NULL) == 0, "%s", moe_errmsg());
     moe_set_timeout(c, 50);
     kill(d.pid, SIGSTOP);
     enum { MAX_SUBMITS = 50000 };
@@ -202,10 +209,12 @@ TEST(a_hung_daemon_never_holds_a_call_past_its_timeout)
     kill(d.pid, SIGCONT);
     moe_set_timeout(c, 20000);
     /* The submitted requests went with their session. */
-    for (int i = 0; i < n - 1; i++) {
+    for (int i = 0; i < (n - 1) / 2; i++) {
         rc = moe_wait(c, &rq[i], 0, NULL);
         CHECK_MSG(rc == -ECONNRESET, "request %d: %d (%s)", i, rc, moe_errmsg());
     }
+    for (int i = (n - 1) / 2; i < n - 1; i++)
+        moe_request_free(i % 2 ? c : NULL, &rq[i]);
     free(rq);
     memset((uint8_t *)moe_region_data(f.r) + f.o_off, 0xff, f.T * 256 * 2);
     CHECK_MSG(moe_forward(c, &f.args, NULL) == 0, "%s", moe_errmsg());
