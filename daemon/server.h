@@ -189,6 +189,7 @@ struct server {
 
     int listen_fd;
     struct loop_watch *listen_watch;
+    struct loop_watch *accept_pause; /* out of descriptors: accept again later */
     char sock_path[300];
     bool sock_from_systemd;
 

@@ -687,13 +687,34 @@ int session_attach(struct server *s, int fd)
     return 0;
 }
 
+static void session_accept_resume(void *data)
+{
+    struct server *s = data;
+    int rc = s->listen_watch ? loop_watch_events(s->loop, s->listen_watch, EPOLLIN) : 0;
+    if (rc < 0)
+        log_err("cannot watch the session socket again: %s", strerror(-rc));
+}
+
+/* Out of descriptors or memory, a pending connection stays pending and its
+ * socket readable: rather than spin on it (and log each turn), stop
+ * accepting for 100 ms. */
+static void session_accept_pause(struct server *s, int err)
+{
+    log_warn("cannot accept a session: %s; accepting again in 100 ms", strerror(err));
+    if (loop_timer_set(s->accept_pause, 100000, 0) < 0 ||
+        loop_watch_events(s->loop, s->listen_watch, 0) < 0)
+        log_err("cannot pause accepting sessions");
+}
+
 static void session_on_accept(void *data, int lfd, uint32_t events)
 {
     struct server *s = data;
     for (;;) {
         int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
-            if (errno != EAGAIN && errno != EINTR)
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
+                session_accept_pause(s, errno);
+            else if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED)
                 log_warn("cannot accept a session: %s", strerror(errno));
             return;
         }
@@ -749,6 +770,14 @@ int session_listen(struct server *s, int fd_from_systemd)
             fcntl(fd, F_SETFL, fl | O_NONBLOCK);
     }
     s->listen_fd = fd;
+    /* The pause's timer is made now (out of descriptors it could not be),
+     * and made a one-shot that fires once at start, harmlessly. */
+    s->accept_pause = loop_timer(s->loop, 100000, session_accept_resume, s);
+    if (!s->accept_pause)
+        return -errno;
+    int rc = loop_timer_set(s->accept_pause, 0, 0);
+    if (rc < 0)
+        return rc;
     s->listen_watch = loop_watch(s->loop, fd, EPOLLIN, session_on_accept, s);
     return s->listen_watch ? 0 : -errno;
 }
@@ -758,6 +787,8 @@ void session_close_all(struct server *s)
     while (s->sessions)
         session_close(s, s->sessions, "daemon stopping");
     loop_unwatch(s->loop, &s->listen_watch);
+    if (s->accept_pause)
+        loop_unwatch(s->loop, &s->accept_pause);
     close_fd(&s->listen_fd);
     if (!s->sock_from_systemd && s->sock_path[0])
         unlink(s->sock_path);

@@ -17,6 +17,7 @@
  */
 #include <grp.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 
 #include "daemon/safetensors.h"
@@ -1295,6 +1296,53 @@ static long cpu_ticks(pid_t pid)
     return ut + st;
 }
 
+/* Out of descriptors, the daemon stops accepting sessions for a while
+ * instead of spinning on its readable listening socket (and logging at
+ * each turn); once descriptors are free again, sessions are accepted. */
+TEST(running_out_of_descriptors_pauses_accepting)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    struct raw probe;
+    raw_open(&probe, d.dir, true);
+    raw_hello(&probe);
+    struct rlimit was, cap;
+    CHECK(prlimit(d.pid, RLIMIT_NOFILE, NULL, &was) == 0);
+    cap = was;
+    cap.rlim_cur = (rlim_t)itest_count_fds(d.pid) + 8;
+    CHECK(prlimit(d.pid, RLIMIT_NOFILE, &cap, NULL) == 0);
+    enum { CONNS = 40 };
+    struct raw r[CONNS];
+    for (int i = 0; i < CONNS; i++) {
+        memset(&r[i], 0, sizeof(r[i]));
+        CHECK(raw_connect_session(&r[i], d.dir) == 0); /* the backlog takes it */
+    }
+    itest_sleep_ms(100);
+    long t0 = cpu_ticks(d.pid);
+    itest_sleep_ms(600);
+    long spent = cpu_ticks(d.pid) - t0;
+    CHECK_MSG(spent <= 10, "the daemon used %ld ticks of CPU in 600 ms out of descriptors", spent);
+    FILE *f = fopen(d.log, "r");
+    CHECK(f != NULL);
+    int warned = 0;
+    char line[512];
+    while (fgets(line, sizeof(line), f))
+        warned += strstr(line, "cannot accept a session: Too many open files") != NULL;
+    fclose(f);
+    CHECK_MSG(warned >= 1 && warned <= 12, "%d warnings in 700 ms", warned);
+
+    for (int i = 0; i < CONNS; i++)
+        close(r[i].sfd);
+    CHECK(prlimit(d.pid, RLIMIT_NOFILE, &was, NULL) == 0);
+    struct raw late;
+    raw_open(&late, d.dir, true);
+    raw_hello(&late);
+    raw_hello(&probe);
+    raw_close(&late);
+    raw_close(&probe);
+    itest_daemon_stop(&d);
+}
+
 /* Two sessions whose reply sockets are the two ends of one socketpair, and
  * bytes that are no request written into it: the daemon must not answer
  * one session's socket into the other's for ever (it closes the socket
@@ -1451,6 +1499,7 @@ int main(int argc, char **argv)
         TEST_CASE(a_reply_too_large_for_the_reply_socket_is_an_error),
         TEST_CASE(descriptors_with_an_empty_datagram_are_closed),
         TEST_CASE(cross_wired_reply_sockets_do_not_loop),
+        TEST_CASE(running_out_of_descriptors_pauses_accepting),
         TEST_CASE(a_client_taking_signals_loses_no_reply),
         TEST_CASE(a_client_taking_signals_gets_the_replies_of_a_clean_stop),
         {0}});
