@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -53,6 +54,15 @@ struct pending {
  */
 struct moe_client {
     pthread_mutex_t mu;
+    /* One waiting thread at a time reads the sockets, sleeping on them
+     * without mu (so that other threads submit meanwhile); the others wait
+     * on cv, which a change of the pending list or the reader's leaving
+     * signals. A thread that touches the ZeroMQ socket under mu while the
+     * reader sleeps may consume the edge that ZMQ_FD would have woken it
+     * with: it writes wake_fd. */
+    pthread_cond_t cv;
+    bool reading;
+    int wake_fd;          /* eventfd */
     int sfd;
     void *zctx;
     void *zsock;
@@ -251,9 +261,13 @@ void moe_set_spin_us(moe_client *c, unsigned spin_us)
     pthread_mutex_unlock(&c->mu);
 }
 
-/* Close the sockets of the current connection (not the regions). */
+static void kick_reader(moe_client *c);
+
+/* Close the sockets of the current connection (not the regions); a thread
+ * asleep on them is woken to notice. */
 static void connection_close(moe_client *c)
 {
+    kick_reader(c);
     if (c->zsock)
         zmq_close(c->zsock);
     c->zsock = NULL;
@@ -392,6 +406,12 @@ int moe_connect(const char *runtime_dir, const char *client_name, moe_client **o
     if (!c)
         return seterr(-ENOMEM, "out of memory");
     pthread_mutex_init(&c->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&c->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    c->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     c->timeout_ms = 60000;
     c->sfd = -1;
     c->rfd = -1;
@@ -408,6 +428,8 @@ int moe_connect(const char *runtime_dir, const char *client_name, moe_client **o
         snprintf(c->dir, sizeof(c->dir), "%s", runtime_dir);
     else if (default_runtime_dir(c->dir, sizeof(c->dir)) < 0)
         rc = seterr(-ENAMETOOLONG, "runtime directory path too long");
+    if (!rc && c->wake_fd < 0)
+        rc = seterr(-errno, "eventfd: %s", strerror(errno));
     c->zctx = rc ? NULL : zmq_ctx_new();
     if (!rc && !c->zctx)
         rc = seterr(-ENOMEM, "cannot create a ZeroMQ context");
@@ -443,11 +465,26 @@ void moe_disconnect(moe_client **cp)
         c->regions = r->next;
         region_unmap(r);
     }
+    if (c->wake_fd >= 0)
+        close(c->wake_fd);
+    pthread_cond_destroy(&c->cv);
     pthread_mutex_destroy(&c->mu);
     free(c);
 }
 
 /* ---- request channel --------------------------------------------------- */
+
+/* The reading thread sleeps on the sockets without mu: after touching the
+ * ZeroMQ socket (which may take in what ZMQ_FD would have signalled), wake
+ * it to look again. Caller holds mu. */
+static void kick_reader(moe_client *c)
+{
+    if (c->reading) {
+        uint64_t one = 1;
+        ssize_t w = write(c->wake_fd, &one, sizeof(one));
+        (void)w; /* EAGAIN: the counter is already set, it wakes anyway */
+    }
+}
 
 /* Pack and send; caller holds c->mu. Fills req->id, req->token. A compute
  * request goes on the reply socket where the daemon reads it there (its
@@ -480,8 +517,10 @@ static int send_request(moe_client *c, Moe__Request *req, bool compute)
     uint64_t deadline = c->timeout_ms >= 0 ? mono_ms() + (uint64_t)c->timeout_ms : UINT64_MAX;
     unsigned gen = c->generation;
     for (;;) {
-        if (zmq_msg_send(&msg, c->zsock, ZMQ_DONTWAIT) >= 0)
+        if (zmq_msg_send(&msg, c->zsock, ZMQ_DONTWAIT) >= 0) {
+            kick_reader(c);
             return 0;
+        }
         int e = zmq_errno();
         if (e == EINTR) /* a signal of the caller's landed first; nothing was sent */
             continue;
@@ -567,6 +606,7 @@ static int pending_add(moe_client *c, const void *buf, size_t n, uint64_t stop_i
     p->reply = rep;
     p->next = c->pending;
     c->pending = p;
+    pthread_cond_broadcast(&c->cv); /* for the threads that wait on it */
     return stop_id && p->id == stop_id;
 }
 
@@ -662,33 +702,68 @@ static int drain_last_replies(moe_client *c)
     }
 }
 
-/* Receive whatever has arrived into the pending list; if nothing has, wait
- * up to wait_ms for it. stop_id as for receive_ready(). Caller holds mu. */
-static int receive_some(moe_client *c, uint64_t stop_id, int wait_ms)
+/* The session socket became readable: at its end (the daemon went away),
+ * take the replies it sent before, still on their way through ZeroMQ, and
+ * end the session. Caller holds mu. 0 or -errno. */
+static int session_socket_ready(moe_client *c)
+{
+    char b;
+    ssize_t n = recv(c->sfd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+        int rc = drain_last_replies(c);
+        session_over(c, NULL);
+        return rc < 0 ? rc : 0;
+    }
+    return 0;
+}
+
+/* Receive whatever has arrived into the pending list without waiting
+ * (moe_poll). The reply socket wakes the reader with pushed replies; the
+ * session socket only becomes readable (EOF) when the daemon goes away,
+ * which is why it is polled too. Caller holds mu. */
+static int receive_some(moe_client *c)
 {
     if (c->broken || !c->zsock)
         return seterr(-ECONNRESET, "%s", lost_why(c));
-    int rc = receive_ready(c, stop_id);
+    int rc = receive_ready(c, 0);
+    kick_reader(c);
     if (rc)
         return rc < 0 ? rc : 0;
-    /* Nothing yet. The reply socket wakes us with pushed replies; the
-     * session socket only becomes readable (EOF) when the daemon goes away,
-     * which is why the poll runs even without waiting (moe_poll, spinning).
-     * Replies it sent before it went may still be on their way through
-     * ZeroMQ, so collect those first. */
-    struct pollfd p[3] = {{c->zfd, POLLIN, 0}, {c->sfd, POLLIN, 0}, {c->rfd, POLLIN, 0}};
-    if (poll(p, c->rfd >= 0 ? 3 : 2, wait_ms) < 0)
-        return errno == EINTR ? 0 : seterr(-errno, "poll: %s", strerror(errno));
-    if (p[1].revents) {
-        char b;
-        ssize_t n = recv(c->sfd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
-        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
-            rc = drain_last_replies(c);
-            session_over(c, NULL);
-            return rc < 0 ? rc : 0;
-        }
+    struct pollfd p = {c->sfd, POLLIN, 0};
+    if (poll(&p, 1, 0) == 1 && (rc = session_socket_ready(c)) < 0)
+        return rc;
+    return 0;
+}
+
+/* As the reading thread: receive what has arrived; if nothing has, sleep
+ * on the sockets up to wait_ms without mu, then receive. Caller holds mu
+ * (released and taken again). 0 or -errno. */
+static int read_sockets(moe_client *c, uint64_t id, int wait_ms)
+{
+    int rc = receive_ready(c, id);
+    if (rc)
+        return rc < 0 ? rc : 0;
+    struct pollfd p[4] = {{c->zfd, POLLIN, 0}, {c->sfd, POLLIN, 0}, {c->wake_fd, POLLIN, 0},
+                          {c->rfd, POLLIN, 0}};
+    unsigned gen = c->generation;
+    pthread_mutex_unlock(&c->mu);
+    int n = poll(p, c->rfd >= 0 ? 4 : 3, wait_ms);
+    int e = errno;
+    pthread_mutex_lock(&c->mu);
+    if (n < 0 && e != EINTR)
+        return seterr(-e, "poll: %s", strerror(e));
+    if (gen != c->generation || c->broken || !c->zsock)
+        return 0; /* replaced meanwhile: the caller sees it */
+    if (p[2].revents) {
+        uint64_t v;
+        ssize_t r = read(c->wake_fd, &v, sizeof(v));
+        (void)r;
     }
-    rc = receive_ready(c, stop_id);
+    if (p[1].revents && (rc = session_socket_ready(c)) < 0)
+        return rc;
+    if (c->broken)
+        return 0;
+    rc = receive_ready(c, id);
     return rc < 0 ? rc : 0;
 }
 
@@ -700,36 +775,55 @@ static int wait_reply(moe_client *c, uint64_t id, unsigned gen, int timeout_ms, 
     uint64_t deadline = timeout_ms >= 0 ? mono_ms() + (uint64_t)timeout_ms : UINT64_MAX;
     pthread_mutex_lock(&c->mu);
     uint64_t spin_end = c->spin_us ? mono_us() + c->spin_us : 0;
-    pthread_mutex_unlock(&c->mu);
-    for (;;) {
-        pthread_mutex_lock(&c->mu);
-        Moe__Reply *rep = gen == c->generation ? pending_take(c, id) : NULL;
-        int rc = 0;
-        if (gen != c->generation) {
+    Moe__Reply *rep = NULL;
+    int rc = 0;
+    for (bool tried = false;; tried = true) {
+        if (gen != c->generation || c->broken || !c->zsock) {
             rc = seterr(-ECONNRESET, "%s", lost_why(c));
-        } else if (!rep) {
-            uint64_t now = mono_ms();
-            /* Short slices, so other threads can send while one waits;
-             * none while spinning. */
-            int slice = now >= deadline ? 0 : deadline - now > 10 ? 10 : (int)(deadline - now);
-            if (spin_end && mono_us() < spin_end)
-                slice = 0;
-            rc = receive_some(c, id, slice);
-            if (!rc)
-                rep = pending_take(c, id);
-            if (!rc && !rep && c->broken)
-                rc = seterr(-ECONNRESET, "%s", lost_why(c));
+            break;
         }
-        pthread_mutex_unlock(&c->mu);
-        if (rc)
-            return rc;
-        if (rep) {
-            *out = rep;
-            return 0;
+        if ((rep = pending_take(c, id)) != NULL)
+            break;
+        uint64_t now = mono_ms();
+        if (tried && now >= deadline) {
+            rc = seterr(-ETIMEDOUT, "no reply from the daemon within %d ms", timeout_ms);
+            break;
         }
-        if (mono_ms() >= deadline)
-            return seterr(-ETIMEDOUT, "no reply from the daemon within %d ms", timeout_ms);
+        if (c->reading) {
+            /* Another thread reads; its news comes on cv. */
+            if (deadline == UINT64_MAX) {
+                pthread_cond_wait(&c->cv, &c->mu);
+            } else {
+                struct timespec ts;
+                clock_gettime(CLOCK_MONOTONIC, &ts);
+                uint64_t left = deadline > now ? deadline - now : 0;
+                ts.tv_sec += (time_t)(left / 1000);
+                ts.tv_nsec += (long)(left % 1000) * 1000000;
+                if (ts.tv_nsec >= 1000000000) {
+                    ts.tv_sec++;
+                    ts.tv_nsec -= 1000000000;
+                }
+                pthread_cond_timedwait(&c->cv, &c->mu, &ts);
+            }
+            continue;
+        }
+        /* Spinning: no sleep. Else up to the deadline, at most 1 s at a
+         * time (a missed edge costs no more). */
+        int wait = now >= deadline ? 0 : deadline - now > 1000 ? 1000 : (int)(deadline - now);
+        if (spin_end && mono_us() < spin_end)
+            wait = 0;
+        c->reading = true;
+        rc = read_sockets(c, id, wait);
+        c->reading = false;
+        pthread_cond_broadcast(&c->cv); /* the next may read */
+        if (rc < 0)
+            break;
     }
+    pthread_mutex_unlock(&c->mu);
+    if (rc)
+        return rc;
+    *out = rep;
+    return 0;
 }
 
 /* A reply's status as an error code, with the daemon's message. */
@@ -1225,7 +1319,7 @@ int moe_poll(moe_client *c, moe_request *r)
     int rc = 0;
     for (int pass = 0; pass < 2 && !found && !rc; pass++) {
         if (pass == 1)
-            rc = receive_some(c, 0, 0);
+            rc = receive_some(c);
         for (struct pending *p = c->pending; p && !found; p = p->next)
             found = p->id == r->id && p->reply;
     }

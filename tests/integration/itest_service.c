@@ -2,6 +2,9 @@
  * itest_service.c: the request path end to end: the real daemon, real
  * clients in several processes, every output compared with the reference.
  */
+#include <pthread.h>
+#include <stdatomic.h>
+
 #include "daemon/safetensors.h"
 #include "tests/integration/itest.h"
 
@@ -247,6 +250,90 @@ TEST(async_submit_poll_and_wait_out_of_order)
     itest_daemon_stop(&d);
 }
 
+/* Threads of one client: while one waits for a long request, the others
+ * submit, wait and collect their own replies at once (the waiting thread
+ * sleeps on the sockets without holding the client, and whoever reads hands
+ * each reply to its thread). */
+struct waiter {
+    moe_client *c;
+    moe_request *req;
+    int rc;
+    _Atomic bool done;
+};
+
+static void *wait_long(void *arg)
+{
+    struct waiter *w = arg;
+    w->rc = moe_wait(w->c, &w->req, 60000, NULL);
+    w->done = true;
+    return NULL;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+TEST(a_waiting_thread_does_not_hold_up_the_others)
+{
+    if (itest_on_gpu())
+        TEST_SKIP("the long request is sized for the CPU backend");
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--max-slice-tokens", "8192", NULL);
+    moe_client *c = itest_connect(&d, "threads");
+    struct itest_layer L = layer_def("long", MOE_DTYPE_BF16, 8, 2, 512, 1024,
+                                     MOE_ROUTING_SOFTMAX, true);
+    struct itest_layer S = layer_def("short", MOE_DTYPE_BF16, 4, 2, 32, 32,
+                                     MOE_ROUTING_SOFTMAX, true);
+    itest_layer_upload(c, &L, &seed);
+    itest_layer_upload(c, &S, &seed);
+    struct itest_fwd big;
+    itest_fwd_make(c, &L, 4096, &seed, &big);
+    enum { N = 20 };
+    struct itest_fwd f[N];
+    moe_request *rq[N];
+    for (int i = 0; i < N; i++)
+        itest_fwd_make(c, &S, 1, &seed, &f[i]);
+
+    struct waiter w = {.c = c};
+    CHECK(moe_forward_submit(c, &big.args, &w.req) == 0);
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, wait_long, &w) == 0);
+    itest_sleep_ms(50); /* it is asleep in moe_wait */
+    uint64_t took[N];
+    for (int i = 0; i < N; i++) {
+        struct timespec a, b;
+        itest_sleep_ms(3); /* at any point of the waiting thread's sleep */
+        clock_gettime(CLOCK_MONOTONIC, &a);
+        CHECK(moe_forward_submit(c, &f[i].args, &rq[i]) == 0);
+        clock_gettime(CLOCK_MONOTONIC, &b);
+        took[i] = (uint64_t)(((int64_t)(b.tv_sec - a.tv_sec) * 1000000000 + (b.tv_nsec - a.tv_nsec)) /
+                             1000);
+    }
+    bool still_waiting = !w.done;
+    qsort(took, N, sizeof(took[0]), cmp_u64);
+    printf("  submits beside a waiting thread: median %llu us, worst %llu us%s\n",
+           (unsigned long long)took[N / 2], (unsigned long long)took[N - 1],
+           still_waiting ? "" : " (the long request ended first)");
+    CHECK_MSG(took[N / 2] < 2000, "a submit took %llu us (median) while another thread waited",
+              (unsigned long long)took[N / 2]);
+    for (int i = 0; i < N; i++) {
+        CHECK_MSG(moe_wait(c, &rq[i], 60000, NULL) == 0, "%s", moe_errmsg());
+        CHECK(itest_fwd_error(&S, &f[i]) <= itest_tolerance(S.dt));
+        moe_region_free(c, &f[i].r);
+    }
+    CHECK(pthread_join(th, NULL) == 0);
+    CHECK_MSG(w.rc == 0, "the long request: %d", w.rc);
+    CHECK(itest_fwd_error(&L, &big) <= itest_tolerance(L.dt));
+    moe_region_free(c, &big.r);
+    moe_disconnect(&c);
+    itest_layer_free(&L);
+    itest_layer_free(&S);
+    itest_daemon_stop(&d);
+}
+
 /* Many requests submitted before any reply is read: the replies pile up on
  * the reply socket until it is full, then go on the request socket; every
  * request still gets its one answer (done, or BUSY from the queue cap), and
@@ -422,6 +509,7 @@ int main(int argc, char **argv)
         TEST_CASE(grouped_gemm_matches_reference),
         TEST_CASE(file_layers_in_both_naming_schemes),
         TEST_CASE(async_submit_poll_and_wait_out_of_order),
+        TEST_CASE(a_waiting_thread_does_not_hold_up_the_others),
         TEST_CASE(unread_replies_are_all_delivered),
         TEST_CASE(unload_reload_and_duplicate_names),
         TEST_CASE(killed_clients_are_cleaned_up),
