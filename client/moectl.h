@@ -10,6 +10,11 @@
 
 #include "moe.h"
 
+/* The most tokens (rows) one forward, gemm or bench request may carry:
+ * with any 32-bit layer dimension, every size derived from it stays far
+ * below 2^64, so none of them can wrap. */
+#define MOECTL_MAX_TOKENS (1ull << 24)
+
 int cmd_ping(const char *rt, int argc, char **argv);
 int cmd_info(const char *rt, int argc, char **argv);
 int cmd_layers(const char *rt, int argc, char **argv);
@@ -27,8 +32,10 @@ moe_client *moectl_connect(const char *rt, const char *who);
 int moectl_fail(const char *what, int rc);
 /* Find a layer by name; 0, or prints and returns 1. */
 int moectl_layer(moe_client *c, const char *name, moe_layer_info *out);
-/* Parse a non-negative integer option or exit 2. */
-unsigned long long moectl_num(const char *opt, const char *v);
+/* Parse an integer option that must lie in [min, max], or print why not,
+ * naming the option, and exit 2. */
+unsigned long long moectl_num(const char *opt, const char *v, unsigned long long min,
+                              unsigned long long max);
 const char *moectl_dtype_name(moe_dtype dt);
 /* Parse "0,1,2" into out (max entries); the count, or 0 after printing why. */
 size_t moectl_list(const char *opt, const char *v, uint32_t *out, size_t max);

@@ -8,6 +8,7 @@
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <getopt.h>
+#include <limits.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -128,6 +129,20 @@ static void bench_child(const char *rt, const moe_layer_info *li, uint64_t token
     _exit(0);
 }
 
+/* --seconds: more than 0, at most a day (the end time is computed in
+ * microseconds, which a huge double would overflow); -1 after printing why. */
+static double parse_seconds(const char *v)
+{
+    char *end;
+    errno = 0;
+    double s = strtod(v, &end);
+    if (!v[0] || *end || errno || !(s > 0 && s <= 86400)) {
+        fprintf(stderr, "moectl: --seconds must be more than 0 and at most 86400, not '%s'\n", v);
+        return -1;
+    }
+    return s;
+}
+
 int cmd_bench(const char *rt, int argc, char **argv)
 {
     static const struct option o[] = {
@@ -143,20 +158,18 @@ int cmd_bench(const char *rt, int argc, char **argv)
     unsigned spin_us = 0;
     while ((c = getopt_long(argc, argv, "", o, NULL)) != -1) {
         switch (c) {
-        case 'p': spin_us = (unsigned)moectl_num("--client-spin-us", optarg); break;
+        case 'p': spin_us = (unsigned)moectl_num("--client-spin-us", optarg, 0, UINT_MAX); break;
         case 'l': layer = optarg; break;
-        case 'c': clients = moectl_num("--clients", optarg); break;
-        case 't': tokens = moectl_num("--tokens", optarg); break;
-        case 's': seconds = atof(optarg); break;
+        case 'c': clients = moectl_num("--clients", optarg, 1, BENCH_MAX_CLIENTS); break;
+        case 't': tokens = moectl_num("--tokens", optarg, 1, MOECTL_MAX_TOKENS); break;
+        case 's':
+            if ((seconds = parse_seconds(optarg)) < 0)
+                return 2;
+            break;
         case 'j': json = 1; break;
         case 'n': no_batch = 1; break;
         default: return 2;
         }
-    }
-    if (clients < 1 || clients > BENCH_MAX_CLIENTS || tokens < 1 || !(seconds > 0)) {
-        fprintf(stderr, "moectl: bench needs 1..%d clients, tokens >= 1, seconds > 0\n",
-                BENCH_MAX_CLIENTS);
-        return 2;
     }
     moe_client *cl = moectl_connect(rt, "moectl bench");
     if (!cl)

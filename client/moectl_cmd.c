@@ -4,6 +4,7 @@
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <getopt.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,13 +41,19 @@ moe_client *moectl_connect(const char *rt, const char *who)
     return c;
 }
 
-unsigned long long moectl_num(const char *opt, const char *v)
+unsigned long long moectl_num(const char *opt, const char *v, unsigned long long min,
+                              unsigned long long max)
 {
     char *end;
     errno = 0;
     unsigned long long x = strtoull(v, &end, 0);
-    if (errno || !v[0] || *end || v[0] == '-') {
+    if (!v[0] || *end || v[0] == '-' || (errno && errno != ERANGE)) {
         fprintf(stderr, "moectl: %s needs a non-negative number, not '%s'\n", opt, v);
+        exit(2);
+    }
+    /* Past 2^64 strtoull saturates (ERANGE): out of range like any other. */
+    if (errno == ERANGE || x < min || x > max) {
+        fprintf(stderr, "moectl: %s must be from %llu to %llu, not '%s'\n", opt, min, max, v);
         exit(2);
     }
     return x;
@@ -118,9 +125,9 @@ int cmd_ping(const char *rt, int argc, char **argv)
     int c;
     while ((c = getopt_long(argc, argv, "n:", o, NULL)) != -1) {
         if (c == 'n')
-            count = moectl_num("--count", optarg);
-        else if (c == 'i')
-            interval = moectl_num("--interval-us", optarg);
+            count = moectl_num("--count", optarg, 0, ULLONG_MAX);
+        else if (c == 'i') /* usleep takes 32 bits */
+            interval = moectl_num("--interval-us", optarg, 0, UINT32_MAX);
         else
             return 2;
     }
@@ -164,7 +171,7 @@ int cmd_zmq_rtt(const char *rt, int argc, char **argv)
     int c;
     while ((c = getopt_long(argc, argv, "n:", o, NULL)) != -1) {
         if (c == 'n')
-            count = moectl_num("--count", optarg);
+            count = moectl_num("--count", optarg, 0, ULLONG_MAX);
         else
             return 2;
     }
@@ -284,6 +291,14 @@ int cmd_layers(const char *rt, int argc, char **argv)
     return 0;
 }
 
+/* A layer dimension: the wire carries 32 bits, so a larger value must be
+ * refused here rather than wrap; 0 would mean "from the file", which is
+ * what leaving the option out says. */
+static uint32_t dim(const char *opt, const char *v)
+{
+    return (uint32_t)moectl_num(opt, v, 1, UINT32_MAX);
+}
+
 int cmd_load(const char *rt, int argc, char **argv)
 {
     enum { O_FILE = 1, O_PREFIX, O_KIND, O_TOPK, O_E, O_H, O_I, O_DT, O_ROUTE, O_NORENORM,
@@ -313,13 +328,13 @@ int cmd_load(const char *rt, int argc, char **argv)
             else if (!strcmp(optarg, "gemm")) d.kind = MOE_LAYER_GEMM;
             else { fprintf(stderr, "moectl: --kind is moe or gemm\n"); return 2; }
             break;
-        case O_TOPK: d.topk = (uint32_t)moectl_num("--topk", optarg); break;
-        case O_E: d.experts = (uint32_t)moectl_num("--experts", optarg); break;
-        case O_H: d.hidden = (uint32_t)moectl_num("--hidden", optarg); break;
-        case O_I: d.intermediate = (uint32_t)moectl_num("--intermediate", optarg); break;
-        case O_G: d.groups = (uint32_t)moectl_num("--groups", optarg); break;
-        case O_N: d.n = (uint32_t)moectl_num("--n", optarg); break;
-        case O_K: d.k = (uint32_t)moectl_num("--k", optarg); break;
+        case O_TOPK: d.topk = dim("--topk", optarg); break;
+        case O_E: d.experts = dim("--experts", optarg); break;
+        case O_H: d.hidden = dim("--hidden", optarg); break;
+        case O_I: d.intermediate = dim("--intermediate", optarg); break;
+        case O_G: d.groups = dim("--groups", optarg); break;
+        case O_N: d.n = dim("--n", optarg); break;
+        case O_K: d.k = dim("--k", optarg); break;
         case O_DT:
             if (!strcmp(optarg, "bf16")) d.dtype = MOE_DTYPE_BF16;
             else if (!strcmp(optarg, "fp16")) d.dtype = MOE_DTYPE_FP16;
@@ -334,7 +349,7 @@ int cmd_load(const char *rt, int argc, char **argv)
             break;
         case O_NORENORM: d.renormalize = 0; break;
         case O_RANDOM: random = 1; break;
-        case O_SEED: seed = moectl_num("--seed", optarg); break;
+        case O_SEED: seed = moectl_num("--seed", optarg, 0, UINT64_MAX); break;
         case O_DEVICES:
             if ((d.n_devices = moectl_list("--devices", optarg, devs, 16)) == 0)
                 return 2;

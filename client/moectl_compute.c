@@ -112,8 +112,9 @@ static int load_input(const char *file, const moe_layer_info *li, uint64_t *toke
         return rc;
     }
     const struct st_tensor *x = st_find(*out, "x");
-    if (!x || x->ndim != 2 || x->shape[1] != li->hidden) {
-        fprintf(stderr, "moectl: %s needs a tensor 'x' [T, %u]\n", file, li->hidden);
+    if (!x || x->ndim != 2 || x->shape[1] != li->hidden || x->shape[0] > MOECTL_MAX_TOKENS) {
+        fprintf(stderr, "moectl: %s needs a tensor 'x' [T, %u], T at most %llu\n", file,
+                li->hidden, MOECTL_MAX_TOKENS);
         st_close(out);
         return -EINVAL;
     }
@@ -201,12 +202,12 @@ int cmd_forward(const char *rt, int argc, char **argv)
     while ((c = getopt_long(argc, argv, "", o, NULL)) != -1) {
         switch (c) {
         case 'l': layer = optarg; break;
-        case 't': tokens = moectl_num("--tokens", optarg); break;
+        case 't': tokens = moectl_num("--tokens", optarg, 1, MOECTL_MAX_TOKENS); break;
         case 'i': input = optarg; break;
         case 'o': output = optarg; break;
         case 'c': check = 1; break;
-        case 's': seed = moectl_num("--seed", optarg); break;
-        case 'n': repeat = moectl_num("--repeat", optarg); break;
+        case 's': seed = moectl_num("--seed", optarg, 0, UINT64_MAX); break;
+        case 'n': repeat = moectl_num("--repeat", optarg, 1, ULLONG_MAX); break;
         default: return 2;
         }
     }
@@ -400,9 +401,9 @@ int cmd_gemm(const char *rt, int argc, char **argv)
     while ((c = getopt_long(argc, argv, "", o, NULL)) != -1) {
         switch (c) {
         case 'l': layer = optarg; break;
-        case 'm': rows = moectl_num("--rows", optarg); break;
+        case 'm': rows = moectl_num("--rows", optarg, 1, MOECTL_MAX_TOKENS); break;
         case 'c': check = 1; break;
-        case 's': seed = moectl_num("--seed", optarg); break;
+        case 's': seed = moectl_num("--seed", optarg, 0, UINT64_MAX); break;
         default: return 2;
         }
     }

@@ -122,10 +122,68 @@ TEST(cli_ping_stats_json_and_bench)
     itest_daemon_stop(&d);
 }
 
+/* Whether `moectl layers` output lists a layer of that name. */
+static bool listed(const char *out, const char *name)
+{
+    for (const char *p = out; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
+        if (!strncmp(p, name, strlen(name)) && p[strlen(name)] == ' ')
+            return true;
+    return false;
+}
+
+/* Each numeric option is refused, naming it, when it does not fit what it
+ * feeds: nothing is loaded, sent or run with a wrapped value. */
+TEST(cli_numeric_options_out_of_range_are_refused)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--demo", NULL);
+    const char *b = itest_build();
+    char out[8192];
+    static const struct {
+        const char *args, *opt;
+    } bad[] = {
+        {"load big --random --experts 4294967304 --hidden 64 --intermediate 64", "--experts"},
+        {"load big --random --experts 8 --topk 4294967296 --hidden 64 --intermediate 64", "--topk"},
+        {"load big --random --experts 8 --topk 0 --hidden 64 --intermediate 64", "--topk"},
+        {"load big --random --experts 8 --hidden 4294967297 --intermediate 64", "--hidden"},
+        {"load big --random --experts 8 --hidden 64 --intermediate 18446744073709551617",
+         "--intermediate"},
+        {"load g --random --kind gemm --groups 4294967300 --n 8 --k 8", "--groups"},
+        {"load g --random --kind gemm --groups 4 --n 4294967360 --k 8", "--n"},
+        {"load g --random --kind gemm --groups 4 --n 8 --k 4294967303", "--k"},
+        {"forward --layer demo --tokens 4611686018427387904", "--tokens"},
+        {"forward --layer demo --tokens 0", "--tokens"},
+        {"gemm --layer demo-gemm --rows 4611686018427387904", "--rows"},
+        {"ping --count 5 --interval-us 4294967296", "--interval-us"},
+        {"bench --seconds 1 --client-spin-us 4294967296", "--client-spin-us"},
+        {"bench --seconds 1 --tokens 4611686018427387904", "--tokens"},
+        {"bench --seconds 1 --clients 4294967297", "--clients"},
+        {"bench --seconds 2x", "--seconds"},
+        {"bench --seconds 1e300", "--seconds"},
+    };
+    for (size_t i = 0; i < ARRAY_LEN(bad); i++) {
+        CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "timeout 60 %s/moectl -r %s %s", b,
+                                   d.dir, bad[i].args), 2);
+        CHECK_STR_CONTAINS(out, bad[i].opt);
+        CHECK_STR_CONTAINS(out, "must be");
+    }
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "%s/moectl -r %s layers", b, d.dir), 0);
+    CHECK(!listed(out, "big") && !listed(out, "g"));
+    /* In range, the same options still work. */
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out),
+                               "%s/moectl -r %s load ok --random --experts 4 --topk 2 --hidden 64 "
+                               "--intermediate 32 --seed 0x10", b, d.dir), 0);
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out),
+                               "%s/moectl -r %s forward --layer ok --tokens 3 --repeat 2", b, d.dir),
+                 0);
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
         TEST_CASE(cli_forward_check_in_every_routing_mode),
         TEST_CASE(cli_ping_stats_json_and_bench),
+        TEST_CASE(cli_numeric_options_out_of_range_are_refused),
         {0}});
 }
