@@ -14,6 +14,9 @@
  * with any 32-bit layer dimension, every size derived from it stays far
  * below 2^64, so none of them can wrap. */
 #define MOECTL_MAX_TOKENS (1ull << 24)
+/* The most round trips of ping, zmq-rtt or forward --repeat: each keeps a
+ * latency sample, 80 MB at most. */
+#define MOECTL_MAX_COUNT 10000000ull
 
 int cmd_ping(const char *rt, int argc, char **argv);
 int cmd_info(const char *rt, int argc, char **argv);

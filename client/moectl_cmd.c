@@ -5,9 +5,11 @@
 #include <errno.h>
 #include <getopt.h>
 #include <limits.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -125,20 +127,22 @@ int cmd_ping(const char *rt, int argc, char **argv)
     int c;
     while ((c = getopt_long(argc, argv, "n:", o, NULL)) != -1) {
         if (c == 'n')
-            count = moectl_num("--count", optarg, 0, ULLONG_MAX);
+            count = moectl_num("--count", optarg, 1, MOECTL_MAX_COUNT);
         else if (c == 'i') /* usleep takes 32 bits */
             interval = moectl_num("--interval-us", optarg, 0, UINT32_MAX);
         else
             return 2;
     }
-    if (count == 0)
-        count = 1;
-    moe_client *cl = moectl_connect(rt, "moectl ping");
-    if (!cl)
-        return 1;
     uint64_t *lat = malloc(count * sizeof(*lat));
-    if (!lat)
+    if (!lat) {
+        fprintf(stderr, "moectl: ping: no memory for %llu samples\n", count);
         return 1;
+    }
+    moe_client *cl = moectl_connect(rt, "moectl ping");
+    if (!cl) {
+        free(lat);
+        return 1;
+    }
     int rc = moe_hello(cl, NULL); /* warm-up */
     for (unsigned long long i = 0; i < count && !rc; i++) {
         if (interval) /* idle between calls, as a client between decode steps */
@@ -171,20 +175,36 @@ int cmd_zmq_rtt(const char *rt, int argc, char **argv)
     int c;
     while ((c = getopt_long(argc, argv, "n:", o, NULL)) != -1) {
         if (c == 'n')
-            count = moectl_num("--count", optarg, 0, ULLONG_MAX);
+            count = moectl_num("--count", optarg, 1, MOECTL_MAX_COUNT);
         else
             return 2;
     }
-    if (count == 0)
-        count = 1;
+    /* Before the fork: once the echo process runs, it waits for us. */
+    uint64_t *lat = malloc(count * sizeof(*lat));
+    if (!lat) {
+        fprintf(stderr, "moectl: zmq-rtt: no memory for %llu samples\n", count);
+        return 1;
+    }
     char dir[] = "/tmp/moectl-rtt.XXXXXX", ep[64];
     if (!mkdtemp(dir)) {
         perror("moectl: mkdtemp");
+        free(lat);
         return 1;
     }
     snprintf(ep, sizeof(ep), "ipc://%s/rtt.zmq", dir);
+    pid_t parent = getpid();
     pid_t pid = fork();
+    if (pid < 0) {
+        perror("moectl: fork");
+        rmdir(dir);
+        free(lat);
+        return 1;
+    }
     if (pid == 0) {
+        /* Waiting in zmq_recv, it would outlive a parent that died. */
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() != parent)
+            _exit(1);
         void *ctx = zmq_ctx_new(), *s = zmq_socket(ctx, ZMQ_ROUTER);
         if (zmq_bind(s, ep) < 0)
             _exit(1);
@@ -203,7 +223,6 @@ int cmd_zmq_rtt(const char *rt, int argc, char **argv)
     int linger = 0;
     zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof(linger));
     zmq_connect(s, ep);
-    uint64_t *lat = malloc(count * sizeof(*lat));
     char msg[64] = {0}, back[256];
     int rc = 0;
     for (unsigned long long i = 0; i <= count && !rc; i++) {

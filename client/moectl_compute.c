@@ -207,7 +207,7 @@ int cmd_forward(const char *rt, int argc, char **argv)
         case 'o': output = optarg; break;
         case 'c': check = 1; break;
         case 's': seed = moectl_num("--seed", optarg, 0, UINT64_MAX); break;
-        case 'n': repeat = moectl_num("--repeat", optarg, 1, ULLONG_MAX); break;
+        case 'n': repeat = moectl_num("--repeat", optarg, 1, MOECTL_MAX_COUNT); break;
         default: return 2;
         }
     }
@@ -245,8 +245,10 @@ int cmd_forward(const char *rt, int argc, char **argv)
     }
     uint8_t *base = moe_region_data(r);
     float *tmp = malloc((T * (H > E ? H : E) + 1) * sizeof(float));
-    if (!tmp)
+    if (!tmp) {
+        fprintf(stderr, "moectl: forward: no memory for %zu tokens of input\n", T);
         goto out;
+    }
     if (in) {
         rc = read_into(in, "x", st_of(li.dtype), T, H, base + x_off);
         if (!rc && given)
@@ -304,6 +306,8 @@ int cmd_forward(const char *rt, int argc, char **argv)
     moe_timings tm = {0};
     uint64_t *lat = calloc(repeat, sizeof(*lat)), *comp = calloc(repeat, sizeof(*comp));
     if (!lat || !comp) {
+        fprintf(stderr, "moectl: forward: no memory for %llu samples\n",
+                (unsigned long long)repeat);
         free(lat);
         free(comp);
         goto out;

@@ -179,11 +179,39 @@ TEST(cli_numeric_options_out_of_range_are_refused)
     itest_daemon_stop(&d);
 }
 
+/* Counts that size an allocation are bounded: a huge one is refused, not
+ * wrapped into a small buffer that the loop then overruns. */
+TEST(cli_huge_counts_are_refused)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--demo", NULL);
+    const char *b = itest_build();
+    char out[8192];
+    const char *bad[] = {
+        "ping --count 2305843009213693952",
+        "ping --count 10000001",
+        "zmq-rtt --count 2305843009213693952",
+        "forward --layer demo --tokens 1 --repeat 2305843009213693952",
+    };
+    for (size_t i = 0; i < ARRAY_LEN(bad); i++) {
+        CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "timeout 60 %s/moectl -r %s %s", b,
+                                   d.dir, bad[i]), 2);
+        CHECK_STR_CONTAINS(out, "must be from 1 to 10000000");
+    }
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "%s/moectl -r %s ping --count 3", b, d.dir),
+                 0);
+    CHECK_STR_CONTAINS(out, "3 round trips");
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "%s/moectl zmq-rtt --count 3", b), 0);
+    CHECK_STR_CONTAINS(out, "3 bare ZeroMQ");
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
         TEST_CASE(cli_forward_check_in_every_routing_mode),
         TEST_CASE(cli_ping_stats_json_and_bench),
         TEST_CASE(cli_numeric_options_out_of_range_are_refused),
+        TEST_CASE(cli_huge_counts_are_refused),
         {0}});
 }
