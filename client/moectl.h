@@ -42,6 +42,9 @@ unsigned long long moectl_num(const char *opt, const char *v, unsigned long long
 const char *moectl_dtype_name(moe_dtype dt);
 /* Parse "0,1,2" into out (max entries); the count, or 0 after printing why. */
 size_t moectl_list(const char *opt, const char *v, uint32_t *out, size_t max);
+/* For `load --random`: whether d (dtype defaulted to bf16) gives a shape
+ * whose weights can be allocated; 0 or -EINVAL (printed). */
+int moectl_random_check(moe_layer_desc *d);
 /* For `load --random`: a region holding weights drawn from N(0, 1/fan_in)
  * (uniform with that variance) for the layer d describes, and d's tensors
  * pointed at it. Caller frees *r. 0 or the error (printed). */

@@ -389,14 +389,19 @@ int cmd_load(const char *rt, int argc, char **argv)
     d.name = argv[optind];
     if (d.kind == MOE_LAYER_MOE && !d.topk)
         d.topk = 2;
+    if (random && moectl_random_check(&d))
+        return 2;
     moe_client *cl = moectl_connect(rt, "moectl load");
     if (!cl)
         return 1;
     moe_region *r = NULL;
     int rc = random ? moectl_random_weights(cl, &d, seed, &r) : 0;
+    if (rc) { /* printed */
+        moe_disconnect(&cl);
+        return 1;
+    }
     moe_layer_info info;
-    if (!rc)
-        rc = moe_layer_load(cl, &d, &info);
+    rc = moe_layer_load(cl, &d, &info);
     if (r)
         moe_region_free(cl, &r);
     moe_disconnect(&cl);

@@ -156,21 +156,49 @@ static void fill_random(moe_dtype dt, void *dst, size_t n, double fan_in, uint64
     }
 }
 
-int moectl_random_weights(moe_client *c, moe_layer_desc *d, uint64_t seed, moe_region **r)
+/* The elements of one weight tensor (a MoE layer has three of that size),
+ * its bytes and the region's: false if any of them passes 2^64. Unchecked,
+ * E*H*I wrapped to a small region that fill_random then overran. */
+static bool random_sizes(const moe_layer_desc *d, size_t *per, size_t *bytes, size_t *total)
+{
+    bool moe = d->kind == MOE_LAYER_MOE;
+    size_t a = moe ? d->experts : d->groups, b = moe ? d->hidden : d->n,
+           c = moe ? d->intermediate : d->k, ab;
+    return !__builtin_mul_overflow(a, b, &ab) && !__builtin_mul_overflow(ab, c, per) &&
+           !__builtin_mul_overflow(*per, moe_dtype_size(d->dtype), bytes) &&
+           !__builtin_mul_overflow(*bytes, (size_t)(moe ? 3 : 1), total);
+}
+
+int moectl_random_check(moe_layer_desc *d)
 {
     if (!d->dtype)
         d->dtype = MOE_DTYPE_BF16;
-    size_t es = moe_dtype_size(d->dtype);
     bool moe = d->kind == MOE_LAYER_MOE;
-    uint64_t E = d->experts, H = d->hidden, I = d->intermediate;
-    if (moe ? (!E || !H || !I) : (!d->groups || !d->n || !d->k)) {
+    if (moe ? (!d->experts || !d->hidden || !d->intermediate) : (!d->groups || !d->n || !d->k)) {
         fprintf(stderr, "moectl: --random needs %s\n",
                 moe ? "--experts, --hidden and --intermediate" : "--groups, --n and --k");
         return -EINVAL;
     }
-    size_t per = moe ? (size_t)(E * H * I) : (size_t)d->groups * d->n * d->k;
-    size_t bytes = per * es;
-    int rc = moe_region_create(c, moe ? 3 * bytes : bytes, "moectl-weights", r);
+    size_t per, bytes, total;
+    if (!random_sizes(d, &per, &bytes, &total)) {
+        fprintf(stderr, "moectl: --random: weights of %u %s x %u %s x %u %s in %s are too large "
+                "(2^64 bytes or more)\n", moe ? d->experts : d->groups, moe ? "experts" : "groups",
+                moe ? d->hidden : d->n, moe ? "hidden" : "n", moe ? d->intermediate : d->k,
+                moe ? "intermediate" : "k", moectl_dtype_name(d->dtype));
+        return -EINVAL;
+    }
+    return 0;
+}
+
+int moectl_random_weights(moe_client *c, moe_layer_desc *d, uint64_t seed, moe_region **r)
+{
+    size_t per, bytes, total;
+    int rc = moectl_random_check(d);
+    if (rc || !random_sizes(d, &per, &bytes, &total))
+        return rc ? rc : -EINVAL;
+    bool moe = d->kind == MOE_LAYER_MOE;
+    uint64_t E = d->experts, H = d->hidden, I = d->intermediate;
+    rc = moe_region_create(c, total, "moectl-weights", r);
     if (rc)
         return moectl_fail("create a region for the weights", rc), rc;
     uint8_t *base = moe_region_data(*r);

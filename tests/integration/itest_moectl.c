@@ -206,6 +206,37 @@ TEST(cli_huge_counts_are_refused)
     itest_daemon_stop(&d);
 }
 
+/* load --random: a shape whose weights do not fit in 64 bits of bytes is
+ * refused before anything is allocated or written. */
+TEST(cli_load_random_refuses_shapes_too_large_to_address)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--demo", NULL);
+    const char *b = itest_build();
+    char out[8192];
+    const char *bad[] = {
+        /* E*H*I wraps to 2 elements. */
+        "load big --random --experts 5 --hidden 429509837 --intermediate 4294836226",
+        /* E*H*I fits, its bytes do not. */
+        "load big --random --experts 4 --hidden 4294967295 --intermediate 4294967295",
+        /* The bytes of one tensor fit (2^63), those of all three do not. */
+        "load big --random --experts 536870912 --hidden 65536 --intermediate 65536 --dtype fp32",
+        "load g --random --kind gemm --groups 65536 --n 4294967295 --k 4294967295",
+    };
+    for (size_t i = 0; i < ARRAY_LEN(bad); i++) {
+        CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "timeout 60 %s/moectl -r %s %s", b,
+                                   d.dir, bad[i]), 2);
+        CHECK_STR_CONTAINS(out, "too large");
+    }
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "%s/moectl -r %s layers", b, d.dir), 0);
+    CHECK(!listed(out, "big") && !listed(out, "g"));
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out),
+                               "%s/moectl -r %s load g --random --kind gemm --groups 4 --n 16 --k 8",
+                               b, d.dir), 0);
+    CHECK_STR_CONTAINS(out, "loaded g");
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -213,5 +244,6 @@ int main(int argc, char **argv)
         TEST_CASE(cli_ping_stats_json_and_bench),
         TEST_CASE(cli_numeric_options_out_of_range_are_refused),
         TEST_CASE(cli_huge_counts_are_refused),
+        TEST_CASE(cli_load_random_refuses_shapes_too_large_to_address),
         {0}});
 }
