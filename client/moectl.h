@@ -33,6 +33,9 @@ int cmd_zmq_rtt(const char *rt, int argc, char **argv);
 moe_client *moectl_connect(const char *rt, const char *who);
 /* Print "moectl: what: <moe_errmsg() or moe_strerror(rc)>" and return 1. */
 int moectl_fail(const char *what, int rc);
+/* All loaded layers in *out (caller frees; NULL on error): their count, or
+ * a negative error. */
+int moectl_layers(moe_client *c, moe_layer_info **out);
 /* Find a layer by name; 0, or prints and returns 1. */
 int moectl_layer(moe_client *c, const char *name, moe_layer_info *out);
 /* Parse an integer option that must lie in [min, max], or print why not,

@@ -98,17 +98,39 @@ static const char *routing_name(moe_routing r)
     return r == MOE_ROUTING_SOFTMAX ? "softmax" : r == MOE_ROUTING_SIGMOID ? "sigmoid" : "given";
 }
 
+int moectl_layers(moe_client *c, moe_layer_info **out)
+{
+    /* moe_layer_list fills what fits but counts them all, and max_layers
+     * goes to 65536: grow until the count fits (it may grow meanwhile). */
+    for (int cap = 256;;) {
+        moe_layer_info *infos = malloc((size_t)cap * sizeof(*infos));
+        if (!infos)
+            return -ENOMEM;
+        int n = moe_layer_list(c, infos, cap);
+        if (n <= cap) {
+            if (n < 0)
+                free(infos);
+            *out = n < 0 ? NULL : infos;
+            return n;
+        }
+        free(infos);
+        cap = n + 16;
+    }
+}
+
 int moectl_layer(moe_client *c, const char *name, moe_layer_info *out)
 {
-    moe_layer_info infos[256];
-    int n = moe_layer_list(c, infos, 256);
+    moe_layer_info *infos;
+    int n = moectl_layers(c, &infos);
     if (n < 0)
         return moectl_fail("list layers", n);
-    for (int i = 0; i < n && i < 256; i++)
+    for (int i = 0; i < n; i++)
         if (!strcmp(infos[i].name, name)) {
             *out = infos[i];
+            free(infos);
             return 0;
         }
+    free(infos);
     fprintf(stderr, "moectl: no layer named '%s' (see 'moectl layers')\n", name);
     return 1;
 }
@@ -279,14 +301,14 @@ int cmd_layers(const char *rt, int argc, char **argv)
     moe_client *cl = moectl_connect(rt, "moectl layers");
     if (!cl)
         return 1;
-    moe_layer_info infos[256];
-    int n = moe_layer_list(cl, infos, 256);
+    moe_layer_info *infos;
+    int n = moectl_layers(cl, &infos);
     moe_disconnect(&cl);
     if (n < 0)
         return moectl_fail("layers", n);
     if (n == 0)
         printf("no layers loaded\n");
-    for (int i = 0; i < n && i < 256; i++) {
+    for (int i = 0; i < n; i++) {
         const moe_layer_info *l = &infos[i];
         if (l->kind == MOE_LAYER_MOE)
             printf("%-20s moe  E=%u k=%u H=%u I=%u %s %s%s  %.1f MiB  %llu requests %llu tokens  %s\n",
@@ -307,6 +329,7 @@ int cmd_layers(const char *rt, int argc, char **argv)
             printf("\n");
         }
     }
+    free(infos);
     return 0;
 }
 
@@ -455,9 +478,9 @@ int cmd_stats(const char *rt, int argc, char **argv)
     if (!cl)
         return 1;
     moe_stats s;
-    moe_layer_info layers[256];
+    moe_layer_info *layers = NULL;
     int rc = moe_stats_get(cl, &s);
-    int nl = rc ? 0 : moe_layer_list(cl, layers, 256);
+    int nl = rc ? 0 : moectl_layers(cl, &layers);
     moe_disconnect(&cl);
     if (rc)
         return moectl_fail("stats", rc);
@@ -502,7 +525,7 @@ int cmd_stats(const char *rt, int argc, char **argv)
         cJSON_AddItemToObject(j, "batch_requests_hist", hist_json(s.n_batch_requests, br));
         cJSON_AddItemToObject(j, "batch_tokens_hist", hist_json(s.n_batch_tokens, bt));
         cJSON *ls = cJSON_AddArrayToObject(j, "layers");
-        for (int i = 0; i < nl && i < 256; i++) {
+        for (int i = 0; i < nl; i++) {
             cJSON *lo = cJSON_CreateObject();
             cJSON_AddStringToObject(lo, "name", layers[i].name);
             cJSON_AddNumberToObject(lo, "requests", (double)layers[i].requests);
@@ -513,6 +536,7 @@ int cmd_stats(const char *rt, int argc, char **argv)
         printf("%s\n", txt);
         free(txt);
         cJSON_Delete(j);
+        free(layers);
         return 0;
     }
     printf("backend %s, up %.1f s, %u sessions, %u regions (%.1f MiB)\n", s.backend,
@@ -538,8 +562,9 @@ int cmd_stats(const char *rt, int argc, char **argv)
     for (int i = 0; i < s.n_batch_tokens; i++)
         printf(" <=%llu:%llu", (unsigned long long)bt[i][0], (unsigned long long)bt[i][1]);
     printf("\n");
-    for (int i = 0; i < nl && i < 256; i++)
+    for (int i = 0; i < nl; i++)
         printf("layer %-20s %llu requests, %llu tokens\n", layers[i].name,
                (unsigned long long)layers[i].requests, (unsigned long long)layers[i].tokens);
+    free(layers);
     return 0;
 }

@@ -237,6 +237,54 @@ TEST(cli_load_random_refuses_shapes_too_large_to_address)
     itest_daemon_stop(&d);
 }
 
+/* max_layers goes far past 256: moectl finds every loaded layer, however
+ * many there are, and lists them all. */
+TEST(cli_finds_layers_past_the_first_256)
+{
+    enum { N_LAYERS = 300 };
+    char conf[] = "/tmp/moed-cli-conf.XXXXXX";
+    int fd = mkstemp(conf);
+    CHECK(fd >= 0);
+    const char text[] = "[limits]\nmax_layers = 400\n";
+    CHECK(write(fd, text, sizeof(text) - 1) == (ssize_t)(sizeof(text) - 1));
+    close(fd);
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--config", conf, NULL);
+    moe_client *c = itest_connect(&d, "itest");
+    uint64_t seed = test_seed();
+    for (int i = 0; i < N_LAYERS; i++) {
+        struct itest_layer L = {.dt = MOE_DTYPE_BF16, .sh = {2, 1, 8, 8},
+                                .routing = MOE_ROUTING_SOFTMAX, .renorm = true};
+        snprintf(L.name, sizeof(L.name), "tiny%03d", i);
+        itest_layer_upload(c, &L, &seed);
+        itest_layer_free(&L);
+    }
+    /* The daemon's listing order is its own: take the one it lists last. */
+    static moe_layer_info infos[N_LAYERS];
+    CHECK_EQ_INT(moe_layer_list(c, infos, N_LAYERS), N_LAYERS);
+    const char *last = infos[N_LAYERS - 1].name;
+    moe_disconnect(&c);
+    const char *b = itest_build();
+    static char out[1 << 16];
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moectl -r %s forward --layer %s --tokens 2",
+                               b, d.dir, last), 0);
+    CHECK_STR_CONTAINS(out, "forward: layer tiny");
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out),
+                               "%s/moectl -r %s bench --layer %s --clients 1 --seconds 0.2", b,
+                               d.dir, last), 0);
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "%s/moectl -r %s layers", b, d.dir), 0);
+    for (int i = 0; i < N_LAYERS; i++)
+        CHECK_MSG(listed(out, infos[i].name), "'moectl layers' leaves out %s", infos[i].name);
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "%s/moectl -r %s stats --json", b, d.dir),
+                 0);
+    cJSON *j = cJSON_Parse(out);
+    CHECK(j != NULL);
+    CHECK_EQ_INT(cJSON_GetArraySize(cJSON_GetObjectItem(j, "layers")), N_LAYERS);
+    cJSON_Delete(j);
+    itest_daemon_stop(&d);
+    unlink(conf);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -245,5 +293,6 @@ int main(int argc, char **argv)
         TEST_CASE(cli_numeric_options_out_of_range_are_refused),
         TEST_CASE(cli_huge_counts_are_refused),
         TEST_CASE(cli_load_random_refuses_shapes_too_large_to_address),
+        TEST_CASE(cli_finds_layers_past_the_first_256),
         {0}});
 }
