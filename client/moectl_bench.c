@@ -9,11 +9,13 @@
 #include <errno.h>
 #include <getopt.h>
 #include <limits.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -25,7 +27,8 @@
 
 struct bench_slot {
     uint64_t requests, errors, busy, batch_requests_sum;
-    int failed_connect;
+    atomic_int ready;   /* this client reached the barrier */
+    int failed_start;   /* it could not set up; error says why */
     char error[160];
     uint32_t n;
     uint32_t lat_us[BENCH_MAX_SAMPLES];
@@ -41,6 +44,19 @@ static int cmp_u32(const void *a, const void *b)
 {
     uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
     return x < y ? -1 : x > y;
+}
+
+/* A client that cannot start says why and counts as ready, so the others
+ * still run; the parent reports it and fails the bench. */
+static _Noreturn void child_fail(struct bench_shared *sh, int idx, moe_client *c, const char *why)
+{
+    struct bench_slot *sl = &sh->slots[idx];
+    sl->failed_start = 1;
+    snprintf(sl->error, sizeof(sl->error), "%s", why);
+    atomic_store(&sl->ready, 1);
+    atomic_fetch_add(&sh->ready, 1);
+    moe_disconnect(&c);
+    _exit(1);
 }
 
 static void bench_child(const char *rt, const moe_layer_info *li, uint64_t tokens,
@@ -61,16 +77,13 @@ static void bench_child(const char *rt, const moe_layer_info *li, uint64_t token
     size_t o_off = w_off + (T * K * 4 + 63) / 64 * 64;
     if (!rc)
         rc = moe_region_create(c, o_off + T * H * es, "bench", &r);
-    if (rc) {
-        sl->failed_connect = 1;
-        snprintf(sl->error, sizeof(sl->error), "%s", moe_errmsg()[0] ? moe_errmsg() : moe_strerror(rc));
-        atomic_fetch_add(&sh->ready, 1);
-        moe_disconnect(&c);
-        _exit(1);
-    }
+    if (rc)
+        child_fail(sh, idx, c, moe_errmsg()[0] ? moe_errmsg() : moe_strerror(rc));
     uint8_t *base = moe_region_data(r);
     uint64_t seed = 0x9e3779b97f4a7c15ull * (uint64_t)(idx + 1);
     float *tmp = malloc(T * (H > E ? H : E) * sizeof(float));
+    if (!tmp)
+        child_fail(sh, idx, c, "no memory for the inputs");
     for (size_t i = 0; i < T * H; i++) {
         seed ^= seed >> 12; seed ^= seed << 25; seed ^= seed >> 27;
         tmp[i] = (float)((int64_t)(seed * 2685821657736338717ull) >> 40) / (float)(1 << 23);
@@ -99,6 +112,7 @@ static void bench_child(const char *rt, const moe_layer_info *li, uint64_t token
             lg[i] = (float)((i * 2654435761u + (size_t)idx * 97) % 1000) / 333.0f;
         a.logits = moe_tensor_2d(r, r_off, MOE_DTYPE_FP32, T, E);
     }
+    atomic_store(&sl->ready, 1);
     atomic_fetch_add(&sh->ready, 1);
     while (!atomic_load(&sh->go))
         usleep(200);
@@ -127,6 +141,36 @@ static void bench_child(const char *rt, const moe_layer_info *li, uint64_t token
     moe_region_free(c, &r);
     moe_disconnect(&c);
     _exit(0);
+}
+
+/* Wait until every client is at the barrier. One that exits first and did
+ * not report a failure to start (killed, out of memory) never will be: stop
+ * the others and fail rather than wait forever. A client reaped here has
+ * its status kept and its pid zeroed. */
+static bool wait_ready(struct bench_shared *sh, pid_t *pids, int *status,
+                       unsigned long long clients)
+{
+    while (atomic_load(&sh->ready) < (int)clients) {
+        for (unsigned long long i = 0; i < clients; i++) {
+            if (!pids[i] || waitpid(pids[i], &status[i], WNOHANG) != pids[i])
+                continue;
+            pids[i] = 0;
+            if (atomic_load(&sh->slots[i].ready))
+                continue;
+            int st = status[i];
+            fprintf(stderr, "moectl: bench: client %llu died before it was ready (%s %d); "
+                    "stopping the others\n", i, WIFSIGNALED(st) ? "killed by signal" : "exit status",
+                    WIFSIGNALED(st) ? WTERMSIG(st) : WEXITSTATUS(st));
+            for (unsigned long long j = 0; j < clients; j++)
+                if (pids[j]) {
+                    kill(pids[j], SIGKILL);
+                    waitpid(pids[j], NULL, 0);
+                }
+            return false;
+        }
+        usleep(1000);
+    }
+    return true;
 }
 
 /* --seconds: more than 0, at most a day (the end time is computed in
@@ -191,26 +235,45 @@ int cmd_bench(const char *rt, int argc, char **argv)
         return 1;
     }
     pid_t *pids = calloc(clients, sizeof(*pids));
+    int *status = calloc(clients, sizeof(*status));
+    if (!pids || !status) {
+        fprintf(stderr, "moectl: bench: no memory for %llu clients\n", clients);
+        free(pids);
+        free(status);
+        munmap(sh, shsize);
+        return 1;
+    }
+    pid_t self = getpid();
     fflush(stdout);
     for (unsigned long long i = 0; i < clients; i++) {
         pids[i] = fork();
-        if (pids[i] == 0)
+        if (pids[i] == 0) {
+            /* Die with moectl: orphaned, a client would wait for go (or
+             * send) on with nobody to read its results. */
+            prctl(PR_SET_PDEATHSIG, SIGKILL);
+            if (getppid() != self) /* moectl died before the prctl */
+                _exit(1);
             bench_child(rt, &li, tokens, seconds, sh, (int)i, no_batch, spin_us);
+        }
         if (pids[i] < 0) {
             perror("moectl: fork");
             clients = i;
             break;
         }
     }
-    while (atomic_load(&sh->ready) < (int)clients)
-        usleep(1000);
+    if (!wait_ready(sh, pids, status, clients)) {
+        free(pids);
+        free(status);
+        munmap(sh, shsize);
+        return 1;
+    }
     uint64_t t0 = moectl_now_us();
     atomic_store(&sh->go, 1);
     int failed = 0;
     for (unsigned long long i = 0; i < clients; i++) {
-        int st;
-        waitpid(pids[i], &st, 0);
-        failed += !(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+        if (pids[i] && waitpid(pids[i], &status[i], 0) < 0)
+            status[i] = -1;
+        failed += !(WIFEXITED(status[i]) && WEXITSTATUS(status[i]) == 0);
     }
     double wall = (double)(moectl_now_us() - t0) / 1e6;
     uint64_t reqs = 0, errs = 0, busy = 0, bsum = 0, n = 0;
@@ -220,10 +283,18 @@ int cmd_bench(const char *rt, int argc, char **argv)
         busy += sh->slots[i].busy;
         bsum += sh->slots[i].batch_requests_sum;
         n += sh->slots[i].n;
-        if (sh->slots[i].error[0] && (sh->slots[i].errors || sh->slots[i].failed_connect))
+        if (sh->slots[i].error[0] && (sh->slots[i].errors || sh->slots[i].failed_start))
             fprintf(stderr, "moectl: client %llu: %s\n", i, sh->slots[i].error);
     }
     uint32_t *all = malloc((n ? n : 1) * sizeof(*all));
+    if (!all) {
+        fprintf(stderr, "moectl: bench: no memory for %llu latency samples\n",
+                (unsigned long long)n);
+        free(pids);
+        free(status);
+        munmap(sh, shsize);
+        return 1;
+    }
     size_t k = 0;
     for (unsigned long long i = 0; i < clients; i++) {
         memcpy(all + k, sh->slots[i].lat_us, sh->slots[i].n * sizeof(*all));
@@ -264,6 +335,7 @@ int cmd_bench(const char *rt, int argc, char **argv)
     (void)wall;
     free(all);
     free(pids);
+    free(status);
     munmap(sh, shsize);
     return (failed || errs || reqs == 0) ? 1 : 0;
 }

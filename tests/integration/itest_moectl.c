@@ -1,7 +1,9 @@
 /*
  * itest_moectl.c: the CLI against a real daemon: load layers from files in
  * all three routing modes, forward --check on each, gemm --check, ping,
- * stats --json and a short bench; exit statuses for failures.
+ * stats --json and a short bench; exit statuses for failures; numbers out
+ * of range refused (never wrapped), more layers than one listing's worth,
+ * and bench's processes when one of them dies.
  */
 #include <cjson/cJSON.h>
 
@@ -285,6 +287,154 @@ TEST(cli_finds_layers_past_the_first_256)
     unlink(conf);
 }
 
+/* Start `moectl -r DIR bench ARGS...` with its output in log; its pid. */
+static pid_t spawn_bench(const char *dir, const char *log, const char *const *args)
+{
+    char bin[256];
+    const char *argv[32] = {bin, "-r", dir, "bench"};
+    int n = 4;
+    snprintf(bin, sizeof(bin), "%s/moectl", itest_build());
+    for (; *args && n < 31; args++)
+        argv[n++] = *args;
+    argv[n] = NULL;
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+        if (fd >= 0) {
+            dup2(fd, 1);
+            dup2(fd, 2);
+        }
+        execv(bin, (char *const *)argv);
+        _exit(127);
+    }
+    return pid;
+}
+
+/* The children of pid (up to max); how many. */
+static int children_of(pid_t pid, pid_t *out, int max)
+{
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%d/task/%d/children", (int)pid, (int)pid);
+    FILE *f = fopen(path, "r");
+    int n = 0, x;
+    if (!f)
+        return 0;
+    while (n < max && fscanf(f, "%d", &x) == 1)
+        out[n++] = x;
+    fclose(f);
+    return n;
+}
+
+/* Wait up to ms for pid (a child of this process) to exit; its status, or
+ * -1 if it still runs. */
+static int wait_exit(pid_t pid, int ms)
+{
+    for (int i = 0; i < ms; i += 10) {
+        int st;
+        if (waitpid(pid, &st, WNOHANG) == pid)
+            return st;
+        itest_sleep_ms(10);
+    }
+    return -1;
+}
+
+/* Gone, or a zombie not yet reaped by whoever inherited it. */
+static bool process_gone(pid_t pid)
+{
+    char path[64], state = 0;
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return true;
+    int n = fscanf(f, "%*d (%*[^)]) %c", &state);
+    fclose(f);
+    return n == 1 && (state == 'Z' || state == 'X');
+}
+
+static void print_file(const char *path)
+{
+    char buf[4096];
+    FILE *f = fopen(path, "r");
+    size_t n = f ? fread(buf, 1, sizeof(buf) - 1, f) : 0;
+    buf[n] = '\0';
+    if (f)
+        fclose(f);
+    fprintf(stderr, "  %s:\n%s", path, buf);
+}
+
+/* A bench client that dies before it is ready (OOM, a kill) fails the
+ * bench at once, with the others stopped, instead of leaving the parent
+ * waiting for it forever. Many tokens make each client spend long (some
+ * hundreds of ms) filling its inputs before it is ready: the kill, within
+ * a ms or so of the fork, lands in that time. */
+TEST(cli_bench_fails_when_a_client_dies_before_it_is_ready)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--demo", NULL);
+    char log[300];
+    snprintf(log, sizeof(log), "%s/bench.out", d.dir);
+    const char *args[] = {"--clients", "2", "--tokens", "65536", "--seconds", "1", NULL};
+    pid_t pid = spawn_bench(d.dir, log, args), kids[8];
+    int n = 0;
+    uint64_t t0 = now_ms();
+    while ((n = children_of(pid, kids, 8)) < 1 && now_ms() - t0 < 10000)
+        usleep(200);
+    CHECK_MSG(n >= 1, "bench started no clients");
+    CHECK(kill(kids[0], SIGKILL) == 0);
+    int st = wait_exit(pid, 20000);
+    if (st == -1) {
+        n = children_of(pid, kids, 8);
+        kill(pid, SIGKILL);
+        for (int i = 0; i < n; i++)
+            kill(kids[i], SIGKILL);
+        waitpid(pid, NULL, 0);
+        print_file(log);
+        FAIL_AT("bench still waits 20 s after a client died");
+    }
+    print_file(log);
+    CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 1, "bench exit status %d", st);
+    char out[4096];
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "cat %s", log), 0);
+    CHECK_STR_CONTAINS(out, "died before it was ready");
+    CHECK_STR_CONTAINS(out, "signal 9");
+    itest_daemon_stop(&d);
+}
+
+/* The clients of a bench whose moectl is killed die with it rather than
+ * go on (here they would run 30 s). */
+TEST(cli_bench_clients_die_with_moectl)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--demo", NULL);
+    char log[300];
+    snprintf(log, sizeof(log), "%s/bench.out", d.dir);
+    const char *args[] = {"--clients", "2", "--seconds", "30", NULL};
+    pid_t pid = spawn_bench(d.dir, log, args), kids[8];
+    int n = 0;
+    uint64_t t0 = now_ms();
+    while ((n = children_of(pid, kids, 8)) < 2 && now_ms() - t0 < 10000)
+        itest_sleep_ms(10);
+    CHECK_EQ_INT(n, 2);
+    itest_sleep_ms(500); /* connected and sending */
+    CHECK(kill(pid, SIGKILL) == 0);
+    waitpid(pid, NULL, 0);
+    bool gone = false;
+    for (int i = 0; i < 300 && !gone; i++) {
+        gone = process_gone(kids[0]) && process_gone(kids[1]);
+        if (!gone)
+            itest_sleep_ms(10);
+    }
+    if (!gone) {
+        kill(kids[0], SIGKILL);
+        kill(kids[1], SIGKILL);
+        FAIL_AT("bench clients still run 3 s after moectl was killed");
+    }
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -294,5 +444,7 @@ int main(int argc, char **argv)
         TEST_CASE(cli_huge_counts_are_refused),
         TEST_CASE(cli_load_random_refuses_shapes_too_large_to_address),
         TEST_CASE(cli_finds_layers_past_the_first_256),
+        TEST_CASE(cli_bench_fails_when_a_client_dies_before_it_is_ready),
+        TEST_CASE(cli_bench_clients_die_with_moectl),
         {0}});
 }
