@@ -231,6 +231,32 @@ static inline void itest_daemon_kill(struct itest_daemon *d)
     waitpid(d->pid, NULL, 0);
 }
 
+/* Run argv[0] (a path) with argv, its output in log, dying with the test
+ * (SIGTERM) and without the socket activation or notify socket that the
+ * test may have in its environment; its pid. */
+static inline pid_t itest_spawn(const char *log, char *const *argv)
+{
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+        if (fd >= 0) {
+            dup2(fd, 1);
+            dup2(fd, 2);
+        }
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        unsetenv("LISTEN_FDS");
+        unsetenv("LISTEN_PID");
+        unsetenv("LISTEN_FDNAMES");
+        unsetenv("NOTIFY_SOCKET");
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    return pid;
+}
+
 static inline moe_client *itest_connect(struct itest_daemon *d, const char *name)
 {
     moe_client *c = NULL;

@@ -297,20 +297,7 @@ static pid_t spawn_bench(const char *dir, const char *log, const char *const *ar
     for (; *args && n < 31; args++)
         argv[n++] = *args;
     argv[n] = NULL;
-    fflush(stdout);
-    fflush(stderr);
-    pid_t pid = fork();
-    CHECK(pid >= 0);
-    if (pid == 0) {
-        int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-        if (fd >= 0) {
-            dup2(fd, 1);
-            dup2(fd, 2);
-        }
-        execv(bin, (char *const *)argv);
-        _exit(127);
-    }
-    return pid;
+    return itest_spawn(log, (char *const *)argv);
 }
 
 /* The children of pid (up to max); how many. */

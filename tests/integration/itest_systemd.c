@@ -1239,29 +1239,6 @@ static int poke(const char *path, int type)
     FAIL_AT("nothing listens on %s", path);
 }
 
-static pid_t spawn(const char *log, char *const *argv)
-{
-    fflush(stdout);
-    fflush(stderr);
-    pid_t pid = fork();
-    CHECK(pid >= 0);
-    if (pid == 0) {
-        int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-        if (fd >= 0) {
-            dup2(fd, 1);
-            dup2(fd, 2);
-        }
-        prctl(PR_SET_PDEATHSIG, SIGTERM);
-        unsetenv("LISTEN_FDS");
-        unsetenv("LISTEN_PID");
-        unsetenv("LISTEN_FDNAMES");
-        unsetenv("NOTIFY_SOCKET");
-        execv(argv[0], argv);
-        _exit(127);
-    }
-    return pid;
-}
-
 static void serve_one_forward(struct itest_daemon *d)
 {
     uint64_t seed = test_seed();
@@ -1300,7 +1277,7 @@ TEST(socket_activation_passes_both_named_sockets)
     char *argv[] = {(char *)ssa, zarg, "--fdname=zmq", (char *)ssa, "--seqpacket", sarg,
                     "--fdname=zmq:session", env, bin, "--runtime-dir", d.dir, "--backend", "cpu",
                     "--log-level", "debug", NULL};
-    d.pid = spawn(d.log, argv);
+    d.pid = itest_spawn(d.log, argv);
     int probe = poke(zpath, SOCK_STREAM);
     sd_wait_ready(&d, nl, 0);
     close(probe);
@@ -1336,7 +1313,7 @@ TEST(socket_activation_session_only_binds_zmq_itself)
     snprintf(env, sizeof(env), "--setenv=NOTIFY_SOCKET=%s", nl->path);
     char *argv[] = {(char *)ssa, "--seqpacket", sarg, env, bin, "--runtime-dir", d.dir,
                     "--backend", "cpu", NULL};
-    d.pid = spawn(d.log, argv);
+    d.pid = itest_spawn(d.log, argv);
     int probe = poke(spath, SOCK_SEQPACKET);
     sd_wait_ready(&d, nl, 0);
     close(probe);
@@ -1362,7 +1339,7 @@ TEST(socket_activation_refuses_a_socket_of_the_wrong_type)
     snprintf(logp, sizeof(logp), "%s/moed.log", dir);
     char *argv[] = {(char *)ssa, sarg, "--fdname=session", bin, "--runtime-dir", dir,
                     "--backend", "cpu", NULL};
-    pid_t pid = spawn(logp, argv);
+    pid_t pid = itest_spawn(logp, argv);
     int probe = poke(spath, SOCK_STREAM);
     int st = wait_exit(pid, 10000);
     close(probe);
