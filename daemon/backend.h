@@ -141,6 +141,10 @@ struct backend_ops {
 struct backend {
     const struct backend_ops *ops;
     const char *name; /* "cpu", "cuda" */
+    /* The most experts a layer may route over here (0: no limit): a layer
+     * spread over devices routes over all its experts, though each device
+     * holds only some, so moe_new of a shard cannot tell. */
+    int max_experts;
 };
 
 /* threads <= 0: one per CPU. Caller owns *out; free with backend_free(). */

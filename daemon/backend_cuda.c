@@ -759,6 +759,7 @@ int backend_cuda_new(int device, struct backend **out)
     cb->rows_kernel = !(dma && *dma && *dma != '0');
     cb->base.ops = &cuda_ops;
     cb->base.name = "cuda";
+    cb->base.max_experts = MOEK_CUDA_MAX_EXPERTS;
     *out = &cb->base;
     return 0;
 }

@@ -633,8 +633,8 @@ static void batch_done(struct job *job)
     free(bj->items);
     free(bj);
     s->batch_running = false;
-    if (s->backend->ops->healthy && !s->backend->ops->healthy(s->backend)) {
-        /* Nothing more can run on this device; main exits non-zero. */
+    if ((s->failed_device = server_failed_device(s)) >= 0) {
+        /* Nothing more can run on that device; main exits non-zero. */
         s->fatal = true;
         loop_stop(s->loop);
         return;

@@ -684,8 +684,9 @@ int main(int argc, char **argv)
         log_err("event loop failed: %s", strerror(-rc));
     bool fatal = d.server->fatal;
     if (fatal) {
-        log_err("the %s backend failed and cannot continue; exiting so the service restarts",
-                d.backend->name);
+        int dev = d.server->failed_device;
+        log_err("device %d (%s) failed and cannot continue; exiting so the service restarts",
+                dev, d.server->backends[dev]->name);
         /* Pending replies cannot be computed; clients see their sessions close. */
         _exit(3);
     }

@@ -639,6 +639,16 @@ int server_new(struct config *cfg, struct backend **backends, int n_backends,
     return 0;
 }
 
+int server_failed_device(const struct server *s)
+{
+    for (int i = 0; i < s->n_backends; i++) {
+        struct backend *b = s->backends[i];
+        if (b->ops->healthy && !b->ops->healthy(b))
+            return i;
+    }
+    return -1;
+}
+
 unsigned server_pending(const struct server *s)
 {
     return s->queued_total + (s->batch_running ? 1u : 0u) + worker_pending(s->loader);

@@ -212,7 +212,8 @@ struct server {
 
     struct stats stats;
     bool draining;
-    bool fatal;             /* the backend failed for good: exit non-zero */
+    bool fatal;             /* a device failed for good: exit non-zero */
+    int failed_device;      /* which, when fatal */
     /* Staging memory for batches, grown on demand; compute thread only
      * while a batch runs. */
     void *staging;
@@ -235,6 +236,10 @@ void server_close_zmq(struct server *s, int linger_ms);
 int server_listen(struct server *s, int session_fd, int zmq_fd);
 /* Work not yet answered: queued requests, a running batch, pending loads. */
 unsigned server_pending(const struct server *s);
+/* The first of s's devices whose backend failed for good (a sticky device
+ * fault), or -1: any of them, not only the home device, since a layer's
+ * experts may live on the others. */
+int server_failed_device(const struct server *s);
 /* Decode, authenticate, validate and dispatch one request that arrived
  * from routing id rid: what the ZeroMQ socket does for each message, callable
  * without it (tests, fuzzing). Every request is answered through

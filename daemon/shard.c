@@ -96,6 +96,13 @@ int shard_upload(struct shard_set *set, struct backend **backends, const moek_mo
 {
     size_t per = (size_t)shape->hidden * (size_t)shape->intermediate * moek_dtype_size(dt);
     for (int s = 0; s < set->n; s++) {
+        struct backend *be = backends[set->shards[s].device];
+        if (be->max_experts && shape->experts > be->max_experts)
+            return errf(err, errlen, -ENOTSUP,
+                        "device %d (%s) routes at most %d experts; this layer has %d",
+                        set->shards[s].device, be->name, be->max_experts, shape->experts);
+    }
+    for (int s = 0; s < set->n; s++) {
         struct shard *sh = &set->shards[s];
         size_t n = (size_t)sh->n_experts;
         uint8_t *a = malloc(n * per), *b = malloc(n * per), *c = malloc(n * per);

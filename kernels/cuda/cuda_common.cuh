@@ -30,7 +30,7 @@
 
 #include "moe_cuda.h"
 
-#define MOEK_MAX_EXPERTS 512 /* routing keeps E/32 logits per lane */
+#define MOEK_MAX_EXPERTS MOEK_CUDA_MAX_EXPERTS
 #define MOEK_MAX_TOPK 32     /* one pick per lane */
 #define MOEK_MAX_GROUPS 2048 /* the align kernel holds 2 per thread */
 #define MOEK_ALIGN_THREADS 1024

@@ -34,6 +34,10 @@
 #ifndef MOE_CUDA_H
 #define MOE_CUDA_H
 
+/* The most experts one layer routes over (routing keeps E/32 logits per
+ * lane); a layer spread over devices routes over all of them at home. */
+#define MOEK_CUDA_MAX_EXPERTS 512
+
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>

@@ -9,6 +9,7 @@
  */
 #include "tests/unit/unit.h"
 #include "daemon/backend.h"
+#include "daemon/server.h"
 #include "daemon/shard.h"
 #include "daemon/stats.h"
 #include "daemon/util.h"
@@ -486,6 +487,80 @@ TEST(unavailable_device_refuses_its_layers)
     backend_free(&b[1]);
 }
 
+/* A layer spread over devices routes over all its experts at home, though
+ * each device holds only some: a device that routes at most max_experts
+ * refuses the layer whole (CUDA: 512), before anything is uploaded. */
+TEST(a_spread_layer_over_the_routing_limit_is_refused)
+{
+    struct backend *b[2] = {NULL, NULL};
+    CHECK_EQ_INT(backend_cpu_new(1, &b[0]), 0);
+    CHECK_EQ_INT(backend_cpu_new(1, &b[1]), 0);
+    b[0]->max_experts = b[1]->max_experts = 4;
+    const uint32_t devs[2] = {0, 1};
+    struct shard_set set;
+    char err[256] = "";
+    CHECK_EQ_INT(shard_plan(8, devs, 2, NULL, 0, 2, &set, err, sizeof(err)), 0);
+    const moek_moe_shape shape = {8, 2, 16, 8};
+    static uint16_t w[8 * 16 * 8];
+    for (size_t i = 0; i < sizeof(w) / sizeof(w[0]); i++)
+        w[i] = (uint16_t)(0x3c00 + (i % 64));
+    CHECK_EQ_INT(shard_upload(&set, b, &shape, MOEK_DTYPE_BF16, MOEK_SCORING_SOFTMAX, true, w, w,
+                              w, err, sizeof(err)),
+                 -ENOTSUP);
+    CHECK_STR_CONTAINS(err, "device 0 (cpu) routes at most 4 experts; this layer has 8");
+    CHECK(set.shards[0].weights == NULL && set.shards[1].weights == NULL);
+    shard_done(&set, b);
+    /* Within the limit, the same spread loads. */
+    b[0]->max_experts = b[1]->max_experts = 8;
+    CHECK_EQ_INT(shard_plan(8, devs, 2, NULL, 0, 2, &set, err, sizeof(err)), 0);
+    CHECK_EQ_INT(shard_upload(&set, b, &shape, MOEK_DTYPE_BF16, MOEK_SCORING_SOFTMAX, true, w, w,
+                              w, err, sizeof(err)),
+                 0);
+    shard_done(&set, b);
+    backend_free(&b[0]);
+    backend_free(&b[1]);
+}
+
+/* A backend whose device can fail (healthy() false), for the daemon's
+ * check of all its devices. */
+struct flaky {
+    struct backend base;
+    bool failed;
+};
+
+static bool flaky_healthy(struct backend *b)
+{
+    return !((struct flaky *)b)->failed;
+}
+
+static const struct backend_ops flaky_ops = {.healthy = flaky_healthy};
+
+/* A device that fails for good stops the daemon, whichever it is: the home
+ * device or one that holds only some layers' experts. A device that was
+ * unavailable from the start (no usable GPU there) does not. */
+TEST(a_failed_device_other_than_the_first_is_noticed)
+{
+    struct flaky dev[3];
+    struct backend *absent = NULL;
+    CHECK_EQ_INT(backend_unavailable_new("CUDA device 3: no such usable device", &absent), 0);
+    static struct server s; /* large: not on the stack */
+    memset(&s, 0, sizeof(s));
+    for (int i = 0; i < 3; i++) {
+        dev[i] = (struct flaky){.base = {.ops = &flaky_ops, .name = "flaky"}};
+        s.backends[i] = &dev[i].base;
+    }
+    s.backends[3] = absent;
+    s.n_backends = 4;
+    s.backend = s.backends[0];
+    CHECK_EQ_INT(server_failed_device(&s), -1);
+    dev[2].failed = true;
+    CHECK_EQ_INT(server_failed_device(&s), 2);
+    dev[0].failed = true;
+    CHECK_EQ_INT(server_failed_device(&s), 0);
+    backend_free(&absent);
+    CHECK_NO_LEAKS();
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -500,5 +575,7 @@ int main(int argc, char **argv)
         TEST_CASE(checked_arithmetic),
         TEST_CASE(random_bytes_random),
         TEST_CASE(unavailable_device_refuses_its_layers),
+        TEST_CASE(a_failed_device_other_than_the_first_is_noticed),
+        TEST_CASE(a_spread_layer_over_the_routing_limit_is_refused),
         {0}});
 }
