@@ -300,7 +300,10 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
              * relayout ran: cudaMemcpy from pageable memory waits for it. */
         }
     }
-    e = cudaDeviceSynchronize();
+    /* The upload's own stream, not the device: a device-wide wait would
+     * also wait for (and, while the compute thread captures a graph,
+     * disturb) the batches running meanwhile. */
+    e = cudaStreamSynchronize(0);
     if (e != cudaSuccess) {
         r = moek_cuda_fail(e, "relayout");
         goto fail;
@@ -382,7 +385,7 @@ int gemm_weights_new(moek_dtype dt, int groups, int n, int k, const void *b,
     if ((r = relayout(W->b, W->tiled, 0, on_device ? b : tmp, nullptr,
                       RELAYOUT_PAIRS, groups, W->n16, n, k)))
         goto fail;
-    e = cudaDeviceSynchronize();
+    e = cudaStreamSynchronize(0); /* the upload's stream, as in layer_new */
     if (e != cudaSuccess) {
         r = moek_cuda_fail(e, "relayout");
         goto fail;
