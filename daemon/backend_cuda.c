@@ -54,6 +54,7 @@ void backend_cuda_transport(const char *name)
 
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -112,7 +113,8 @@ struct cuda_backend {
     void *cp;
     size_t cp_cap;
     unsigned gen;       /* bumped whenever a buffer above moves */
-    bool broken;        /* a sticky error: the context is unusable */
+    atomic_bool broken; /* a sticky error: the context is unusable (set by the loader or
+                         * compute thread, read by the loop) */
     char name[96];
     char model[TILES_DEVICE_MAX]; /* the card's name, the tile table's key */
     bool rows_kernel;   /* small batches' rows by kernel (cuda_copy_rows) */
