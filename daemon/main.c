@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -439,6 +440,23 @@ static int setup_signals(struct daemon *d)
     return d->sig_watch ? 0 : -errno;
 }
 
+/* Each client holds a session socket, a ZeroMQ connection and up to
+ * max_regions memfds, so the soft limit on descriptors (often 1024) is
+ * raised to the hard one (moed.service sets both). Out of descriptors,
+ * libzmq aborts rather than refuse a connection. The daemon waits on
+ * epoll and poll, never select, so descriptors past 1024 are fine. */
+static void raise_nofile(void)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) < 0 || rl.rlim_cur >= rl.rlim_max)
+        return;
+    rlim_t was = rl.rlim_cur;
+    rl.rlim_cur = rl.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &rl) == 0)
+        log_debug("open files: up to %llu (was %llu)", (unsigned long long)rl.rlim_cur,
+                  (unsigned long long)was);
+}
+
 int main(int argc, char **argv)
 {
     enum { OPT_CHECK = 256, OPT_MBT, OPT_MDU, OPT_MST, OPT_RWU, OPT_SPIN, OPT_VDEV, OPT_NOBATCH,
@@ -612,6 +630,7 @@ int main(int argc, char **argv)
         return rc;
     }
 
+    raise_nofile();
     if ((rc = open_backends(&d)) == -EINVAL && d.cli.vdev > 1) {
         log_err("--virtual-devices needs --backend cpu");
         return 2;

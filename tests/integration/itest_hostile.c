@@ -1296,6 +1296,27 @@ static long cpu_ticks(pid_t pid)
     return ut + st;
 }
 
+/* The daemon's soft limit on descriptors (that of whoever started it, often
+ * 1024) is raised to the hard one: every client holds several. */
+TEST(the_descriptor_limit_is_raised_to_the_hard_one)
+{
+    struct rlimit mine, low;
+    CHECK(getrlimit(RLIMIT_NOFILE, &mine) == 0);
+    if (mine.rlim_max < 512)
+        TEST_SKIP("a hard limit of %llu leaves nothing to raise", (unsigned long long)mine.rlim_max);
+    low = mine;
+    low.rlim_cur = 256;
+    CHECK(setrlimit(RLIMIT_NOFILE, &low) == 0);
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    CHECK(setrlimit(RLIMIT_NOFILE, &mine) == 0);
+    struct rlimit got;
+    CHECK(prlimit(d.pid, RLIMIT_NOFILE, NULL, &got) == 0);
+    CHECK_MSG(got.rlim_cur == mine.rlim_max, "the daemon's limit is %llu of %llu",
+              (unsigned long long)got.rlim_cur, (unsigned long long)mine.rlim_max);
+    itest_daemon_stop(&d);
+}
+
 /* Out of descriptors, the daemon stops accepting sessions for a while
  * instead of spinning on its readable listening socket (and logging at
  * each turn); once descriptors are free again, sessions are accepted. */
@@ -1500,6 +1521,7 @@ int main(int argc, char **argv)
         TEST_CASE(descriptors_with_an_empty_datagram_are_closed),
         TEST_CASE(cross_wired_reply_sockets_do_not_loop),
         TEST_CASE(running_out_of_descriptors_pauses_accepting),
+        TEST_CASE(the_descriptor_limit_is_raised_to_the_hard_one),
         TEST_CASE(a_client_taking_signals_loses_no_reply),
         TEST_CASE(a_client_taking_signals_gets_the_replies_of_a_clean_stop),
         {0}});
