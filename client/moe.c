@@ -133,10 +133,14 @@ static uint64_t mono_us(void)
 /* The session is over: the next call opens a new one. lost says why its
  * requests are lost where the daemon did not go away (NULL: it did).
  * Caller holds mu. */
+static void kick_reader(moe_client *c);
+
 static void session_over(moe_client *c, const char *lost)
 {
     c->broken = true;
     c->lost = lost;
+    kick_reader(c); /* the waiting threads learn it now */
+    pthread_cond_broadcast(&c->cv);
 }
 
 /* Why a request of a session that ended is lost. Caller holds mu. */
@@ -260,8 +264,6 @@ void moe_set_spin_us(moe_client *c, unsigned spin_us)
     c->spin_us = spin_us;
     pthread_mutex_unlock(&c->mu);
 }
-
-static void kick_reader(moe_client *c);
 
 /* Close the sockets of the current connection (not the regions); a thread
  * asleep on them is woken to notice. */
@@ -517,11 +519,11 @@ static int send_request(moe_client *c, Moe__Request *req, bool compute)
     uint64_t deadline = c->timeout_ms >= 0 ? mono_ms() + (uint64_t)c->timeout_ms : UINT64_MAX;
     unsigned gen = c->generation;
     for (;;) {
-        if (zmq_msg_send(&msg, c->zsock, ZMQ_DONTWAIT) >= 0) {
-            kick_reader(c);
-            return 0;
-        }
+        int sent = zmq_msg_send(&msg, c->zsock, ZMQ_DONTWAIT);
         int e = zmq_errno();
+        kick_reader(c); /* the call took in ZeroMQ's commands, sent or not */
+        if (sent >= 0)
+            return 0;
         if (e == EINTR) /* a signal of the caller's landed first; nothing was sent */
             continue;
         uint64_t now = mono_ms();
@@ -574,10 +576,13 @@ static void pending_give_up(moe_client *c, uint64_t id)
     c->pending = p;
 }
 
-static void give_up(moe_client *c, uint64_t id)
+/* The same for a request of connection gen: a newer connection's list
+ * never hears of it. */
+static void give_up(moe_client *c, uint64_t id, unsigned gen)
 {
     pthread_mutex_lock(&c->mu);
-    pending_give_up(c, id);
+    if (gen == c->generation)
+        pending_give_up(c, id);
     pthread_mutex_unlock(&c->mu);
 }
 
@@ -710,7 +715,11 @@ static int session_socket_ready(moe_client *c)
     char b;
     ssize_t n = recv(c->sfd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
     if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
-        int rc = drain_last_replies(c);
+        /* What the sockets hold now, the reply socket's included, then
+         * what is still on its way through ZeroMQ. */
+        int rc = receive_ready(c, 0);
+        if (rc >= 0)
+            rc = drain_last_replies(c);
         session_over(c, NULL);
         return rc < 0 ? rc : 0;
     }
@@ -746,8 +755,9 @@ static int read_sockets(moe_client *c, uint64_t id, int wait_ms)
     struct pollfd p[4] = {{c->zfd, POLLIN, 0}, {c->sfd, POLLIN, 0}, {c->wake_fd, POLLIN, 0},
                           {c->rfd, POLLIN, 0}};
     unsigned gen = c->generation;
+    int nfds = c->rfd >= 0 ? 4 : 3;
     pthread_mutex_unlock(&c->mu);
-    int n = poll(p, c->rfd >= 0 ? 4 : 3, wait_ms);
+    int n = poll(p, (nfds_t)nfds, wait_ms);
     int e = errno;
     pthread_mutex_lock(&c->mu);
     if (n < 0 && e != EINTR)
@@ -778,12 +788,14 @@ static int wait_reply(moe_client *c, uint64_t id, unsigned gen, int timeout_ms, 
     Moe__Reply *rep = NULL;
     int rc = 0;
     for (bool tried = false;; tried = true) {
+        /* A reply that came stands, even when the connection broke since
+         * (the replies sent before the daemon went are collected). */
+        if (gen == c->generation && (rep = pending_take(c, id)) != NULL)
+            break;
         if (gen != c->generation || c->broken || !c->zsock) {
             rc = seterr(-ECONNRESET, "%s", lost_why(c));
             break;
         }
-        if ((rep = pending_take(c, id)) != NULL)
-            break;
         uint64_t now = mono_ms();
         if (tried && now >= deadline) {
             rc = seterr(-ETIMEDOUT, "no reply from the daemon within %d ms", timeout_ms);
@@ -858,7 +870,7 @@ static int call_filled(moe_client *c, Moe__Request *req, void (*fill)(Moe__Reque
     Moe__Reply *rep = NULL;
     if ((rc = wait_reply(c, req->id, gen, timeout_ms, &rep)) < 0) {
         if (rc == -ETIMEDOUT)
-            give_up(c, req->id);
+            give_up(c, req->id, gen);
         return rc;
     }
     rc = reply_status(rep);
@@ -1348,7 +1360,7 @@ static int sync_wait(moe_client *c, const moe_request *r, moe_timings *timings)
 {
     int rc = request_wait(c, r, -1, timings);
     if (rc == -ETIMEDOUT)
-        give_up(c, r->id);
+        give_up(c, r->id, r->generation);
     return rc;
 }
 

@@ -128,15 +128,19 @@ int moe_connect(const char *runtime_dir, const char *client_name, moe_client **o
 /* Close the session (the daemon releases its regions); sets *c = NULL.
  * Regions not freed are unmapped here too. Requests not yet collected are
  * lost: free their handles with moe_request_free(NULL, &req). Accepts
- * NULL. The connection's first session call (OpenSession) waits up to the
- * default timeout of 60 s: none can be set before there is a client. */
+ * NULL. moe_connect waits up to the default timeout of 60 s to connect and
+ * as long again for OpenSession: no timeout can be set before there is a
+ * client. */
 void moe_disconnect(moe_client **c);
 
 /* Default timeout of synchronous calls, ms (default 60000; <0: forever).
- * It bounds every wait of a call on a daemon that stopped answering: for
- * room to send (a submit too: -ETIMEDOUT, nothing sent), to connect, and
- * for the reply. A call that times out gives up its reply (the request may
- * still run).
+ * It bounds each wait of a call on a daemon that stopped answering: for
+ * room to send (a submit too: -ETIMEDOUT, nothing sent), to connect (and
+ * then for OpenSession), and for the reply. A call on the session socket
+ * (a region's create or free, a reconnection) holds the client while it
+ * waits, so with several threads on a hung daemon a call may also wait out
+ * another thread's timeout before its own. A call that times out gives up
+ * its reply (the request may still run).
  * Where it waited on the session socket (a region's create or free, or the
  * regions registered again after a restart), it also ends the session: the
  * next call opens a new one, as after a daemon restart, so requests in

@@ -225,11 +225,40 @@ TEST(a_hung_daemon_never_holds_a_call_past_its_timeout)
     itest_daemon_stop(&d);
 }
 
+/* Replies the daemon sent before it died are delivered: moe_poll says they
+ * have come and moe_wait returns their results, though the session is
+ * over. */
+TEST(replies_sent_before_the_daemon_died_are_delivered)
+{
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    struct itest_layer L;
+    struct itest_fwd f, g;
+    moe_client *c = start_with_layer(&d, "late-reader", 16, &seed, &L, &f);
+    itest_fwd_make(c, &L, 8, &seed, &g);
+    moe_request *rf, *rg;
+    CHECK(moe_forward_submit(c, &f.args, &rf) == 0);
+    CHECK(moe_forward_submit(c, &g.args, &rg) == 0);
+    itest_sleep_ms(500); /* both answered, the replies unread */
+    itest_daemon_kill(&d);
+    CHECK_EQ_INT(moe_poll(c, rf), 1);
+    CHECK_MSG(moe_wait(c, &rf, 5000, NULL) == 0, "%s", moe_errmsg());
+    CHECK_MSG(moe_wait(c, &rg, 5000, NULL) == 0, "%s", moe_errmsg());
+    CHECK(itest_fwd_error(&L, &f) <= itest_tolerance(L.dt));
+    CHECK(itest_fwd_error(&L, &g) <= itest_tolerance(L.dt));
+    /* Then the session is over, and says so. */
+    CHECK_EQ_INT(moe_hello(c, NULL), -ECONNREFUSED);
+    moe_disconnect(&c);
+    itest_layer_free(&L);
+    itest_rmdir(d.dir);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
         TEST_CASE(client_reconnects_after_a_daemon_restart),
         TEST_CASE(timed_out_calls_leave_no_stale_reply),
+        TEST_CASE(replies_sent_before_the_daemon_died_are_delivered),
         TEST_CASE_TIMEOUT(a_hung_daemon_never_holds_a_call_past_its_timeout, 120),
         {0}});
 }
