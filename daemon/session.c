@@ -770,14 +770,11 @@ int session_listen(struct server *s, int fd_from_systemd)
             fcntl(fd, F_SETFL, fl | O_NONBLOCK);
     }
     s->listen_fd = fd;
-    /* The pause's timer is made now (out of descriptors it could not be),
-     * and made a one-shot that fires once at start, harmlessly. */
-    s->accept_pause = loop_timer(s->loop, 100000, session_accept_resume, s);
+    /* The pause's timer is made now, disarmed: out of descriptors it could
+     * not be. */
+    s->accept_pause = loop_timer(s->loop, 0, session_accept_resume, s);
     if (!s->accept_pause)
         return -errno;
-    int rc = loop_timer_set(s->accept_pause, 0, 0);
-    if (rc < 0)
-        return rc;
     s->listen_watch = loop_watch(s->loop, fd, EPOLLIN, session_on_accept, s);
     return s->listen_watch ? 0 : -errno;
 }
