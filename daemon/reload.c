@@ -44,11 +44,10 @@ struct file_id {
 enum phase { IDLE, WAIT_LOADER, WAIT_PLAN, WAIT_LOADS };
 
 /* A layer a reload unloaded to load it from its changed section: the
- * section it was loaded from (a copy; not always the running
- * configuration's, which may be one a reload kept it back from) and the
- * identity of that section's file when it was. */
+ * section it was loaded from (taken from its file_id; not always the
+ * running configuration's, which may be one a reload kept it back from)
+ * and the identity of that section's file when it was. */
 struct former {
-    char name[65];
     struct layer_conf *lc;
     struct stat st;
 };
@@ -495,13 +494,13 @@ static void reconcile_apply(struct reload *r, struct plan *p)
         snprintf(drop[n_drop++], sizeof(drop[0]), "%s", l->name);
         /* The section it was loaded from, should the new load fail after
          * all (for memory): while that file is unchanged, it can serve
-         * again. */
-        const struct file_id *f = file_find(r, l->name);
-        struct former *fo = &r->former[r->n_former];
-        if (it->is && f && f->lc && f->have_st && (fo->lc = layer_conf_copy(f->lc))) {
-            snprintf(fo->name, sizeof(fo->name), "%s", l->name);
-            fo->st = f->st;
-            r->n_former++;
+         * again. The layer's file_id gives it up: the next load tracks
+         * its own. */
+        struct file_id *f = file_find(r, l->name);
+        if (it->is && f && f->lc && f->have_st) {
+            r->former[r->n_former++] = (struct former){.lc = f->lc, .st = f->st};
+            f->lc = NULL;
+            f->have_st = false;
         }
     }
     for (unsigned i = 0; i < n_drop; i++)
@@ -584,28 +583,28 @@ static void restore(struct reload *r, const char *name)
 {
     const struct former *fo = NULL;
     for (unsigned i = 0; i < r->n_former && !fo; i++)
-        if (!strcmp(r->former[i].name, name))
+        if (!strcmp(r->former[i].lc->name, name))
             fo = &r->former[i];
     if (!fo)
         return;
-    /* name may be r->loading's own entry, which the queue reuses: fo->name
-     * from here on. */
+    /* name may be r->loading's own entry, which the queue reuses: the
+     * section's name from here on. */
     struct stat st;
     int gone = stat(fo->lc->path, &st) < 0 ? errno : 0;
     if (gone || !same_file(&st, &fo->st)) {
         log_err("reload: layer '%s' is not loaded: the file it was loaded from, %s, %s%s",
-                fo->name, fo->lc->path, gone ? "cannot be found: " : "is no longer the same",
+                fo->lc->name, fo->lc->path, gone ? "cannot be found: " : "is no longer the same",
                 gone ? strerror(gone) : "");
         return;
     }
     char why[512] = "";
     if (load_section(r, fo->lc, true, &st, why, sizeof(why)) < 0) {
         log_err("reload: layer '%s' is not loaded: not even from its former section: %s",
-                fo->name, why);
+                fo->lc->name, why);
         return;
     }
-    snprintf(r->loading[r->n_loading++], sizeof(r->loading[0]), "%s", fo->name);
-    log_info("reload: loading layer '%s' again from its former section (%s)", fo->name,
+    snprintf(r->loading[r->n_loading++], sizeof(r->loading[0]), "%s", fo->lc->name);
+    log_info("reload: loading layer '%s' again from its former section (%s)", fo->lc->name,
              fo->lc->path);
 }
 
