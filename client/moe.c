@@ -128,13 +128,19 @@ static uint64_t mono_us(void)
     return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
 }
 
+/* The monotonic time timeout_ms from now (<0: never, UINT64_MAX). */
+static uint64_t deadline_ms(int timeout_ms)
+{
+    return timeout_ms >= 0 ? mono_ms() + (uint64_t)timeout_ms : UINT64_MAX;
+}
+
 /* ---- session socket ---------------------------------------------------- */
+
+static void kick_reader(moe_client *c);
 
 /* The session is over: the next call opens a new one. lost says why its
  * requests are lost where the daemon did not go away (NULL: it did).
  * Caller holds mu. */
-static void kick_reader(moe_client *c);
-
 static void session_over(moe_client *c, const char *lost)
 {
     c->broken = true;
@@ -305,7 +311,7 @@ static int connection_open(moe_client *c)
      * backlog, and a blocking connect would then wait for good. EAGAIN
      * says the backlog is full: tried again every 2 ms up to the client's
      * timeout. */
-    uint64_t deadline = c->timeout_ms >= 0 ? mono_ms() + (uint64_t)c->timeout_ms : UINT64_MAX;
+    uint64_t deadline = deadline_ms(c->timeout_ms);
     int rc;
     while ((rc = connect(c->sfd, (struct sockaddr *)&sa, sizeof(sa))) < 0 &&
            (errno == EINTR || (errno == EAGAIN && mono_ms() < deadline)))
@@ -516,7 +522,7 @@ static int send_request(moe_client *c, Moe__Request *req, bool compute)
      * ZMQ_FD, not the socket, which is only used under mu). A connection
      * replaced meanwhile makes this request's token and region ids stale:
      * it is not sent. */
-    uint64_t deadline = c->timeout_ms >= 0 ? mono_ms() + (uint64_t)c->timeout_ms : UINT64_MAX;
+    uint64_t deadline = deadline_ms(c->timeout_ms);
     unsigned gen = c->generation;
     for (;;) {
         int sent = zmq_msg_send(&msg, c->zsock, ZMQ_DONTWAIT);
@@ -782,7 +788,7 @@ static int read_sockets(moe_client *c, uint64_t id, int wait_ms)
  * status. A connection that another thread replaced meanwhile lost it. */
 static int wait_reply(moe_client *c, uint64_t id, unsigned gen, int timeout_ms, Moe__Reply **out)
 {
-    uint64_t deadline = timeout_ms >= 0 ? mono_ms() + (uint64_t)timeout_ms : UINT64_MAX;
+    uint64_t deadline = deadline_ms(timeout_ms);
     pthread_mutex_lock(&c->mu);
     uint64_t spin_end = c->spin_us ? mono_us() + c->spin_us : 0;
     Moe__Reply *rep = NULL;
@@ -1345,12 +1351,8 @@ void moe_request_free(moe_client *c, moe_request **rp)
     *rp = NULL;
     if (!r)
         return;
-    if (c) {
-        pthread_mutex_lock(&c->mu);
-        if (r->generation == c->generation)
-            pending_give_up(c, r->id);
-        pthread_mutex_unlock(&c->mu);
-    }
+    if (c)
+        give_up(c, r->id, r->generation);
     free(r);
 }
 
