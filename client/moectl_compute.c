@@ -169,7 +169,8 @@ static bool random_sizes(const moe_layer_desc *d, size_t *per, size_t *bytes, si
            !__builtin_mul_overflow(*bytes, (size_t)(moe ? 3 : 1), total);
 }
 
-int moectl_random_check(moe_layer_desc *d)
+/* moectl_random_check, with the sizes it checked. */
+static int random_check(moe_layer_desc *d, size_t *per, size_t *bytes, size_t *total)
 {
     if (!d->dtype)
         d->dtype = MOE_DTYPE_BF16;
@@ -179,8 +180,7 @@ int moectl_random_check(moe_layer_desc *d)
                 moe ? "--experts, --hidden and --intermediate" : "--groups, --n and --k");
         return -EINVAL;
     }
-    size_t per, bytes, total;
-    if (!random_sizes(d, &per, &bytes, &total)) {
+    if (!random_sizes(d, per, bytes, total)) {
         fprintf(stderr, "moectl: --random: weights of %u %s x %u %s x %u %s in %s are too large "
                 "(2^64 bytes or more)\n", moe ? d->experts : d->groups, moe ? "experts" : "groups",
                 moe ? d->hidden : d->n, moe ? "hidden" : "n", moe ? d->intermediate : d->k,
@@ -190,12 +190,18 @@ int moectl_random_check(moe_layer_desc *d)
     return 0;
 }
 
+int moectl_random_check(moe_layer_desc *d)
+{
+    size_t per, bytes, total;
+    return random_check(d, &per, &bytes, &total);
+}
+
 int moectl_random_weights(moe_client *c, moe_layer_desc *d, uint64_t seed, moe_region **r)
 {
     size_t per, bytes, total;
-    int rc = moectl_random_check(d);
-    if (rc || !random_sizes(d, &per, &bytes, &total))
-        return rc ? rc : -EINVAL;
+    int rc = random_check(d, &per, &bytes, &total);
+    if (rc)
+        return rc;
     bool moe = d->kind == MOE_LAYER_MOE;
     uint64_t E = d->experts, H = d->hidden, I = d->intermediate;
     rc = moe_region_create(c, total, "moectl-weights", r);
