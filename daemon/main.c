@@ -443,8 +443,9 @@ static int setup_signals(struct daemon *d)
 /* Each client holds a session socket, a ZeroMQ connection and up to
  * max_regions memfds, so the soft limit on descriptors (often 1024) is
  * raised to the hard one (moed.service sets both). Out of descriptors,
- * libzmq aborts rather than refuse a connection. The daemon waits on
- * epoll and poll, never select, so descriptors past 1024 are fine. */
+ * new connections wait (sessions) or are closed (fdguard.h). The daemon
+ * waits on epoll and poll, never select, so descriptors past 1024 are
+ * fine. */
 static void raise_nofile(void)
 {
     struct rlimit rl;

@@ -17,6 +17,7 @@
 #include <sys/stat.h>
 #include <zmq.h>
 
+#include "daemon/fdguard.h"
 #include "daemon/log.h"
 #include "daemon/loop.h"
 #include "daemon/server.h"
@@ -658,6 +659,9 @@ int server_listen(struct server *s, int session_fd, int zmq_fd)
 {
     int rc = session_listen(s, session_fd);
     if (rc)
+        return rc;
+    /* Before libzmq's listener accepts anything (fdguard.h). */
+    if ((rc = fdguard_init()) < 0)
         return rc;
     s->zctx = zmq_ctx_new();
     if (!s->zctx)

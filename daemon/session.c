@@ -21,6 +21,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "daemon/fdguard.h"
 #include "daemon/log.h"
 #include "daemon/loop.h"
 #include "daemon/region.h"
@@ -710,7 +711,7 @@ static void session_on_accept(void *data, int lfd, uint32_t events)
 {
     struct server *s = data;
     for (;;) {
-        int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        int fd = fdguard_accept_unguarded(lfd, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
             if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
                 session_accept_pause(s, errno);

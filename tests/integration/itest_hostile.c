@@ -1317,6 +1317,63 @@ TEST(the_descriptor_limit_is_raised_to_the_hard_one)
     itest_daemon_stop(&d);
 }
 
+/* Out of descriptors, connections to the ZeroMQ socket are closed as they
+ * come (their peers retry, as libzmq does) rather than kill the daemon:
+ * libzmq's own listener aborts the process when accept fails so. */
+TEST(a_zeromq_connection_flood_out_of_descriptors_is_survived)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    struct raw probe;
+    raw_open(&probe, d.dir, true);
+    raw_hello(&probe);
+    struct rlimit was, cap;
+    CHECK(prlimit(d.pid, RLIMIT_NOFILE, NULL, &was) == 0);
+    cap = was;
+    cap.rlim_cur = (rlim_t)itest_count_fds(d.pid) + 8;
+    CHECK(prlimit(d.pid, RLIMIT_NOFILE, &cap, NULL) == 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    CHECK(strlen(d.dir) + sizeof("/moed.zmq") <= sizeof(sa.sun_path));
+    strcat(strcpy(sa.sun_path, d.dir), "/moed.zmq");
+    enum { CONNS = 40 };
+    int fds[CONNS];
+    for (int i = 0; i < CONNS; i++) {
+        fds[i] = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        CHECK(fds[i] >= 0);
+        CHECK_MSG(connect(fds[i], (struct sockaddr *)&sa, sizeof(sa)) == 0, "connect %d: %s", i,
+                  strerror(errno));
+    }
+    itest_sleep_ms(300);
+    CHECK_MSG(itest_daemon_alive(&d), "the daemon died in the flood");
+    long t0 = cpu_ticks(d.pid);
+    itest_sleep_ms(600);
+    long spent = cpu_ticks(d.pid) - t0;
+    CHECK_MSG(spent <= 10, "the daemon used %ld ticks of CPU in 600 ms out of descriptors", spent);
+    int dropped = 0;
+    for (int i = 0; i < CONNS; i++) {
+        char c;
+        dropped += recv(fds[i], &c, 1, MSG_DONTWAIT) == 0;
+        close(fds[i]);
+    }
+    CHECK_MSG(dropped > 0, "none of %d connections past the limit was closed", CONNS);
+    FILE *f = fopen(d.log, "r");
+    CHECK(f != NULL);
+    bool warned = false;
+    char line[512];
+    while (fgets(line, sizeof(line), f))
+        warned |= strstr(line, "incoming connection") && strstr(line, "out of descriptors");
+    fclose(f);
+    CHECK_MSG(warned, "no warning of closed connections in %s", d.log);
+    CHECK(prlimit(d.pid, RLIMIT_NOFILE, &was, NULL) == 0);
+    raw_hello(&probe);
+    struct raw late;
+    raw_open(&late, d.dir, true);
+    raw_hello(&late);
+    raw_close(&late);
+    raw_close(&probe);
+    itest_daemon_stop(&d);
+}
+
 /* Out of descriptors, the daemon stops accepting sessions for a while
  * instead of spinning on its readable listening socket (and logging at
  * each turn); once descriptors are free again, sessions are accepted. */
@@ -1519,6 +1576,7 @@ int main(int argc, char **argv)
         TEST_CASE(requests_on_a_reply_socket_are_checked),
         TEST_CASE(a_reply_too_large_for_the_reply_socket_is_an_error),
         TEST_CASE(descriptors_with_an_empty_datagram_are_closed),
+        TEST_CASE(a_zeromq_connection_flood_out_of_descriptors_is_survived),
         TEST_CASE(cross_wired_reply_sockets_do_not_loop),
         TEST_CASE(running_out_of_descriptors_pauses_accepting),
         TEST_CASE(the_descriptor_limit_is_raised_to_the_hard_one),

@@ -1,0 +1,99 @@
+/*
+ * fdguard.c: see fdguard.h. Built without _GNU_SOURCE, under which glibc
+ * declares accept's address as a transparent union and accept4 at all;
+ * these definitions take the plain prototypes.
+ */
+#undef _GNU_SOURCE
+#define _DEFAULT_SOURCE
+
+#include "daemon/fdguard.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "daemon/log.h"
+#include "daemon/util.h"
+
+int accept4(int lfd, struct sockaddr *restrict addr, socklen_t *restrict len, int flags);
+
+static pthread_mutex_t guard_mu = PTHREAD_MUTEX_INITIALIZER;
+static int reserve_fd = -1;
+static uint64_t shed_count, shed_logged_us;
+
+static int reserve_open(void)
+{
+    if (reserve_fd < 0)
+        reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    return reserve_fd < 0 ? -errno : 0;
+}
+
+int fdguard_init(void)
+{
+    pthread_mutex_lock(&guard_mu);
+    int rc = reserve_open();
+    pthread_mutex_unlock(&guard_mu);
+    return rc;
+}
+
+int fdguard_accept_unguarded(int lfd, int flags)
+{
+    return (int)syscall(SYS_accept4, lfd, NULL, NULL, flags);
+}
+
+/* Out of descriptors: close the pending connection with the reserve's slot.
+ * Under the lock, one connection at a time; a caller that finds the slot
+ * taken by another thread in between simply fails again. */
+static void shed(int lfd, int err)
+{
+    uint64_t n = 0;
+    pthread_mutex_lock(&guard_mu);
+    if (reserve_fd >= 0) {
+        close(reserve_fd);
+        reserve_fd = -1;
+        int fd = (int)syscall(SYS_accept4, lfd, NULL, NULL, SOCK_CLOEXEC);
+        if (fd >= 0) {
+            close(fd);
+            shed_count++;
+        }
+        reserve_open();
+    }
+    uint64_t now = now_us();
+    if (shed_count && now - shed_logged_us >= 1000000) {
+        n = shed_count;
+        shed_count = 0;
+        shed_logged_us = now;
+    }
+    pthread_mutex_unlock(&guard_mu);
+    if (n)
+        log_warn("closed %llu incoming connection%s: %s", (unsigned long long)n,
+                 n == 1 ? "" : "s", err == EMFILE ? "out of descriptors" : "the system is out of files");
+}
+
+int accept4(int lfd, struct sockaddr *restrict addr, socklen_t *restrict len, int flags)
+{
+    int fd = (int)syscall(SYS_accept4, lfd, addr, len, flags);
+    if (fd >= 0)
+        return fd;
+    int e = errno;
+    if (e == EMFILE || e == ENFILE) {
+        shed(lfd, e);
+    } else if (e == ENOMEM || e == ENOBUFS) {
+        struct timespec pause = {0, 10 * 1000 * 1000};
+        nanosleep(&pause, NULL);
+    } else {
+        return -1;
+    }
+    errno = ECONNABORTED;
+    return -1;
+}
+
+int accept(int lfd, struct sockaddr *restrict addr, socklen_t *restrict len)
+{
+    return accept4(lfd, addr, len, 0);
+}
