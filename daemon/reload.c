@@ -358,12 +358,14 @@ struct plan_item {
 struct plan_stat {
     const struct layer_conf *lc;
     bool have;
+    int err; /* stat's, when not have */
     struct stat st;
 };
 
 struct plan {
     struct job job;
     struct reload *r;
+    void (*apply)(struct reload *r, struct plan *p); /* on the loop thread */
     struct plan_item *items;
     unsigned n_items;
     struct plan_stat *stats;
@@ -397,8 +399,11 @@ static void plan_run(struct job *job)
                   layer_conf_check(s, it->is, s->cfg->allowed_dirs, s->cfg->n_allowed_dirs,
                                    NULL, it->bad_why, sizeof(it->bad_why)) < 0;
     }
-    for (unsigned i = 0; i < p->n_stats; i++)
-        p->stats[i].have = stat(p->stats[i].lc->path, &p->stats[i].st) == 0;
+    for (unsigned i = 0; i < p->n_stats; i++) {
+        struct plan_stat *ps = &p->stats[i];
+        ps->have = stat(ps->lc->path, &ps->st) == 0;
+        ps->err = ps->have ? 0 : errno;
+    }
 }
 
 static void reconcile_apply(struct reload *r, struct plan *p);
@@ -413,8 +418,20 @@ static void plan_done(struct job *job)
     if (r->orphan)
         reload_destroy(r);
     else
-        reconcile_apply(r, p);
+        p->apply(r, p);
     plan_free(p);
+}
+
+/* Submit p (items and stats filled) to the loader; apply takes it back. */
+static void plan_submit(struct reload *r, struct plan *p,
+                        void (*apply)(struct reload *r, struct plan *p))
+{
+    p->r = r;
+    p->apply = apply;
+    p->job.run = plan_run;
+    p->job.done = plan_done;
+    r->plan = p;
+    worker_submit(r->s->loader, &p->job);
 }
 
 /* Unload what the new configuration no longer names (or names differently),
@@ -440,7 +457,6 @@ static void reconcile(struct reload *r)
         finish(r);
         return;
     }
-    p->r = r;
     for (struct layer *l = s->layers; l; l = l->next) {
         if (!l->from_config || l->state != LAYER_READY)
             continue;
@@ -452,11 +468,8 @@ static void reconcile(struct reload *r)
     }
     for (const struct layer_conf *lc = now; lc; lc = lc->next)
         p->stats[p->n_stats++].lc = lc;
-    p->job.run = plan_run;
-    p->job.done = plan_done;
-    r->plan = p;
     r->phase = WAIT_PLAN;
-    worker_submit(s->loader, &p->job);
+    plan_submit(r, p, reconcile_apply);
 }
 
 static void reconcile_apply(struct reload *r, struct plan *p)
@@ -577,35 +590,78 @@ static void swap_dirs(struct config *a, struct config *b)
 
 /* A layer that a reload unloaded for its changed section, and that failed
  * to load from it (its checks passed, so for want of memory or a read
- * error), is loaded again from its former section, whose file is still
- * the one it was loaded from. Queued; on_poll waits for it. */
-static void restore(struct reload *r, const char *name)
+ * error), is loaded again from its former section, whose file must still
+ * be the one it was loaded from. The loader stats those files (a plan of
+ * stats only, restore_begin); restore_apply queues the loads, and on_poll
+ * waits for them. */
+static const struct former *former_of(const struct reload *r, const char *name)
 {
-    const struct former *fo = NULL;
-    for (unsigned i = 0; i < r->n_former && !fo; i++)
+    for (unsigned i = 0; i < r->n_former; i++)
         if (!strcmp(r->former[i].lc->name, name))
-            fo = &r->former[i];
-    if (!fo)
-        return;
-    /* name may be r->loading's own entry, which the queue reuses: the
-     * section's name from here on. */
-    struct stat st;
-    int gone = stat(fo->lc->path, &st) < 0 ? errno : 0;
-    if (gone || !same_file(&st, &fo->st)) {
-        log_err("reload: layer '%s' is not loaded: the file it was loaded from, %s, %s%s",
-                fo->lc->name, fo->lc->path, gone ? "cannot be found: " : "is no longer the same",
-                gone ? strerror(gone) : "");
+            return &r->former[i];
+    return NULL;
+}
+
+static void restore_apply(struct reload *r, struct plan *p)
+{
+    for (unsigned i = 0; i < p->n_stats; i++) {
+        const struct plan_stat *ps = &p->stats[i];
+        const struct former *fo = former_of(r, ps->lc->name);
+        const struct layer_conf *lc = fo->lc;
+        if (!ps->have || !same_file(&ps->st, &fo->st)) {
+            log_err("reload: layer '%s' is not loaded: the file it was loaded from, %s, %s%s",
+                    lc->name, lc->path, ps->have ? "is no longer the same" : "cannot be found: ",
+                    ps->have ? "" : strerror(ps->err));
+            continue;
+        }
+        char why[512] = "";
+        if (load_section(r, lc, true, &ps->st, why, sizeof(why)) < 0) {
+            log_err("reload: layer '%s' is not loaded: not even from its former section: %s",
+                    lc->name, why);
+            continue;
+        }
+        snprintf(r->loading[r->n_loading++], sizeof(r->loading[0]), "%s", lc->name);
+        log_info("reload: loading layer '%s' again from its former section (%s)", lc->name,
+                 lc->path);
+    }
+    if (r->n_loading == 0)
+        finish(r);
+    else
+        r->restoring = true;
+}
+
+/* The loads of r->loading are over: count them, and restore the layers
+ * that failed and have a former section. */
+static void restore_begin(struct reload *r)
+{
+    struct server *s = r->s;
+    unsigned n = r->n_loading;
+    struct plan *p = calloc(1, sizeof(*p));
+    if (p && !(p->stats = calloc(n + 1, sizeof(*p->stats)))) {
+        free(p);
+        p = NULL;
+    }
+    for (unsigned i = 0; i < n; i++) {
+        struct layer *l = layer_find(s, r->loading[i]);
+        if (l && l->from_config && l->state == LAYER_READY) {
+            r->loaded++;
+            continue;
+        }
+        r->failed++; /* layer.c logged why */
+        const struct former *fo = former_of(r, r->loading[i]);
+        if (fo && p)
+            p->stats[p->n_stats++].lc = fo->lc;
+        else if (fo)
+            log_err("reload: layer '%s' is not loaded: out of memory", fo->lc->name);
+    }
+    r->n_loading = 0;
+    if (!p || !p->n_stats) {
+        if (p)
+            plan_free(p);
+        finish(r);
         return;
     }
-    char why[512] = "";
-    if (load_section(r, fo->lc, true, &st, why, sizeof(why)) < 0) {
-        log_err("reload: layer '%s' is not loaded: not even from its former section: %s",
-                fo->lc->name, why);
-        return;
-    }
-    snprintf(r->loading[r->n_loading++], sizeof(r->loading[0]), "%s", fo->lc->name);
-    log_info("reload: loading layer '%s' again from its former section (%s)", fo->lc->name,
-             fo->lc->path);
+    plan_submit(r, p, restore_apply);
 }
 
 static void on_poll(void *data)
@@ -622,7 +678,7 @@ static void on_poll(void *data)
         reconcile(r);
         return;
     }
-    if (r->phase != WAIT_LOADS)
+    if (r->phase != WAIT_LOADS || r->plan)
         return;
     for (unsigned i = 0; i < r->n_loading; i++) {
         struct layer *l = layer_find(s, r->loading[i]);
@@ -642,22 +698,7 @@ static void on_poll(void *data)
         finish(r);
         return;
     }
-    unsigned n = r->n_loading;
-    r->n_loading = 0;
-    for (unsigned i = 0; i < n; i++) {
-        struct layer *l = layer_find(s, r->loading[i]);
-        if (l && l->from_config && l->state == LAYER_READY)
-            r->loaded++;
-        else {
-            r->failed++; /* layer.c logged why */
-            restore(r, r->loading[i]);
-        }
-    }
-    if (r->n_loading == 0) {
-        finish(r);
-        return;
-    }
-    r->restoring = true;
+    restore_begin(r);
 }
 
 static void at_next_start(const char *key)

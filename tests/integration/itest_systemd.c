@@ -1038,6 +1038,67 @@ TEST(reload_serves_a_layer_again_when_its_new_load_fails)
     itest_rmdir(wdir);
 }
 
+/* The same, but the file the layer was loaded from is replaced meanwhile:
+ * its former section would load other weights, so the layer stays
+ * unloaded, with the reason logged, until a reload loads it. */
+TEST(reload_does_not_serve_a_layer_again_from_a_replaced_file)
+{
+#if defined(__SANITIZE_ADDRESS__)
+    TEST_SKIP("AddressSanitizer's shadow memory cannot live under an address-space limit");
+#endif
+    if (itest_on_gpu())
+        TEST_SKIP("the address-space limit fails host allocations, the CPU backend's");
+    uint64_t seed = test_seed();
+    char wdir[] = "/tmp/moed-sdm.XXXXXX", conf[128], fa[128], fb[128], fa2[160];
+    work_dir(wdir, conf, fa);
+    snprintf(fb, sizeof(fb), "%s/big.safetensors", wdir);
+    snprintf(fa2, sizeof(fa2), "%s.new", fa);
+    struct itest_layer A = layer_def("alpha", 4, 2, 32, 48), A2 = layer_def("alpha", 4, 2, 32, 48),
+                       Big = layer_def("alpha", 8, 2, 512, 1024);
+    layer_file(&A, fa, "m.", &seed);
+    layer_file(&A2, fa2, "m.", &seed);
+    layer_file(&Big, fb, "m.", &seed);
+    const char *text = "[daemon]\nallowed_dirs = %s\n\n[layer alpha]\nfile = %s\nprefix = m.\ntopk = 2\n";
+    write_file(conf, text, wdir, fa);
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--config", conf, NULL);
+    moe_client *c = itest_connect(&d, "kept");
+    forward_and_check(c, &A, 5, &seed);
+
+    struct rlimit was, cap;
+    CHECK(prlimit(d.pid, RLIMIT_AS, NULL, &was) == 0);
+    cap = was;
+    cap.rlim_cur = vm_size(d.pid) + (8u << 20);
+    CHECK(prlimit(d.pid, RLIMIT_AS, &cap, NULL) == 0);
+    CHECK(rename(fa2, fa) == 0);
+    write_file(conf, text, wdir, fb);
+    kill(d.pid, SIGHUP);
+    char *log = wait_log(d.log, "reload: 0 layers loaded, 1 unloaded, 0 kept, 1 failed", 20000);
+    char gone[400];
+    snprintf(gone, sizeof(gone),
+             "reload: layer 'alpha' is not loaded: the file it was loaded from, %s, is no longer "
+             "the same", fa);
+    CHECK_STR_CONTAINS(log, gone);
+    CHECK(strstr(log, "again from its former section") == NULL);
+    free(log);
+    moe_layer_info info[4];
+    CHECK_EQ_INT(moe_layer_list(c, info, 4), 0);
+    CHECK(prlimit(d.pid, RLIMIT_AS, &was, NULL) == 0);
+
+    kill(d.pid, SIGHUP);
+    log = wait_log(d.log, "reload: 1 layers loaded, 0 unloaded, 0 kept, 0 failed", 20000);
+    free(log);
+    forward_and_check(c, &Big, 3, &seed);
+
+    moe_disconnect(&c);
+    itest_daemon_stop(&d);
+    itest_layer_free(&A);
+    itest_layer_free(&A2);
+    itest_layer_free(&Big);
+    itest_rmdir(d.dir);
+    itest_rmdir(wdir);
+}
+
 /* Copy the safetensors file in to out with n_keys entries of metadata
  * spliced into its header: a header of megabytes, slow to parse. */
 static void pad_header(const char *in, const char *out, unsigned n_keys)
@@ -1766,6 +1827,7 @@ int main(int argc, char **argv)
         TEST_CASE_TIMEOUT(reload_loads_past_max_loads_and_names_what_it_refuses, 60),
         TEST_CASE_TIMEOUT(reload_keeps_a_layer_whose_new_load_would_fail, 60),
         TEST_CASE_TIMEOUT(reload_serves_a_layer_again_when_its_new_load_fails, 60),
+        TEST_CASE_TIMEOUT(reload_does_not_serve_a_layer_again_from_a_replaced_file, 60),
         TEST_CASE_TIMEOUT(reload_parses_headers_off_the_loop, 120),
         TEST_CASE_TIMEOUT(watchdog_pings_stop_while_one_batch_runs_too_long, 90),
         TEST_CASE_TIMEOUT(socket_activation_passes_both_named_sockets, 30),
