@@ -11,6 +11,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -46,14 +47,22 @@ int fdguard_accept_unguarded(int lfd, int flags)
     return (int)syscall(SYS_accept4, lfd, NULL, NULL, flags);
 }
 
+static void pause_10ms(void)
+{
+    struct timespec t = {0, 10 * 1000 * 1000};
+    nanosleep(&t, NULL);
+}
+
 /* Out of descriptors: close the pending connection with the reserve's slot.
  * Under the lock, one connection at a time; a caller that finds the slot
- * taken by another thread in between simply fails again. */
+ * taken by another thread in between simply fails again. Without a
+ * reserve (another thread took its slot back), only the pause. */
 static void shed(int lfd, int err)
 {
     uint64_t n = 0;
     pthread_mutex_lock(&guard_mu);
-    if (reserve_fd >= 0) {
+    bool had = reserve_open() == 0;
+    if (had) {
         close(reserve_fd);
         reserve_fd = -1;
         int fd = (int)syscall(SYS_accept4, lfd, NULL, NULL, SOCK_CLOEXEC);
@@ -70,6 +79,8 @@ static void shed(int lfd, int err)
         shed_logged_us = now;
     }
     pthread_mutex_unlock(&guard_mu);
+    if (!had)
+        pause_10ms();
     if (n)
         log_warn("closed %llu incoming connection%s: %s", (unsigned long long)n,
                  n == 1 ? "" : "s", err == EMFILE ? "out of descriptors" : "the system is out of files");
@@ -84,8 +95,7 @@ int accept4(int lfd, struct sockaddr *restrict addr, socklen_t *restrict len, in
     if (e == EMFILE || e == ENFILE) {
         shed(lfd, e);
     } else if (e == ENOMEM || e == ENOBUFS) {
-        struct timespec pause = {0, 10 * 1000 * 1000};
-        nanosleep(&pause, NULL);
+        pause_10ms();
     } else {
         return -1;
     }
