@@ -1317,21 +1317,64 @@ TEST(the_descriptor_limit_is_raised_to_the_hard_one)
     itest_daemon_stop(&d);
 }
 
+/* A daemon with a session (probe) whose limit on descriptors leaves it 8
+ * more than it holds; was is the limit before. */
+static void start_short_of_descriptors(struct itest_daemon *d, struct raw *probe, struct rlimit *was)
+{
+    itest_daemon_start(d, NULL);
+    raw_open(probe, d->dir, true);
+    raw_hello(probe);
+    CHECK(prlimit(d->pid, RLIMIT_NOFILE, NULL, was) == 0);
+    struct rlimit cap = *was;
+    cap.rlim_cur = (rlim_t)itest_count_fds(d->pid) + 8;
+    CHECK(prlimit(d->pid, RLIMIT_NOFILE, &cap, NULL) == 0);
+}
+
+/* The daemon does not spin out of descriptors: at most 10 ticks of CPU in
+ * 600 ms. */
+static void check_idle_out_of_descriptors(const struct itest_daemon *d)
+{
+    long t0 = cpu_ticks(d->pid);
+    itest_sleep_ms(600);
+    long spent = cpu_ticks(d->pid) - t0;
+    CHECK_MSG(spent <= 10, "the daemon used %ld ticks of CPU in 600 ms out of descriptors", spent);
+}
+
+/* Lines of the daemon's log holding both a and b. */
+static int log_lines_with(const struct itest_daemon *d, const char *a, const char *b)
+{
+    FILE *f = fopen(d->log, "r");
+    CHECK(f != NULL);
+    int n = 0;
+    char line[512];
+    while (fgets(line, sizeof(line), f))
+        n += strstr(line, a) && strstr(line, b);
+    fclose(f);
+    return n;
+}
+
+/* The limit back as it was, the probe's session and a new one both work. */
+static void check_recovers(struct itest_daemon *d, struct raw *probe, const struct rlimit *was)
+{
+    CHECK(prlimit(d->pid, RLIMIT_NOFILE, was, NULL) == 0);
+    raw_hello(probe);
+    struct raw late;
+    raw_open(&late, d->dir, true);
+    raw_hello(&late);
+    raw_close(&late);
+    raw_close(probe);
+    itest_daemon_stop(d);
+}
+
 /* Out of descriptors, connections to the ZeroMQ socket are closed as they
  * come (their peers retry, as libzmq does) rather than kill the daemon:
  * libzmq's own listener aborts the process when accept fails so. */
 TEST(a_zeromq_connection_flood_out_of_descriptors_is_survived)
 {
     struct itest_daemon d;
-    itest_daemon_start(&d, NULL);
     struct raw probe;
-    raw_open(&probe, d.dir, true);
-    raw_hello(&probe);
-    struct rlimit was, cap;
-    CHECK(prlimit(d.pid, RLIMIT_NOFILE, NULL, &was) == 0);
-    cap = was;
-    cap.rlim_cur = (rlim_t)itest_count_fds(d.pid) + 8;
-    CHECK(prlimit(d.pid, RLIMIT_NOFILE, &cap, NULL) == 0);
+    struct rlimit was;
+    start_short_of_descriptors(&d, &probe, &was);
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
     CHECK(strlen(d.dir) + sizeof("/moed.zmq") <= sizeof(sa.sun_path));
     strcat(strcpy(sa.sun_path, d.dir), "/moed.zmq");
@@ -1345,10 +1388,7 @@ TEST(a_zeromq_connection_flood_out_of_descriptors_is_survived)
     }
     itest_sleep_ms(300);
     CHECK_MSG(itest_daemon_alive(&d), "the daemon died in the flood");
-    long t0 = cpu_ticks(d.pid);
-    itest_sleep_ms(600);
-    long spent = cpu_ticks(d.pid) - t0;
-    CHECK_MSG(spent <= 10, "the daemon used %ld ticks of CPU in 600 ms out of descriptors", spent);
+    check_idle_out_of_descriptors(&d);
     int dropped = 0;
     for (int i = 0; i < CONNS; i++) {
         char c;
@@ -1356,22 +1396,9 @@ TEST(a_zeromq_connection_flood_out_of_descriptors_is_survived)
         close(fds[i]);
     }
     CHECK_MSG(dropped > 0, "none of %d connections past the limit was closed", CONNS);
-    FILE *f = fopen(d.log, "r");
-    CHECK(f != NULL);
-    bool warned = false;
-    char line[512];
-    while (fgets(line, sizeof(line), f))
-        warned |= strstr(line, "incoming connection") && strstr(line, "out of descriptors");
-    fclose(f);
-    CHECK_MSG(warned, "no warning of closed connections in %s", d.log);
-    CHECK(prlimit(d.pid, RLIMIT_NOFILE, &was, NULL) == 0);
-    raw_hello(&probe);
-    struct raw late;
-    raw_open(&late, d.dir, true);
-    raw_hello(&late);
-    raw_close(&late);
-    raw_close(&probe);
-    itest_daemon_stop(&d);
+    CHECK_MSG(log_lines_with(&d, "incoming connection", "out of descriptors") >= 1,
+              "no warning of closed connections in %s", d.log);
+    check_recovers(&d, &probe, &was);
 }
 
 /* Out of descriptors, the daemon stops accepting sessions for a while
@@ -1380,15 +1407,9 @@ TEST(a_zeromq_connection_flood_out_of_descriptors_is_survived)
 TEST(running_out_of_descriptors_pauses_accepting)
 {
     struct itest_daemon d;
-    itest_daemon_start(&d, NULL);
     struct raw probe;
-    raw_open(&probe, d.dir, true);
-    raw_hello(&probe);
-    struct rlimit was, cap;
-    CHECK(prlimit(d.pid, RLIMIT_NOFILE, NULL, &was) == 0);
-    cap = was;
-    cap.rlim_cur = (rlim_t)itest_count_fds(d.pid) + 8;
-    CHECK(prlimit(d.pid, RLIMIT_NOFILE, &cap, NULL) == 0);
+    struct rlimit was;
+    start_short_of_descriptors(&d, &probe, &was);
     enum { CONNS = 40 };
     struct raw r[CONNS];
     for (int i = 0; i < CONNS; i++) {
@@ -1396,29 +1417,12 @@ TEST(running_out_of_descriptors_pauses_accepting)
         CHECK(raw_connect_session(&r[i], d.dir) == 0); /* the backlog takes it */
     }
     itest_sleep_ms(100);
-    long t0 = cpu_ticks(d.pid);
-    itest_sleep_ms(600);
-    long spent = cpu_ticks(d.pid) - t0;
-    CHECK_MSG(spent <= 10, "the daemon used %ld ticks of CPU in 600 ms out of descriptors", spent);
-    FILE *f = fopen(d.log, "r");
-    CHECK(f != NULL);
-    int warned = 0;
-    char line[512];
-    while (fgets(line, sizeof(line), f))
-        warned += strstr(line, "cannot accept a session: Too many open files") != NULL;
-    fclose(f);
+    check_idle_out_of_descriptors(&d);
+    int warned = log_lines_with(&d, "cannot accept a session: ", "Too many open files");
     CHECK_MSG(warned >= 1 && warned <= 12, "%d warnings in 700 ms", warned);
-
     for (int i = 0; i < CONNS; i++)
         close(r[i].sfd);
-    CHECK(prlimit(d.pid, RLIMIT_NOFILE, &was, NULL) == 0);
-    struct raw late;
-    raw_open(&late, d.dir, true);
-    raw_hello(&late);
-    raw_hello(&probe);
-    raw_close(&late);
-    raw_close(&probe);
-    itest_daemon_stop(&d);
+    check_recovers(&d, &probe, &was);
 }
 
 /* Two sessions whose reply sockets are the two ends of one socketpair, and

@@ -967,6 +967,61 @@ static uint64_t vm_size(pid_t pid)
     return (uint64_t)kib << 10;
 }
 
+/* A configured layer alpha (A, from fa) serving a client, then a section
+ * naming Big (fb, 24 MiB of weights) written while the daemon's address
+ * space is capped 8 MiB above what it uses: a reload whose new load fails
+ * past its checks. */
+struct failing_reload {
+    uint64_t seed;
+    char wdir[32], conf[128], fa[128], fb[128];
+    const char *text;
+    struct itest_layer A, Big;
+    struct itest_daemon d;
+    moe_client *c;
+    struct rlimit was;
+};
+
+static void failing_reload_start(struct failing_reload *f)
+{
+#if defined(__SANITIZE_ADDRESS__)
+    TEST_SKIP("AddressSanitizer's shadow memory cannot live under an address-space limit");
+#endif
+    if (itest_on_gpu())
+        TEST_SKIP("the address-space limit fails host allocations, the CPU backend's");
+    f->seed = test_seed();
+    snprintf(f->wdir, sizeof(f->wdir), "/tmp/moed-sdm.XXXXXX");
+    work_dir(f->wdir, f->conf, f->fa);
+    snprintf(f->fb, sizeof(f->fb), "%s/big.safetensors", f->wdir);
+    f->A = layer_def("alpha", 4, 2, 32, 48);
+    f->Big = layer_def("alpha", 8, 2, 512, 1024);
+    layer_file(&f->A, f->fa, "m.", &f->seed);
+    layer_file(&f->Big, f->fb, "m.", &f->seed);
+    f->text = "[daemon]\nallowed_dirs = %s\n\n[layer alpha]\nfile = %s\nprefix = m.\ntopk = 2\n";
+    write_file(f->conf, f->text, f->wdir, f->fa);
+    itest_daemon_start(&f->d, "--config", f->conf, NULL);
+    f->c = itest_connect(&f->d, "kept");
+    forward_and_check(f->c, &f->A, 5, &f->seed);
+    CHECK(prlimit(f->d.pid, RLIMIT_AS, NULL, &f->was) == 0);
+    struct rlimit cap = f->was;
+    cap.rlim_cur = vm_size(f->d.pid) + (8u << 20);
+    CHECK(prlimit(f->d.pid, RLIMIT_AS, &cap, NULL) == 0);
+}
+
+/* With room again, the next reload loads the section that names Big. */
+static void failing_reload_finish(struct failing_reload *f, const char *loaded)
+{
+    CHECK(prlimit(f->d.pid, RLIMIT_AS, &f->was, NULL) == 0);
+    kill(f->d.pid, SIGHUP);
+    free(wait_log(f->d.log, loaded, 20000));
+    forward_and_check(f->c, &f->Big, 3, &f->seed);
+    moe_disconnect(&f->c);
+    itest_daemon_stop(&f->d);
+    itest_layer_free(&f->A);
+    itest_layer_free(&f->Big);
+    itest_rmdir(f->d.dir);
+    itest_rmdir(f->wdir);
+}
+
 /*
  * A reload whose new section passes every check but whose load then fails
  * (here for memory: the daemon's address space is capped just above what
@@ -978,64 +1033,29 @@ static uint64_t vm_size(pid_t pid)
  */
 TEST(reload_serves_a_layer_again_when_its_new_load_fails)
 {
-#if defined(__SANITIZE_ADDRESS__)
-    TEST_SKIP("AddressSanitizer's shadow memory cannot live under an address-space limit");
-#endif
-    if (itest_on_gpu())
-        TEST_SKIP("the address-space limit fails host allocations, the CPU backend's");
-    uint64_t seed = test_seed();
-    char wdir[] = "/tmp/moed-sdm.XXXXXX", conf[128], fa[128], fb[128];
-    work_dir(wdir, conf, fa);
-    snprintf(fb, sizeof(fb), "%s/big.safetensors", wdir);
-    struct itest_layer A = layer_def("alpha", 4, 2, 32, 48), Big = layer_def("alpha", 8, 2, 512, 1024);
-    layer_file(&A, fa, "m.", &seed);
-    layer_file(&Big, fb, "m.", &seed); /* 24 MiB of weights */
-    const char *text = "[daemon]\nallowed_dirs = %s\n\n[layer alpha]\nfile = %s\nprefix = m.\ntopk = 2\n";
-    write_file(conf, text, wdir, fa);
-    struct itest_daemon d;
-    itest_daemon_start(&d, "--config", conf, NULL);
-    moe_client *c = itest_connect(&d, "kept");
-    forward_and_check(c, &A, 5, &seed);
-
-    struct rlimit was, cap;
-    CHECK(prlimit(d.pid, RLIMIT_AS, NULL, &was) == 0);
-    cap = was;
-    cap.rlim_cur = vm_size(d.pid) + (8u << 20);
-    CHECK(prlimit(d.pid, RLIMIT_AS, &cap, NULL) == 0);
-    write_file(conf, text, wdir, fb);
-    kill(d.pid, SIGHUP);
+    struct failing_reload f;
+    failing_reload_start(&f);
+    write_file(f.conf, f.text, f.wdir, f.fb);
+    kill(f.d.pid, SIGHUP);
     const char *restored = "reload: 0 layers loaded, 1 unloaded, 0 kept, 1 failed (1 of them "
                            "serving again from their former sections)";
-    char *log = wait_log(d.log, restored, 20000);
+    char *log = wait_log(f.d.log, restored, 20000);
     CHECK_STR_CONTAINS(log, "cannot load layer 'alpha': ");
     char again[300];
     snprintf(again, sizeof(again),
-             "reload: loading layer 'alpha' again from its former section (%s)", fa);
+             "reload: loading layer 'alpha' again from its former section (%s)", f.fa);
     CHECK_STR_CONTAINS(log, again);
     CHECK_STR_CONTAINS(log, "reload: layer 'alpha' serves again as loaded from its former section");
     free(log);
-    kill(d.pid, SIGHUP);
-    log = wait_log_n(d.log, restored, 2, 20000);
+    kill(f.d.pid, SIGHUP);
+    log = wait_log_n(f.d.log, restored, 2, 20000);
     CHECK_STR_CONTAINS(log, "reload: unloading layer 'alpha': a reload before kept it back");
     CHECK(strstr(strstr(log, restored) + 1, again) != NULL);
     CHECK(strstr(log, "is not loaded") == NULL);
     free(log);
-    CHECK(prlimit(d.pid, RLIMIT_AS, &was, NULL) == 0);
-    forward_and_check(c, &A, 7, &seed);
-
+    forward_and_check(f.c, &f.A, 7, &f.seed);
     /* With room, the next reload loads the section the file names. */
-    kill(d.pid, SIGHUP);
-    log = wait_log(d.log, "reload: 1 layers loaded, 1 unloaded, 0 kept, 0 failed", 20000);
-    CHECK_STR_CONTAINS(log, "reload: unloading layer 'alpha': a reload before kept it back");
-    free(log);
-    forward_and_check(c, &Big, 3, &seed);
-
-    moe_disconnect(&c);
-    itest_daemon_stop(&d);
-    itest_layer_free(&A);
-    itest_layer_free(&Big);
-    itest_rmdir(d.dir);
-    itest_rmdir(wdir);
+    failing_reload_finish(&f, "reload: 1 layers loaded, 1 unloaded, 0 kept, 0 failed");
 }
 
 /* The same, but the file the layer was loaded from is replaced meanwhile:
@@ -1043,60 +1063,27 @@ TEST(reload_serves_a_layer_again_when_its_new_load_fails)
  * unloaded, with the reason logged, until a reload loads it. */
 TEST(reload_does_not_serve_a_layer_again_from_a_replaced_file)
 {
-#if defined(__SANITIZE_ADDRESS__)
-    TEST_SKIP("AddressSanitizer's shadow memory cannot live under an address-space limit");
-#endif
-    if (itest_on_gpu())
-        TEST_SKIP("the address-space limit fails host allocations, the CPU backend's");
-    uint64_t seed = test_seed();
-    char wdir[] = "/tmp/moed-sdm.XXXXXX", conf[128], fa[128], fb[128], fa2[160];
-    work_dir(wdir, conf, fa);
-    snprintf(fb, sizeof(fb), "%s/big.safetensors", wdir);
-    snprintf(fa2, sizeof(fa2), "%s.new", fa);
-    struct itest_layer A = layer_def("alpha", 4, 2, 32, 48), A2 = layer_def("alpha", 4, 2, 32, 48),
-                       Big = layer_def("alpha", 8, 2, 512, 1024);
-    layer_file(&A, fa, "m.", &seed);
-    layer_file(&A2, fa2, "m.", &seed);
-    layer_file(&Big, fb, "m.", &seed);
-    const char *text = "[daemon]\nallowed_dirs = %s\n\n[layer alpha]\nfile = %s\nprefix = m.\ntopk = 2\n";
-    write_file(conf, text, wdir, fa);
-    struct itest_daemon d;
-    itest_daemon_start(&d, "--config", conf, NULL);
-    moe_client *c = itest_connect(&d, "kept");
-    forward_and_check(c, &A, 5, &seed);
-
-    struct rlimit was, cap;
-    CHECK(prlimit(d.pid, RLIMIT_AS, NULL, &was) == 0);
-    cap = was;
-    cap.rlim_cur = vm_size(d.pid) + (8u << 20);
-    CHECK(prlimit(d.pid, RLIMIT_AS, &cap, NULL) == 0);
-    CHECK(rename(fa2, fa) == 0);
-    write_file(conf, text, wdir, fb);
-    kill(d.pid, SIGHUP);
-    char *log = wait_log(d.log, "reload: 0 layers loaded, 1 unloaded, 0 kept, 1 failed", 20000);
+    struct failing_reload f;
+    failing_reload_start(&f);
+    char fa2[160];
+    snprintf(fa2, sizeof(fa2), "%s.new", f.fa);
+    struct itest_layer A2 = layer_def("alpha", 4, 2, 32, 48);
+    layer_file(&A2, fa2, "m.", &f.seed);
+    CHECK(rename(fa2, f.fa) == 0);
+    write_file(f.conf, f.text, f.wdir, f.fb);
+    kill(f.d.pid, SIGHUP);
+    char *log = wait_log(f.d.log, "reload: 0 layers loaded, 1 unloaded, 0 kept, 1 failed", 20000);
     char gone[400];
     snprintf(gone, sizeof(gone),
              "reload: layer 'alpha' is not loaded: the file it was loaded from, %s, is no longer "
-             "the same", fa);
+             "the same", f.fa);
     CHECK_STR_CONTAINS(log, gone);
     CHECK(strstr(log, "again from its former section") == NULL);
     free(log);
     moe_layer_info info[4];
-    CHECK_EQ_INT(moe_layer_list(c, info, 4), 0);
-    CHECK(prlimit(d.pid, RLIMIT_AS, &was, NULL) == 0);
-
-    kill(d.pid, SIGHUP);
-    log = wait_log(d.log, "reload: 1 layers loaded, 0 unloaded, 0 kept, 0 failed", 20000);
-    free(log);
-    forward_and_check(c, &Big, 3, &seed);
-
-    moe_disconnect(&c);
-    itest_daemon_stop(&d);
-    itest_layer_free(&A);
+    CHECK_EQ_INT(moe_layer_list(f.c, info, 4), 0);
     itest_layer_free(&A2);
-    itest_layer_free(&Big);
-    itest_rmdir(d.dir);
-    itest_rmdir(wdir);
+    failing_reload_finish(&f, "reload: 1 layers loaded, 0 unloaded, 0 kept, 0 failed");
 }
 
 /* Copy the safetensors file in to out with n_keys entries of metadata
