@@ -114,7 +114,8 @@ const char *moe_errmsg(void);
 
 /*
  * Connect to moed. runtime_dir NULL follows the daemon's rule:
- * $MOED_RUNTIME_DIR, else /run/moed for root, else $XDG_RUNTIME_DIR/moed.
+ * $MOED_RUNTIME_DIR, else /run/moed for root, else $XDG_RUNTIME_DIR/moed,
+ * else /tmp/moed-<uid>.
  * client_name appears in the daemon's logs (may be NULL). Caller owns *out;
  * release with moe_disconnect().
  *
