@@ -28,6 +28,7 @@
 #include <zmq.h>
 
 #include "moe.pb-c.h"
+#include "proto/rundir.h"
 #include "proto/status.h"
 
 struct moe_region {
@@ -304,6 +305,12 @@ static int connection_open(moe_client *c)
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
     if (snprintf(sa.sun_path, sizeof(sa.sun_path), "%s/moed.sock", c->dir) >= (int)sizeof(sa.sun_path))
         return seterr(-ENAMETOOLONG, "runtime directory path too long for a socket");
+    /* Not through a directory where someone could pose as moed and take
+     * the regions' memfds; a missing one is "is moed running?" below. */
+    char why[512];
+    int rc = rundir_check(c->dir, why, sizeof(why));
+    if (rc < 0 && rc != -ENOENT)
+        return seterr(rc, "%s", why);
     c->sfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (c->sfd < 0)
         return seterr(-errno, "socket: %s", strerror(errno));
@@ -312,7 +319,6 @@ static int connection_open(moe_client *c)
      * says the backlog is full: tried again every 2 ms up to the client's
      * timeout. */
     uint64_t deadline = deadline_ms(c->timeout_ms);
-    int rc;
     while ((rc = connect(c->sfd, (struct sockaddr *)&sa, sizeof(sa))) < 0 &&
            (errno == EINTR || (errno == EAGAIN && mono_ms() < deadline)))
         if (errno == EAGAIN)

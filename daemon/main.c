@@ -16,6 +16,7 @@
 #include <sys/epoll.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -31,6 +32,7 @@
 #include "daemon/tune.h"
 #include "daemon/util.h"
 #include "moe.pb-c.h"
+#include "proto/rundir.h"
 
 /* What the command line sets: it overrides the file, at start and again on
  * every reload. */
@@ -657,6 +659,15 @@ int main(int argc, char **argv)
     int fd_session = -1, fd_zmq = -1;
     if (notify_listen_fds(d.cfg.runtime_dir, &fd_session, &fd_zmq, err, sizeof(err)) < 0) {
         log_err("socket activation: %s", err);
+        return 1;
+    }
+    /* Made here if missing; whoever can write it could pose as moed. */
+    if (mkdir(d.cfg.runtime_dir, 0750) < 0 && errno != EEXIST) {
+        log_err("cannot make the runtime directory %s: %s", d.cfg.runtime_dir, strerror(errno));
+        return 1;
+    }
+    if (rundir_check(d.cfg.runtime_dir, err, sizeof(err)) < 0) {
+        log_err("%s", err);
         return 1;
     }
     if ((rc = server_listen(d.server, fd_session, fd_zmq)) < 0) {

@@ -723,16 +723,6 @@ static void session_on_accept(void *data, int lfd, uint32_t events)
     }
 }
 
-static int ensure_runtime_dir(const char *dir)
-{
-    struct stat st;
-    if (mkdir(dir, 0770) < 0 && errno != EEXIST)
-        return -errno;
-    if (stat(dir, &st) < 0)
-        return -errno;
-    return S_ISDIR(st.st_mode) ? 0 : -ENOTDIR;
-}
-
 int session_listen(struct server *s, int fd_from_systemd)
 {
     int fd = fd_from_systemd;
@@ -740,9 +730,6 @@ int session_listen(struct server *s, int fd_from_systemd)
         (int)sizeof(((struct sockaddr_un *)0)->sun_path))
         return -ENAMETOOLONG;
     if (fd < 0) {
-        int rc = ensure_runtime_dir(s->cfg->runtime_dir);
-        if (rc)
-            return rc;
         struct sockaddr_un sa = {.sun_family = AF_UNIX};
         memcpy(sa.sun_path, s->sock_path, strlen(s->sock_path) + 1); /* length checked above */
         fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);

@@ -87,7 +87,7 @@ exec "$@"'
 run_case() {
     local name=$1 what=$2 expect=$3 probe=$4; shift 4
     local rt=$base/$name log=$base/$name.log
-    rm -rf "$rt" && mkdir -p "$rt" && chown $nobody:$nobody "$rt" && chmod 0770 "$rt"
+    rm -rf "$rt" && mkdir -p "$rt" && chown $nobody:$nobody "$rt" && chmod 0750 "$rt"
     local cmd=()
     for w in "$@"; do cmd+=("${w//@RT@/$rt}"); done
     if ! "${cmd[@]}" sh -c "$probe" >"$log" 2>&1; then

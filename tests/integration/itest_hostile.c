@@ -810,7 +810,7 @@ TEST(connecting_needs_access_to_the_runtime_dir)
     CHECK(stat(zsock, &st) == 0 && (st.st_mode & 0777) == 0660);
     /* As the service's tmpfiles would: the directory and the sockets
      * belong to the group that may connect (here nogroup, 65534). */
-    CHECK(chown(d.dir, 0, 65534) == 0 && chmod(d.dir, 0770) == 0);
+    CHECK(chown(d.dir, 0, 65534) == 0 && chmod(d.dir, 0750) == 0);
     CHECK(chown(sock, 0, 65534) == 0 && chown(zsock, 0, 65534) == 0);
     for (int member = 0; member < 2; member++) {
         CHECK(write(pipes[member][1], owner.token, 16) == 16);
@@ -1317,6 +1317,51 @@ TEST(the_descriptor_limit_is_raised_to_the_hard_one)
     itest_daemon_stop(&d);
 }
 
+/* Whoever can write the runtime directory can replace moed.sock and pose
+ * as the daemon: moed will not serve from a directory its group or others
+ * may write, and libmoe will not connect through one. */
+TEST(a_runtime_directory_others_can_write_is_refused)
+{
+    char dir[] = "/tmp/moed-itest.XXXXXX", log[64], bin[256];
+    CHECK(mkdtemp(dir) != NULL);
+    CHECK(chmod(dir, 0770) == 0);
+    snprintf(log, sizeof(log), "%s.log", dir);
+    snprintf(bin, sizeof(bin), "%s/moed", itest_build());
+    char *argv[] = {bin, "--runtime-dir", dir, "--backend", "cpu", NULL};
+    pid_t pid = itest_spawn(log, argv);
+    int st = 0;
+    CHECK(waitpid(pid, &st, 0) == pid);
+    CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 1, "moed's status %d", st);
+    FILE *f = fopen(log, "r");
+    CHECK(f != NULL);
+    char text[2048] = "";
+    size_t n = fread(text, 1, sizeof(text) - 1, f);
+    text[n] = '\0';
+    fclose(f);
+    CHECK_STR_CONTAINS(text, "is writable by its group (mode 0770)");
+    char sock[96];
+    snprintf(sock, sizeof(sock), "%s/moed.sock", dir);
+    struct stat sb;
+    CHECK_MSG(stat(sock, &sb) < 0, "moed made its socket in %s", dir);
+    CHECK(unlink(log) == 0 && rmdir(dir) == 0);
+
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    moe_client *c = itest_connect(&d, "before");
+    CHECK(chmod(d.dir, 0777) == 0);
+    moe_client *c2 = NULL;
+    CHECK_EQ_INT(moe_connect(d.dir, "through", &c2), -EACCES);
+    CHECK_STR_CONTAINS(moe_errmsg(), "is writable by anyone (mode 0777)");
+    CHECK(c2 == NULL);
+    CHECK(chmod(d.dir, 0700) == 0);
+    c2 = itest_connect(&d, "after");
+    CHECK_EQ_INT(moe_hello(c2, NULL), 0);
+    CHECK_EQ_INT(moe_hello(c, NULL), 0);
+    moe_disconnect(&c2);
+    moe_disconnect(&c);
+    itest_daemon_stop(&d);
+}
+
 /* A daemon with a session (probe) whose limit on descriptors leaves it 8
  * more than it holds; was is the limit before. */
 static void start_short_of_descriptors(struct itest_daemon *d, struct raw *probe, struct rlimit *was)
@@ -1581,6 +1626,7 @@ int main(int argc, char **argv)
         TEST_CASE(a_reply_too_large_for_the_reply_socket_is_an_error),
         TEST_CASE(descriptors_with_an_empty_datagram_are_closed),
         TEST_CASE(a_zeromq_connection_flood_out_of_descriptors_is_survived),
+        TEST_CASE(a_runtime_directory_others_can_write_is_refused),
         TEST_CASE(cross_wired_reply_sockets_do_not_loop),
         TEST_CASE(running_out_of_descriptors_pauses_accepting),
         TEST_CASE(the_descriptor_limit_is_raised_to_the_hard_one),

@@ -1454,7 +1454,7 @@ TEST(units_verify_and_sysusers_tmpfiles_apply)
         CHECK_MSG(rc == 0 && sscanf(out, "moe:x:%u:", &ggid) == 1, "group: %s", out);
         CHECK_EQ_INT(gid, ggid);
         const char *dirs[] = {"run/moed", "var/lib/moed", "var/lib/moed/weights", "var/cache/moed"};
-        const unsigned modes[] = {0770, 0750, 0750, 0750};
+        const unsigned modes[] = {0750, 0750, 0750, 0750};
         for (size_t i = 0; i < ARRAY_LEN(dirs); i++) {
             char p[400];
             struct stat st;
@@ -1611,7 +1611,7 @@ static void deb_install_remove(const char *deb)
     CHECK(stat("/var/lib/moed/weights", &st) == 0);
     CHECK_EQ_INT(st.st_uid, pw->pw_uid);
     CHECK_EQ_INT(st.st_mode & 07777, 0750);
-    CHECK(stat("/run/moed", &st) == 0 && (st.st_mode & 07777) == 0770);
+    CHECK(stat("/run/moed", &st) == 0 && (st.st_mode & 07777) == 0750);
     rc = sh(out, sizeof(out), "/usr/sbin/moed --config /etc/moed/moed.conf --check-config");
     CHECK_MSG(rc == 0, "the installed configuration: %s", out);
 

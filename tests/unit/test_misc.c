@@ -1,7 +1,8 @@
 /*
  * test_misc.c: the small modules: daemon/stats.c (power-of-two histograms,
  * exact quantiles over a ring of samples), proto/status.c (the one table
- * between errno values, wire statuses and messages) and daemon/util.c (names,
+ * between errno values, wire statuses and messages), proto/rundir.c (which
+ * runtime directories both ends trust) and daemon/util.c (names,
  * overflow-checked arithmetic, random bytes).
  *
  * Expected values come from independent computations (sorting, 128-bit
@@ -14,7 +15,10 @@
 #include "daemon/stats.h"
 #include "daemon/util.h"
 #include "moe.pb-c.h"
+#include "proto/rundir.h"
 #include "proto/status.h"
+
+#include <sys/stat.h>
 
 #include <limits.h>
 
@@ -365,6 +369,53 @@ TEST(status_strerror_texts)
 
 /* ---- util ------------------------------------------------------------------ */
 
+/* rundir_check's verdict on dir, with the reason's text checked for
+ * words that say why. */
+static void check_rundir(const char *dir, int want, const char *says)
+{
+    char why[512] = "";
+    int rc = rundir_check(dir, why, sizeof(why));
+    CHECK_MSG(rc == want, "%s: %d (%s), wanted %d", dir, rc, why, want);
+    if (says)
+        CHECK_MSG(strstr(why, says) != NULL, "%s: \"%s\" does not say \"%s\"", dir, why, says);
+}
+
+TEST(runtime_directories_others_could_write_are_refused)
+{
+    char top[] = "/tmp/moed-rundir.XXXXXX", d[96], f[96];
+    CHECK(mkdtemp(top) != NULL);
+    snprintf(d, sizeof(d), "%s/rt", top);
+    snprintf(f, sizeof(f), "%s/file", top);
+    CHECK(mkdir(d, 0700) == 0 && chmod(d, 0750) == 0);
+    check_rundir(d, 0, NULL);
+    check_rundir(top, 0, NULL);
+    CHECK(chmod(d, 0770) == 0);
+    check_rundir(d, -EACCES, "writable by its group (mode 0770)");
+    CHECK(chmod(d, 01777) == 0);
+    check_rundir(d, -EACCES, "writable by anyone (mode 1777)");
+    CHECK(chmod(d, 0755) == 0);
+    FILE *fp = fopen(f, "w");
+    CHECK(fp != NULL && fclose(fp) == 0);
+    check_rundir(f, -ENOTDIR, "not a directory");
+    char gone[128];
+    snprintf(gone, sizeof(gone), "%s/none", top);
+    check_rundir(gone, -ENOENT, "No such file");
+    if (geteuid() == 0) {
+        /* Another user's directory: fine under a parent only root writes,
+         * refused under one anyone writes (anyone could have made it). */
+        CHECK(chown(d, 4242, 4242) == 0);
+        CHECK(chmod(top, 0755) == 0);
+        check_rundir(d, 0, NULL);
+        char slash[128];
+        snprintf(slash, sizeof(slash), "%s/", d);
+        check_rundir(slash, 0, NULL);
+        CHECK(chmod(top, 01777) == 0);
+        check_rundir(d, -EACCES, "belongs to uid 4242");
+        check_rundir(slash, -EACCES, "belongs to uid 4242");
+    }
+    CHECK(unlink(f) == 0 && rmdir(d) == 0 && rmdir(top) == 0);
+}
+
 TEST(names)
 {
     char n64[65], n65[66];
@@ -571,6 +622,7 @@ int main(int argc, char **argv)
         TEST_CASE(ring_wraps_around),
         TEST_CASE(status_round_trip),
         TEST_CASE(status_strerror_texts),
+        TEST_CASE(runtime_directories_others_could_write_are_refused),
         TEST_CASE(names),
         TEST_CASE(checked_arithmetic),
         TEST_CASE(random_bytes_random),

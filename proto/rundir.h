@@ -1,0 +1,20 @@
+/*
+ * rundir.h: the runtime directory as a rendezvous both ends can trust.
+ * Whoever can write the directory can replace moed.sock with a socket of
+ * their own, and pose as the daemon to clients (receiving the memfds of
+ * their regions) or as nothing at all. Compiled into both the daemon,
+ * which refuses to serve from such a directory, and libmoe, which refuses
+ * to connect through one.
+ */
+#ifndef MOE_PROTO_RUNDIR_H
+#define MOE_PROTO_RUNDIR_H
+
+#include <stddef.h>
+
+/* 0 when dir is a directory that no one but its owner may write, and whose
+ * owner is root or this process's user wherever its parent lets others
+ * make entries (under /tmp, anyone could have made it). Else -errno
+ * (-ENOENT, -ENOTDIR, -EACCES...) with why in err. */
+int rundir_check(const char *dir, char *err, size_t errlen);
+
+#endif
