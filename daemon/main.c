@@ -43,6 +43,7 @@ struct cli {
     uint32_t mbt, mdu, mst, rwu, spin, vdev;
     const char *gpus, *transport, *io_threads, *tile_table;
     bool no_batch;
+    char demo_dir[PATH_MAX]; /* --demo's weights, once written: allowed too */
 };
 
 struct daemon {
@@ -128,6 +129,10 @@ static int cli_apply(const struct cli *o, struct config *c, char *err, size_t er
             snprintf(err, errlen, "--allow-dir %s: %s", o->allow[i], strerror(-rc));
             return rc;
         }
+    if (o->demo_dir[0] && (rc = config_add_allowed_dir(c, o->demo_dir)) < 0) {
+        snprintf(err, errlen, "--demo's %s: %s", o->demo_dir, strerror(-rc));
+        return rc;
+    }
     if (o->backend) {
         free(c->backend);
         if (!(c->backend = strdup(o->backend)))
@@ -676,8 +681,10 @@ int main(int argc, char **argv)
         return 1;
     }
     if (demo) {
-        char dir[PATH_MAX], path[PATH_MAX];
-        snprintf(dir, sizeof(dir), "%s/demo", d.cfg.runtime_dir);
+        char *dir = d.cli.demo_dir, path[PATH_MAX];
+        snprintf(dir, sizeof(d.cli.demo_dir), "%s/demo", d.cfg.runtime_dir);
+        /* Allowed as the command line's directories are: again at every
+         * reload. */
         if ((rc = demo_write(dir, path, sizeof(path))) < 0 ||
             (rc = config_add_allowed_dir(&d.cfg, dir)) < 0) {
             log_err("cannot write the demo layer in %s: %s", dir, strerror(-rc));

@@ -1123,6 +1123,30 @@ static void pad_header(const char *in, const char *out, unsigned n_keys)
     free(h);
 }
 
+/* --demo's directory is allowed as --allow-dir's are: a reload keeps it,
+ * and keeps the list of allowed directories as it was (a reload that
+ * changes none does not wait for the loader). */
+TEST(demo_weights_stay_loadable_after_a_reload)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--demo", NULL);
+    moe_client *c = itest_connect(&d, "demo");
+    char path[300];
+    snprintf(path, sizeof(path), "%s/demo/demo.safetensors", d.dir);
+    kill(d.pid, SIGHUP);
+    char *log = wait_log(d.log, "reload: 0 layers loaded, 0 unloaded, 0 kept, 0 failed", 20000);
+    CHECK(strstr(log, "allowed directories") == NULL); /* the same list */
+    free(log);
+    moe_layer_desc desc = {.name = "again", .kind = MOE_LAYER_MOE, .topk = 2,
+                           .routing = MOE_ROUTING_SOFTMAX, .renormalize = 1, .path = path,
+                           .prefix = "model.layers.0.block_sparse_moe."};
+    moe_layer_info info;
+    CHECK_MSG(moe_layer_load(c, &desc, &info) == 0, "%s", moe_errmsg());
+    CHECK_EQ_INT(info.experts, 8);
+    moe_disconnect(&c);
+    itest_daemon_stop(&d);
+}
+
 /*
  * A reload reads headers off the loop thread: while it checks and loads a
  * layer whose file has a header of megabytes (seconds of parsing), another
@@ -1816,6 +1840,7 @@ int main(int argc, char **argv)
         TEST_CASE_TIMEOUT(reload_serves_a_layer_again_when_its_new_load_fails, 60),
         TEST_CASE_TIMEOUT(reload_does_not_serve_a_layer_again_from_a_replaced_file, 60),
         TEST_CASE_TIMEOUT(reload_parses_headers_off_the_loop, 120),
+        TEST_CASE(demo_weights_stay_loadable_after_a_reload),
         TEST_CASE_TIMEOUT(watchdog_pings_stop_while_one_batch_runs_too_long, 90),
         TEST_CASE_TIMEOUT(socket_activation_passes_both_named_sockets, 30),
         TEST_CASE_TIMEOUT(socket_activation_session_only_binds_zmq_itself, 30),
