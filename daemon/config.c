@@ -292,7 +292,7 @@ int config_set_daemon(struct config *c, const char *k, const char *v)
         return set_str(&c->backend, v);
     }
     if (!strcmp(k, "cpu_threads")) {
-        int rc = parse_u64(v, 1024, &x);
+        int rc = parse_u64(v, CONFIG_MAX_THREADS, &x);
         c->cpu_threads = (int)x;
         return rc;
     }
@@ -366,10 +366,10 @@ struct num_key {
     {sec, nm, offsetof(struct config, field), true, lo, UINT64_MAX, false}
 
 static const struct num_key num_keys[] = {
-    NUM32("batch", "max_batch_tokens", max_batch_tokens, 1, 1u << 20),
-    NUM32("batch", "max_delay_us", max_delay_us, 0, 10000000),
+    NUM32("batch", "max_batch_tokens", max_batch_tokens, 1, CONFIG_MAX_BATCH_TOKENS),
+    NUM32("batch", "max_delay_us", max_delay_us, 0, CONFIG_MAX_DELAY_US),
     NUM32("batch", "max_request_tokens", max_request_tokens, 1, 1u << 24),
-    NUM32("batch", "max_slice_tokens", max_slice_tokens, 1, 1u << 24),
+    NUM32("batch", "max_slice_tokens", max_slice_tokens, 1, CONFIG_MAX_SLICE_TOKENS),
     NUM32("batch", "return_wait_us", return_wait_us, 0, 1000000),
     /* the compute thread reads it as it starts */
     {"batch", "spin_us", offsetof(struct config, spin_us), false, 0, 100000, true},

@@ -21,7 +21,9 @@
  *   max_batch_tokens = 4096   ; tokens (or GEMM rows) in one launch
  *   max_delay_us = 0          ; wait this long for more requests when the device frees
  *   max_request_tokens = 65536
- *   max_slice_tokens = 1024   ; rows one request adds to a batch (long prefills run in slices)
+ *   max_slice_tokens = 1024   ; rows one MoE request adds to a batch (long prefills run in
+ *                             ; slices; a grouped-GEMM request runs whole, alone if larger
+ *                             ; than max_batch_tokens)
  *   return_wait_us = 600      ; after a batch of several clients, wait up to this long for
  *                             ; those clients' next requests (0: never)
  *   batching = true           ; false: every request runs alone (for comparison)
@@ -119,6 +121,12 @@ struct config {
 };
 
 /* Fill c with the defaults (runtime dir from the environment rule). */
+/* The bounds of the numbers the command line sets too. */
+#define CONFIG_MAX_THREADS 1024
+#define CONFIG_MAX_BATCH_TOKENS (1u << 20)
+#define CONFIG_MAX_DELAY_US 10000000u
+#define CONFIG_MAX_SLICE_TOKENS (1u << 24)
+
 int config_init(struct config *c);
 void config_done(struct config *c);
 

@@ -79,7 +79,8 @@ static void usage(FILE *f)
             "  -t, --threads N          CPU backend threads (0: one per CPU)\n"
             "      --max-batch-tokens N tokens in one batched launch (default 4096)\n"
             "      --max-delay-us N     wait up to N us for more requests (default 0)\n"
-            "      --max-slice-tokens N rows one request adds to a batch (default 1024)\n"
+            "      --max-slice-tokens N rows one MoE request adds to a batch (default 1024;\n"
+            "                           grouped-GEMM requests run whole)\n"
             "      --return-wait-us N   after a batch of several clients, wait up to N us for\n"
             "                           their next requests (default 600; 0: never)\n"
             "      --spin-us N          spin up to N us for a batch to finish instead of sleeping\n"
@@ -87,7 +88,8 @@ static void usage(FILE *f)
             "      --no-batch           run every request alone (to measure what batching gains)\n"
             "      --virtual-devices N  with --backend cpu: N devices (threads split between\n"
             "                           them) for layers whose experts are spread over devices\n"
-            "      --gpus LIST|all      own these CUDA devices (e.g. 0,1; default: --device's)\n"
+            "      --gpus LIST|all      own these CUDA devices (e.g. 0,1; default: the\n"
+            "                           configuration's device)\n"
             "      --transport NAME     between GPUs: auto (default), nccl or peer\n"
             "      --io-threads N       ZeroMQ I/O threads (default 1)\n"
             "  -l, --log-level LEVEL    err, warning, notice, info (default), debug\n"
@@ -447,12 +449,12 @@ static int setup_signals(struct daemon *d)
     return d->sig_watch ? 0 : -errno;
 }
 
-/* Each client holds a session socket, a ZeroMQ connection and up to
- * max_regions memfds, so the soft limit on descriptors (often 1024) is
- * raised to the hard one (moed.service sets both). Out of descriptors,
- * new connections wait (sessions) or are closed (fdguard.h). The daemon
- * waits on epoll and poll, never select, so descriptors past 1024 are
- * fine. */
+/* Each client holds a session socket, a reply socket, a ZeroMQ connection
+ * and up to max_regions memfds, so the soft limit on descriptors (often
+ * 1024) is raised to the hard one (moed.service sets both). Out of
+ * descriptors, new connections wait (sessions) or are closed (fdguard.h).
+ * The daemon waits on epoll and poll, never select, so descriptors past
+ * 1024 are fine. */
 static void raise_nofile(void)
 {
     struct rlimit rl;
@@ -523,22 +525,33 @@ int main(int argc, char **argv)
             o->allow[o->n_allow++] = optarg;
             break;
         case 'b': o->backend = optarg; break;
-        case 't': o->threads = atoi(optarg); break;
+        case 't': {
+            uint32_t n;
+            if (parse_u32_arg(optarg, &n) < 0 || n > CONFIG_MAX_THREADS) {
+                log_err("--threads needs a number from 0 to %d", CONFIG_MAX_THREADS);
+                return 2;
+            }
+            o->threads = (int)n;
+            break;
+        }
         case OPT_MBT:
-            if (parse_u32_arg(optarg, &o->mbt) < 0 || o->mbt == 0) {
-                log_err("--max-batch-tokens needs a positive number");
+            if (parse_u32_arg(optarg, &o->mbt) < 0 || o->mbt == 0 ||
+                o->mbt > CONFIG_MAX_BATCH_TOKENS) {
+                log_err("--max-batch-tokens needs a number from 1 to %u", CONFIG_MAX_BATCH_TOKENS);
                 return 2;
             }
             break;
         case OPT_MDU:
-            if (parse_u32_arg(optarg, &o->mdu) < 0) {
-                log_err("--max-delay-us needs a number");
+            if (parse_u32_arg(optarg, &o->mdu) < 0 || o->mdu > CONFIG_MAX_DELAY_US) {
+                log_err("--max-delay-us needs a number of microseconds up to %u",
+                        CONFIG_MAX_DELAY_US);
                 return 2;
             }
             break;
         case OPT_MST:
-            if (parse_u32_arg(optarg, &o->mst) < 0 || o->mst == 0) {
-                log_err("--max-slice-tokens needs a positive number");
+            if (parse_u32_arg(optarg, &o->mst) < 0 || o->mst == 0 ||
+                o->mst > CONFIG_MAX_SLICE_TOKENS) {
+                log_err("--max-slice-tokens needs a number from 1 to %u", CONFIG_MAX_SLICE_TOKENS);
                 return 2;
             }
             break;

@@ -1735,6 +1735,34 @@ TEST(deb_builds_lists_installs_and_removes)
     unlink(deb);
 }
 
+/* The command line's numbers are held to the bounds the file's are: out of
+ * them, or not numbers, they are refused (status 2), naming the option. */
+TEST(option_numbers_out_of_bounds_are_refused)
+{
+    char bin[PATH_MAX], out[4096];
+    moed_bin(bin, sizeof(bin));
+    const char *bad[][2] = {
+        {"--threads abc", "--threads"},
+        {"--threads -1", "--threads"},
+        {"--threads 1025", "--threads"},
+        {"--max-batch-tokens 0", "--max-batch-tokens"},
+        {"--max-batch-tokens 1048577", "--max-batch-tokens"},
+        {"--max-delay-us 10000001", "--max-delay-us"},
+        {"--max-slice-tokens 16777217", "--max-slice-tokens"},
+        {"--spin-us 100001", "--spin-us"},
+        {"--return-wait-us 1000001", "--return-wait-us"},
+    };
+    for (size_t i = 0; i < ARRAY_LEN(bad); i++) {
+        int rc = sh(out, sizeof(out), "%s %s --check-config", bin, bad[i][0]);
+        CHECK_MSG(rc == 2, "%s: status %d: %s", bad[i][0], rc, out);
+        CHECK_MSG(strstr(out, bad[i][1]) != NULL, "%s said: %s", bad[i][0], out);
+    }
+    int rc = sh(out, sizeof(out),
+                "%s --threads 1024 --max-batch-tokens 1048576 --max-delay-us 10000000 "
+                "--max-slice-tokens 16777216 --check-config", bin);
+    CHECK_MSG(rc == 0, "the bounds themselves: status %d: %s", rc, out);
+}
+
 /* ---- configuration and logging ------------------------------------------------ */
 
 TEST(check_config_validates_and_exits)
@@ -1850,6 +1878,7 @@ int main(int argc, char **argv)
         TEST_CASE_TIMEOUT(hardening_directives_leave_the_daemon_working, 240),
         TEST_CASE_TIMEOUT(deb_builds_lists_installs_and_removes, 90),
         TEST_CASE_TIMEOUT(check_config_validates_and_exits, 30),
+        TEST_CASE(option_numbers_out_of_bounds_are_refused),
         TEST_CASE_TIMEOUT(journal_prefixes_and_log_level, 30),
         {0}});
 }
