@@ -633,12 +633,8 @@ static void batch_done(struct job *job)
     free(bj->items);
     free(bj);
     s->batch_running = false;
-    if ((s->failed_device = server_failed_device(s)) >= 0) {
-        /* Nothing more can run on that device; main exits non-zero. */
-        s->fatal = true;
-        loop_stop(s->loop);
+    if (server_check_devices(s))
         return;
-    }
     batch_kick(s);
 }
 

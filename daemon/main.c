@@ -386,6 +386,8 @@ static void daemon_check_drained(struct daemon *d)
 static void on_tick(void *data)
 {
     struct daemon *d = data;
+    if (server_check_devices(d->server))
+        return; /* no watchdog ping: main exits non-zero */
     notify_tick(d->server);
     daemon_check_drained(d);
 }

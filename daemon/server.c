@@ -650,6 +650,18 @@ int server_failed_device(const struct server *s)
     return -1;
 }
 
+bool server_check_devices(struct server *s)
+{
+    if (s->fatal)
+        return true;
+    if ((s->failed_device = server_failed_device(s)) < 0)
+        return false;
+    /* Nothing more can run on that device; main exits non-zero. */
+    s->fatal = true;
+    loop_stop(s->loop);
+    return true;
+}
+
 unsigned server_pending(const struct server *s)
 {
     return s->queued_total + (s->batch_running ? 1u : 0u) + worker_pending(s->loader);

@@ -240,6 +240,10 @@ unsigned server_pending(const struct server *s);
  * fault), or -1: any of them, not only the home device, since a layer's
  * experts may live on the others. */
 int server_failed_device(const struct server *s);
+/* After a batch, and at every status tick (a load on the loader thread can
+ * break a device too): a failed device makes the server fatal
+ * (failed_device says which) and stops the loop; true then. */
+bool server_check_devices(struct server *s);
 /* Decode, authenticate, validate and dispatch one request that arrived
  * from routing id rid: what the ZeroMQ socket does for each message, callable
  * without it (tests, fuzzing). Every request is answered through

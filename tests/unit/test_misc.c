@@ -10,6 +10,7 @@
  */
 #include "tests/unit/unit.h"
 #include "daemon/backend.h"
+#include "daemon/loop.h"
 #include "daemon/server.h"
 #include "daemon/shard.h"
 #include "daemon/stats.h"
@@ -612,6 +613,34 @@ TEST(a_failed_device_other_than_the_first_is_noticed)
     CHECK_NO_LEAKS();
 }
 
+/* server_check_devices (after each batch and at each status tick): a
+ * healthy server goes on; a failed device makes it fatal, names the device
+ * and stops the loop (main then exits 3). */
+TEST(a_failed_device_stops_the_server)
+{
+    struct flaky dev[2];
+    static struct server s; /* large: not on the stack */
+    memset(&s, 0, sizeof(s));
+    for (int i = 0; i < 2; i++) {
+        dev[i] = (struct flaky){.base = {.ops = &flaky_ops, .name = "flaky"}};
+        s.backends[i] = &dev[i].base;
+    }
+    s.n_backends = 2;
+    s.backend = s.backends[0];
+    CHECK_EQ_INT(loop_new(&s.loop), 0);
+    CHECK(!server_check_devices(&s));
+    CHECK(!s.fatal);
+    dev[1].failed = true;
+    CHECK(server_check_devices(&s));
+    CHECK(s.fatal);
+    CHECK_EQ_INT(s.failed_device, 1);
+    /* The loop was stopped: run returns at once. */
+    CHECK_EQ_INT(loop_run(s.loop), 0);
+    CHECK(server_check_devices(&s)); /* and stays fatal */
+    loop_free(&s.loop);
+    CHECK_NO_LEAKS();
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -628,6 +657,7 @@ int main(int argc, char **argv)
         TEST_CASE(random_bytes_random),
         TEST_CASE(unavailable_device_refuses_its_layers),
         TEST_CASE(a_failed_device_other_than_the_first_is_noticed),
+        TEST_CASE(a_failed_device_stops_the_server),
         TEST_CASE(a_spread_layer_over_the_routing_limit_is_refused),
         {0}});
 }
