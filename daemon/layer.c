@@ -40,6 +40,8 @@ struct load_job {
     /* Run at once by its caller, which reports a failure (a queued load's
      * is logged here). */
     bool sync;
+    /* A client's LoadLayer: counted in s->client_loads until done. */
+    bool from_client;
     /* Result. */
     int rc;
     char err[512];
@@ -213,6 +215,8 @@ static void load_done(struct job *job)
     struct layer *l = lj->layer;
     Moe__Reply rep = MOE__REPLY__INIT;
     Moe__LayerInfo info;
+    if (lj->from_client)
+        s->client_loads--;
     if (lj->rc) {
         if (!lj->sync)
             log_warn("cannot load layer '%s': %s", l->name, lj->err);
@@ -428,9 +432,9 @@ static int load_prepare(struct server *s, struct session *se, const Moe__LoadLay
         snprintf(err, errlen, "%u layers are loaded or loading, the limit (max_layers)", n_layers);
         return -EDQUOT;
     }
-    if (from_client && worker_pending(s->loader) >= s->cfg->max_loads) {
+    if (from_client && s->client_loads >= s->cfg->max_loads) {
         snprintf(err, errlen, "%u loads are in flight, the limit (max_loads); try again",
-                 worker_pending(s->loader));
+                 s->client_loads);
         return -EBUSY;
     }
     struct load_job *lj = calloc(1, sizeof(*lj));
@@ -469,6 +473,8 @@ void layer_handle_load(struct server *s, struct session *se, const uint8_t *rout
     lj->req_id = req_id;
     memcpy(lj->route_id, route_id, route_len);
     lj->route_len = route_len;
+    lj->from_client = true;
+    s->client_loads++;
     worker_submit(s->loader, &lj->job);
 }
 

@@ -199,6 +199,7 @@ struct server {
     uint64_t pinned_bytes;  /* client regions pinned (max_pinned_bytes) */
 
     struct layer *layers;
+    unsigned client_loads;  /* clients' loads queued or running (max_loads) */
     bool batch_running;     /* a batch is on the compute worker */
     struct loop_watch *delay_timer; /* max_delay_us: wake to start a batch */
     uint64_t delay_due_us;  /* when delay_timer fires; 0: not armed */

@@ -1123,6 +1123,45 @@ static void pad_header(const char *in, const char *out, unsigned n_keys)
     free(h);
 }
 
+/* max_loads caps clients' loads only: while a reload's plan and loads keep
+ * the loader busy, a client's load is taken (and waits its turn), not
+ * refused as BUSY. */
+TEST(a_reload_does_not_use_up_clients_loads)
+{
+    uint64_t seed = test_seed();
+    char wdir[] = "/tmp/moed-sdh.XXXXXX", conf[128], fa[128], fb[128], fslow[128];
+    work_dir(wdir, conf, fa);
+    snprintf(fb, sizeof(fb), "%s/b.safetensors", wdir);
+    snprintf(fslow, sizeof(fslow), "%s/slow.safetensors", wdir);
+    struct itest_layer A = layer_def("alpha", 4, 2, 32, 48), B = layer_def("beta", 4, 2, 32, 48);
+    layer_file(&A, fa, "m.", &seed);
+    layer_file(&B, fb, "m.", &seed);
+    pad_header(fa, fslow, 1000000); /* 14 MB of header: seconds of parsing */
+    const char *text = "[daemon]\nallowed_dirs = %s\n\n[limits]\nmax_loads = 1\n\n"
+                       "[layer alpha]\nfile = %s\nprefix = m.\ntopk = 2\n";
+    write_file(conf, text, wdir, fa);
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--config", conf, NULL);
+    moe_client *c = itest_connect(&d, "loads");
+    write_file(conf, text, wdir, fslow);
+    kill(d.pid, SIGHUP);
+    free(wait_log(d.log, "reloading the configuration", 10000));
+    moe_layer_desc desc = {.name = "beta", .kind = MOE_LAYER_MOE, .topk = 2,
+                           .routing = MOE_ROUTING_SOFTMAX, .renormalize = 1, .path = fb,
+                           .prefix = "m."};
+    moe_layer_info info;
+    CHECK_MSG(moe_layer_load(c, &desc, &info) == 0, "%s", moe_errmsg());
+    free(wait_log(d.log, "reload: 1 layers loaded, 1 unloaded, 0 kept, 0 failed", 60000));
+    forward_and_check(c, &B, 3, &seed);
+    forward_and_check(c, &A, 3, &seed);
+    moe_disconnect(&c);
+    itest_daemon_stop(&d);
+    itest_layer_free(&A);
+    itest_layer_free(&B);
+    itest_rmdir(d.dir);
+    itest_rmdir(wdir);
+}
+
 /* --demo's directory is allowed as --allow-dir's are: a reload keeps it,
  * and keeps the list of allowed directories as it was (a reload that
  * changes none does not wait for the loader). */
@@ -1869,6 +1908,7 @@ int main(int argc, char **argv)
         TEST_CASE_TIMEOUT(reload_does_not_serve_a_layer_again_from_a_replaced_file, 60),
         TEST_CASE_TIMEOUT(reload_parses_headers_off_the_loop, 120),
         TEST_CASE(demo_weights_stay_loadable_after_a_reload),
+        TEST_CASE_TIMEOUT(a_reload_does_not_use_up_clients_loads, 120),
         TEST_CASE_TIMEOUT(watchdog_pings_stop_while_one_batch_runs_too_long, 90),
         TEST_CASE_TIMEOUT(socket_activation_passes_both_named_sockets, 30),
         TEST_CASE_TIMEOUT(socket_activation_session_only_binds_zmq_itself, 30),
