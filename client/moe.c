@@ -39,10 +39,15 @@ struct moe_region {
     struct moe_region *next;
 };
 
+/* A reply that came, or a mark. Request ids are never reused over the
+ * client's life (next_id goes on across connections), so a reply of an
+ * earlier connection is still its request's: it stays here until that
+ * request is waited for or given up, through any reconnection. */
 struct pending {
     uint64_t id;
     Moe__Reply *reply; /* NULL: a synchronous call gave up on id; its reply,
-                        * when it comes, is dropped */
+                        * when it comes, is dropped (the current connection's
+                        * only) */
     struct pending *next;
 };
 
@@ -51,7 +56,10 @@ struct pending {
  * daemon gone, the call in flight fails with -ECONNRESET and the next call
  * opens a new session, re-registers every region (the client still holds
  * their memfds; their ids change, the moe_region handles stay valid) and
- * replaces the request socket. Requests of the old connection are lost.
+ * replaces the request socket. Requests of the old connection are lost,
+ * except those whose replies had come (read before the reconnection, or
+ * collected then from the sockets of a daemon that went away): a wait
+ * returns them.
  */
 struct moe_client {
     pthread_mutex_t mu;
@@ -273,8 +281,10 @@ void moe_set_spin_us(moe_client *c, unsigned spin_us)
 }
 
 /* Close the sockets of the current connection (not the regions); a thread
- * asleep on them is woken to notice. */
-static void connection_close(moe_client *c)
+ * asleep on them is woken to notice. The replies that came stay for their
+ * waits where keep_replies (a reconnection), the marks of given-up requests
+ * go with the connection. */
+static void connection_close(moe_client *c, bool keep_replies)
 {
     kick_reader(c);
     if (c->zsock)
@@ -286,9 +296,13 @@ static void connection_close(moe_client *c)
     if (c->rfd >= 0)
         close(c->rfd);
     c->rfd = -1;
-    while (c->pending) {
-        struct pending *p = c->pending;
-        c->pending = p->next;
+    for (struct pending **pp = &c->pending; *pp;) {
+        struct pending *p = *pp;
+        if (keep_replies && p->reply) {
+            pp = &p->next;
+            continue;
+        }
+        *pp = p->next;
         if (p->reply)
             moe__reply__free_unpacked(p->reply, NULL);
         free(p);
@@ -296,6 +310,7 @@ static void connection_close(moe_client *c)
 }
 
 static int region_register(moe_client *c, struct moe_region *r, const char *name);
+static int session_socket_ready(moe_client *c);
 
 /* Open the session socket, say OpenSession, connect the request socket and
  * register the regions the client already holds. Caller holds mu (or owns c
@@ -392,19 +407,19 @@ static int connection_open(moe_client *c)
 static int connection_ensure(moe_client *c)
 {
     if (!c->broken && c->sfd >= 0) {
-        /* A closed session socket means the daemon stopped or restarted. */
+        /* A closed session socket means the daemon stopped or restarted:
+         * the replies it sent before are collected, as a waiting thread
+         * would have, before the sockets close. */
         struct pollfd p = {c->sfd, POLLIN, 0};
-        char b;
-        if (poll(&p, 1, 0) == 1 &&
-            ((p.revents & (POLLHUP | POLLERR)) || recv(c->sfd, &b, 1, MSG_PEEK | MSG_DONTWAIT) == 0))
-            session_over(c, NULL);
+        if (poll(&p, 1, 0) == 1)
+            (void)session_socket_ready(c); /* an error there ends the session too */
     }
     if (!c->broken)
         return 0;
-    connection_close(c);
+    connection_close(c, true);
     int rc = connection_open(c);
     if (rc < 0)
-        connection_close(c);
+        connection_close(c, true);
     else
         c->broken = false;
     if (rc < 0)
@@ -470,7 +485,7 @@ void moe_disconnect(moe_client **cp)
     *cp = NULL;
     if (!c)
         return;
-    connection_close(c);
+    connection_close(c, false);
     if (c->zctx)
         while (zmq_ctx_term(c->zctx) < 0 && zmq_errno() == EINTR)
             ; /* interrupted by a signal of the caller's: it can be restarted */
@@ -571,30 +586,23 @@ static Moe__Reply *pending_take(moe_client *c, uint64_t id)
     return NULL;
 }
 
-/* A synchronous call stops waiting for id: drop its reply if it has come,
- * else leave a mark so that pending_add drops it when it comes (it would
- * stay in the list for good). Caller holds mu. */
-static void pending_give_up(moe_client *c, uint64_t id)
-{
-    Moe__Reply *r = pending_take(c, id);
-    if (r) {
-        moe__reply__free_unpacked(r, NULL);
-        return;
-    }
-    struct pending *p = malloc(sizeof(*p));
-    if (!p)
-        return; /* the reply, when it comes, stays in the list */
-    *p = (struct pending){.id = id, .next = c->pending};
-    c->pending = p;
-}
-
-/* The same for a request of connection gen: a newer connection's list
- * never hears of it. */
+/* Stop waiting for id, a request of connection gen: drop its reply if it
+ * has come, else, on the current connection, leave a mark so that
+ * pending_add drops it when it comes (it would stay in the list for good).
+ * A request of an earlier connection gets no reply any more: no mark. */
 static void give_up(moe_client *c, uint64_t id, unsigned gen)
 {
     pthread_mutex_lock(&c->mu);
-    if (gen == c->generation)
-        pending_give_up(c, id);
+    Moe__Reply *r = pending_take(c, id);
+    if (r) {
+        moe__reply__free_unpacked(r, NULL);
+    } else if (gen == c->generation) {
+        struct pending *p = malloc(sizeof(*p));
+        if (p) { /* else the reply, when it comes, stays in the list */
+            *p = (struct pending){.id = id, .next = c->pending};
+            c->pending = p;
+        }
+    }
     pthread_mutex_unlock(&c->mu);
 }
 
@@ -800,9 +808,10 @@ static int wait_reply(moe_client *c, uint64_t id, unsigned gen, int timeout_ms, 
     Moe__Reply *rep = NULL;
     int rc = 0;
     for (bool tried = false;; tried = true) {
-        /* A reply that came stands, even when the connection broke since
-         * (the replies sent before the daemon went are collected). */
-        if (gen == c->generation && (rep = pending_take(c, id)) != NULL)
+        /* A reply that came stands, even when the connection broke or was
+         * replaced since (the replies sent before the daemon went are
+         * collected; ids are not reused). */
+        if ((rep = pending_take(c, id)) != NULL)
             break;
         if (gen != c->generation || c->broken || !c->zsock) {
             rc = seterr(-ECONNRESET, "%s", lost_why(c));
@@ -1336,12 +1345,16 @@ int moe_wait(moe_client *c, moe_request **rp, int timeout_ms, moe_timings *timin
 int moe_poll(moe_client *c, moe_request *r)
 {
     pthread_mutex_lock(&c->mu);
-    /* A request of an earlier connection is settled: moe_wait says lost.
-     * A reply that has come is looked for first: it stands even when the
-     * connection broke since. */
-    bool found = r->generation != c->generation;
+    /* A reply that has come is looked for first: it stands even when the
+     * connection broke or was replaced since. Else a request of an earlier
+     * connection is settled: moe_wait says lost. */
+    bool found = false;
     int rc = 0;
     for (int pass = 0; pass < 2 && !found && !rc; pass++) {
+        if (pass == 1 && r->generation != c->generation) {
+            found = true;
+            break;
+        }
         if (pass == 1)
             rc = receive_some(c);
         for (struct pending *p = c->pending; p && !found; p = p->next)

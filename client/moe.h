@@ -43,7 +43,9 @@
  *
  * Daemon restarts: when moed stops or restarts, the call in flight fails
  * with -ECONNRESET (requests already submitted are lost and moe_wait says
- * so) and calls fail with -ECONNREFUSED while it is down. The next call
+ * so, except those the daemon answered before it went: moe_wait returns
+ * their results, whichever call noticed first, also after a reconnection)
+ * and calls fail with -ECONNREFUSED while it is down. The next call
  * after it is back opens a new session and re-registers the client's
  * regions: moe_region handles stay valid (their ids change). Layers that the
  * client uploaded died with the old daemon and must be loaded again.

@@ -253,12 +253,73 @@ TEST(replies_sent_before_the_daemon_died_are_delivered)
     itest_rmdir(d.dir);
 }
 
+/* Replies that came before the daemon went stay delivered whichever call
+ * notices first that it went: a submit or a Hello that finds the session
+ * over (and connects again, or cannot) must not throw away the replies
+ * already received, nor those a clean stop sent and the client has not
+ * read yet. moe_poll said 1 for the first: its result is there. */
+TEST(replies_that_came_survive_another_calls_reconnect)
+{
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    struct itest_layer L;
+    struct itest_fwd f[4];
+    moe_request *rq[4];
+    moe_client *c = start_with_layer(&d, "pipelined", 16, &seed, &L, &f[0]);
+    for (int i = 1; i < 4; i++)
+        itest_fwd_make(c, &L, 4 + (size_t)i, &seed, &f[i]);
+    for (int round = 0; round < 2; round++) {
+        for (int i = 0; i < 4; i++) {
+            memset((uint8_t *)moe_region_data(f[i].r) + f[i].o_off, 0xff, f[i].T * 256 * 2);
+            CHECK_MSG(moe_forward_submit(c, &f[i].args, &rq[i]) == 0, "%s", moe_errmsg());
+        }
+        /* Requests on one connection arrive in order: once this Hello is
+         * answered, the daemon holds all four. */
+        CHECK_MSG(moe_hello(c, NULL) == 0, "%s", moe_errmsg());
+        int p = 0;
+        for (int tries = 0; tries < 1000 && p == 0; tries++) {
+            p = moe_poll(c, rq[0]);
+            if (p == 0)
+                itest_sleep_ms(10);
+        }
+        CHECK_EQ_INT(p, 1);
+        /* A clean stop answers the others before the daemon exits. */
+        kill(d.pid, SIGTERM);
+        itest_daemon_wait_stopped(&d);
+        if (round == 0) {
+            /* Another call finds the daemon gone... */
+            CHECK_EQ_INT(moe_hello(c, NULL), -ECONNREFUSED);
+        } else {
+            /* ... or back, and connects again. */
+            itest_daemon_restart(&d, NULL);
+            CHECK_MSG(moe_hello(c, NULL) == 0, "%s", moe_errmsg());
+        }
+        for (int i = 0; i < 4; i++) {
+            int rc = moe_wait(c, &rq[i], 5000, NULL);
+            CHECK_MSG(rc == 0, "round %d, request %d: %d (%s)", round, i, rc, moe_errmsg());
+            CHECK(rq[i] == NULL);
+            CHECK(itest_fwd_error(&L, &f[i]) <= itest_tolerance(L.dt));
+        }
+        if (round == 0) {
+            itest_daemon_restart(&d, NULL);
+            itest_layer_free(&L);
+            itest_layer_upload(c, &L, &seed);
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        moe_region_free(c, &f[i].r);
+    moe_disconnect(&c);
+    itest_layer_free(&L);
+    itest_rmdir(d.dir);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
         TEST_CASE(client_reconnects_after_a_daemon_restart),
         TEST_CASE(timed_out_calls_leave_no_stale_reply),
         TEST_CASE(replies_sent_before_the_daemon_died_are_delivered),
+        TEST_CASE(replies_that_came_survive_another_calls_reconnect),
         TEST_CASE_TIMEOUT(a_hung_daemon_never_holds_a_call_past_its_timeout, 120),
         {0}});
 }
