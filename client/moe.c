@@ -146,6 +146,7 @@ static uint64_t deadline_ms(int timeout_ms)
 /* ---- session socket ---------------------------------------------------- */
 
 static void kick_reader(moe_client *c);
+static int session_gone(moe_client *c);
 
 /* The session is over: the next call opens a new one. lost says why its
  * requests are lost where the daemon did not go away (NULL: it did).
@@ -197,7 +198,7 @@ static int session_call(moe_client *c, Moe__SessionRequest *req, int fd,
         int e = errno;
         bool gone = e == EPIPE || e == ECONNRESET || e == ENOTCONN;
         if (gone)
-            session_over(c, NULL);
+            (void)session_gone(c); /* an error there ends the session too */
         /* A daemon that refused the session (too many sessions, shutting
          * down) said why before it closed: that answer beats "reset". */
         ssize_t r = gone ? recv(c->sfd, buf, sizeof(buf), MSG_DONTWAIT) : -1;
@@ -232,7 +233,7 @@ static int session_call(moe_client *c, Moe__SessionRequest *req, int fd,
     while ((r = recv(c->sfd, buf, sizeof(buf), 0)) < 0 && errno == EINTR)
         ;
     if (r <= 0) {
-        session_over(c, NULL);
+        (void)session_gone(c);
         return seterr(-ECONNRESET, "the daemon closed the session");
     }
     Moe__SessionReply *rep = moe__session_reply__unpack(NULL, (size_t)r, buf);
@@ -727,22 +728,31 @@ static int drain_last_replies(moe_client *c)
     }
 }
 
+/* The daemon went away: take the replies it sent before (what the sockets
+ * hold now, the reply socket's included, then what is still on its way
+ * through ZeroMQ) and end the session, whichever call noticed. Caller
+ * holds mu. 0 or -errno (the session ends either way). */
+static int session_gone(moe_client *c)
+{
+    int rc = 0;
+    if (c->zsock) { /* else no request was sent yet (OpenSession) */
+        rc = receive_ready(c, 0);
+        if (rc >= 0)
+            rc = drain_last_replies(c);
+    }
+    session_over(c, NULL);
+    return rc < 0 ? rc : 0;
+}
+
 /* The session socket became readable: at its end (the daemon went away),
- * take the replies it sent before, still on their way through ZeroMQ, and
- * end the session. Caller holds mu. 0 or -errno. */
+ * take the replies it sent before and end the session. Caller holds mu. 0
+ * or -errno. */
 static int session_socket_ready(moe_client *c)
 {
     char b;
     ssize_t n = recv(c->sfd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
-    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
-        /* What the sockets hold now, the reply socket's included, then
-         * what is still on its way through ZeroMQ. */
-        int rc = receive_ready(c, 0);
-        if (rc >= 0)
-            rc = drain_last_replies(c);
-        session_over(c, NULL);
-        return rc < 0 ? rc : 0;
-    }
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR))
+        return session_gone(c);
     return 0;
 }
 

@@ -267,15 +267,11 @@ TEST(replies_that_came_survive_another_calls_reconnect)
     moe_request *rq[4];
     moe_client *c = start_with_layer(&d, "pipelined", 16, &seed, &L, &f[0]);
     for (int i = 1; i < 4; i++)
-        itest_fwd_make(c, &L, 4 + (size_t)i, &seed, &f[i]);
+        itest_fwd_make(c, &L, 512 * (size_t)i, &seed, &f[i]);
     for (int round = 0; round < 2; round++) {
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < 4; i++)
             memset((uint8_t *)moe_region_data(f[i].r) + f[i].o_off, 0xff, f[i].T * 256 * 2);
-            CHECK_MSG(moe_forward_submit(c, &f[i].args, &rq[i]) == 0, "%s", moe_errmsg());
-        }
-        /* Requests on one connection arrive in order: once this Hello is
-         * answered, the daemon holds all four. */
-        CHECK_MSG(moe_hello(c, NULL) == 0, "%s", moe_errmsg());
+        CHECK_MSG(moe_forward_submit(c, &f[0].args, &rq[0]) == 0, "%s", moe_errmsg());
         int p = 0;
         for (int tries = 0; tries < 1000 && p == 0; tries++) {
             p = moe_poll(c, rq[0]);
@@ -283,6 +279,12 @@ TEST(replies_that_came_survive_another_calls_reconnect)
                 itest_sleep_ms(10);
         }
         CHECK_EQ_INT(p, 1);
+        /* Longer ones, whose replies come after the last read. Requests
+         * on one connection arrive in order: once this Hello is answered,
+         * the daemon holds all of them. */
+        for (int i = 1; i < 4; i++)
+            CHECK_MSG(moe_forward_submit(c, &f[i].args, &rq[i]) == 0, "%s", moe_errmsg());
+        CHECK_MSG(moe_hello(c, NULL) == 0, "%s", moe_errmsg());
         /* A clean stop answers the others before the daemon exits. */
         kill(d.pid, SIGTERM);
         itest_daemon_wait_stopped(&d);
@@ -313,6 +315,50 @@ TEST(replies_that_came_survive_another_calls_reconnect)
     itest_rmdir(d.dir);
 }
 
+/* The same when the call that finds the daemon gone is a region's free,
+ * which talks on the session socket at once. */
+TEST(replies_that_came_survive_a_region_free_that_finds_the_daemon_gone)
+{
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    struct itest_layer L;
+    struct itest_fwd f[4];
+    moe_request *rq[4];
+    moe_client *c = start_with_layer(&d, "pipelined", 16, &seed, &L, &f[0]);
+    for (int i = 1; i < 4; i++)
+        itest_fwd_make(c, &L, 512 * (size_t)i, &seed, &f[i]);
+    moe_region *extra = NULL;
+    CHECK_MSG(moe_region_create(c, 4096, "extra", &extra) == 0, "%s", moe_errmsg());
+    CHECK_MSG(moe_forward_submit(c, &f[0].args, &rq[0]) == 0, "%s", moe_errmsg());
+    int p = 0;
+    for (int tries = 0; tries < 1000 && p == 0; tries++) {
+        p = moe_poll(c, rq[0]);
+        if (p == 0)
+            itest_sleep_ms(10);
+    }
+    CHECK_EQ_INT(p, 1);
+    /* Longer ones, whose replies come after the last read; once the Hello
+     * is answered, the daemon holds them. */
+    for (int i = 1; i < 4; i++)
+        CHECK_MSG(moe_forward_submit(c, &f[i].args, &rq[i]) == 0, "%s", moe_errmsg());
+    CHECK_MSG(moe_hello(c, NULL) == 0, "%s", moe_errmsg());
+    kill(d.pid, SIGTERM); /* a clean stop answers the others first */
+    itest_daemon_wait_stopped(&d);
+    int rc = moe_region_free(c, &extra);
+    CHECK_MSG(rc == 0 || rc == -ECONNRESET, "region free: %d (%s)", rc, moe_errmsg());
+    CHECK(extra == NULL);
+    for (int i = 0; i < 4; i++) {
+        rc = moe_wait(c, &rq[i], 5000, NULL);
+        CHECK_MSG(rc == 0, "request %d: %d (%s)", i, rc, moe_errmsg());
+        CHECK(itest_fwd_error(&L, &f[i]) <= itest_tolerance(L.dt));
+    }
+    for (int i = 0; i < 4; i++)
+        moe_region_free(c, &f[i].r);
+    moe_disconnect(&c);
+    itest_layer_free(&L);
+    itest_rmdir(d.dir);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -320,6 +366,7 @@ int main(int argc, char **argv)
         TEST_CASE(timed_out_calls_leave_no_stale_reply),
         TEST_CASE(replies_sent_before_the_daemon_died_are_delivered),
         TEST_CASE(replies_that_came_survive_another_calls_reconnect),
+        TEST_CASE(replies_that_came_survive_a_region_free_that_finds_the_daemon_gone),
         TEST_CASE_TIMEOUT(a_hung_daemon_never_holds_a_call_past_its_timeout, 120),
         {0}});
 }
