@@ -590,10 +590,10 @@ static Moe__Reply *pending_take(moe_client *c, uint64_t id)
 /* Stop waiting for id, a request of connection gen: drop its reply if it
  * has come, else, on the current connection, leave a mark so that
  * pending_add drops it when it comes (it would stay in the list for good).
- * A request of an earlier connection gets no reply any more: no mark. */
-static void give_up(moe_client *c, uint64_t id, unsigned gen)
+ * A request of an earlier connection gets no reply any more: no mark.
+ * Caller holds mu. */
+static void give_up_locked(moe_client *c, uint64_t id, unsigned gen)
 {
-    pthread_mutex_lock(&c->mu);
     Moe__Reply *r = pending_take(c, id);
     if (r) {
         moe__reply__free_unpacked(r, NULL);
@@ -604,6 +604,12 @@ static void give_up(moe_client *c, uint64_t id, unsigned gen)
             c->pending = p;
         }
     }
+}
+
+static void give_up(moe_client *c, uint64_t id, unsigned gen)
+{
+    pthread_mutex_lock(&c->mu);
+    give_up_locked(c, id, gen);
     pthread_mutex_unlock(&c->mu);
 }
 
@@ -862,6 +868,10 @@ static int wait_reply(moe_client *c, uint64_t id, unsigned gen, int timeout_ms, 
         if (rc < 0)
             break;
     }
+    /* A failure other than the timeout (which the caller may wait past)
+     * ends the wait for good: a reply that comes later is dropped. */
+    if (rc && rc != -ETIMEDOUT)
+        give_up_locked(c, id, gen);
     pthread_mutex_unlock(&c->mu);
     if (rc)
         return rc;
