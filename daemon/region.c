@@ -78,7 +78,8 @@ void region_unref(struct region **rp)
         return;
     if (r->release)
         r->release(r->release_ctx, r);
-    munmap(r->base, (size_t)r->size);
+    if (r->base) /* else the release hook took the mapping (and fd) */
+        munmap(r->base, (size_t)r->size);
     close_fd(&r->fd);
     free(r);
 }

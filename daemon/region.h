@@ -16,7 +16,9 @@
 
 struct region;
 
-/* Called once before a region's memory is unmapped, e.g. to unpin it. */
+/* Called once before a region's memory is unmapped, e.g. to unpin it. It
+ * may take the mapping and descriptor over (setting r->base to NULL and
+ * r->fd to -1) to unmap and close them later. */
 typedef void (*region_release_fn)(void *ctx, struct region *r);
 
 struct region {

@@ -627,6 +627,8 @@ int server_new(struct config *cfg, struct backend **backends, int n_backends,
     int rc = worker_new(loop, "moed-compute", &s->compute);
     if (!rc)
         rc = worker_new(loop, "moed-loader", &s->loader);
+    if (!rc && s->backend->ops->pin)
+        rc = worker_new(loop, "moed-pinner", &s->pinner);
     if (rc) {
         server_free(&s);
         return rc;
@@ -664,7 +666,8 @@ bool server_check_devices(struct server *s)
 
 unsigned server_pending(const struct server *s)
 {
-    return s->queued_total + (s->batch_running ? 1u : 0u) + worker_pending(s->loader);
+    return s->queued_total + (s->batch_running ? 1u : 0u) + worker_pending(s->loader) +
+           (s->pinner ? worker_pending(s->pinner) : 0u);
 }
 
 int server_listen(struct server *s, int session_fd, int zmq_fd)
@@ -743,6 +746,9 @@ void server_free(struct server **sp)
     /* Finish what the workers hold before the state they point into goes. */
     worker_free(&s->loader);
     worker_free(&s->compute);
+    /* Its last pins answer their sessions, or release their regions; the
+     * sessions' regions are unpinned here and now after it. */
+    worker_free(&s->pinner);
     session_close_all(s);
     layer_unload_all(s);
     if (s->delay_timer)

@@ -80,6 +80,7 @@ struct session {
     uint64_t retired_bytes;
     uint32_t queued_requests;
     uint64_t queued_tokens;
+    bool pinning; /* a region of its is being pinned: its socket is not read */
     struct session *next;
 };
 
@@ -176,6 +177,7 @@ struct server {
     int n_backends;
     struct worker *compute;
     struct worker *loader;
+    struct worker *pinner;  /* pins and unpins clients' regions (backends that pin) */
 
     void *zctx;
     void *zsock;

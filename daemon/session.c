@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -26,6 +27,7 @@
 #include "daemon/loop.h"
 #include "daemon/region.h"
 #include "daemon/util.h"
+#include "daemon/worker.h"
 #include "moe.pb-c.h"
 #include "proto/status.h"
 
@@ -364,16 +366,122 @@ static uint64_t region_new_id(struct server *s)
     }
 }
 
+/*
+ * Pinning a region for DMA (CUDA: cudaHostRegister, about 15 ms per 256
+ * MiB) and unpinning it run on the pinner thread, not the loop's, which
+ * goes on serving every other client meanwhile. A session whose region is
+ * being pinned is not read until its reply goes out, so its session
+ * requests are still answered one at a time, in order. pinned_bytes
+ * counts a region from the pin's start to the unpin's end.
+ */
+struct pin_job {
+    struct job job;
+    struct server *s;
+    struct region *r;
+    uint64_t session_id;
+    pid_t pid;
+    int rc;
+};
+
+struct unpin_job {
+    struct job job;
+    struct server *s;
+    void *base, *cookie;
+    uint64_t size;
+    int fd;
+};
+
+static void region_add(struct server *s, struct session *se, struct region *r);
+
+static void pin_run(struct job *job)
+{
+    struct pin_job *pj = (struct pin_job *)job;
+    struct backend *b = pj->s->backend;
+    pj->rc = b->ops->pin(b, pj->r->base, (size_t)pj->r->size, &pj->r->pin_cookie);
+}
+
+static void pin_done(struct job *job)
+{
+    struct pin_job *pj = (struct pin_job *)job;
+    struct server *s = pj->s;
+    struct region *r = pj->r;
+    if (pj->rc || !r->pin_cookie) {
+        r->pin_cookie = NULL;
+        s->pinned_bytes -= r->size;
+        log_debug("region of %llu bytes of pid %d not pinned: %s", (unsigned long long)r->size,
+                  (int)pj->pid, strerror(pj->rc ? -pj->rc : EINVAL));
+    }
+    struct session *se = session_by_id(s, pj->session_id);
+    free(pj);
+    if (!se) { /* the client went meanwhile */
+        region_unref(&r);
+        return;
+    }
+    region_add(s, se, r);
+    if (loop_watch_events(s->loop, se->watch, EPOLLIN) < 0)
+        session_close(s, se, "its socket cannot be watched again");
+}
+
+/* Queue r's pin: true, and pin_done answers; false (out of memory), and r
+ * goes unpinned. */
+static bool pin_submit(struct server *s, struct session *se, struct region *r)
+{
+    struct pin_job *pj = calloc(1, sizeof(*pj));
+    if (!pj || loop_watch_events(s->loop, se->watch, 0) < 0) {
+        free(pj);
+        return false;
+    }
+    *pj = (struct pin_job){.job = {.run = pin_run, .done = pin_done}, .s = s, .r = r,
+                           .session_id = se->id, .pid = se->pid};
+    s->pinned_bytes += r->size;
+    se->pinning = true;
+    worker_submit(s->pinner, &pj->job);
+    return true;
+}
+
+static void unpin_run(struct job *job)
+{
+    struct unpin_job *uj = (struct unpin_job *)job;
+    struct backend *b = uj->s->backend;
+    b->ops->unpin(b, uj->base, (size_t)uj->size, uj->cookie);
+    munmap(uj->base, (size_t)uj->size);
+    close_fd(&uj->fd);
+}
+
+static void unpin_done(struct job *job)
+{
+    struct unpin_job *uj = (struct unpin_job *)job;
+    uj->s->pinned_bytes -= uj->size;
+    free(uj);
+}
+
+/* Unpin r, then unmap and close it, on the pinner thread: r gives up its
+ * mapping and descriptor. Without the thread (shutting down) or memory,
+ * here and now. */
+static void unpin(struct server *s, struct region *r)
+{
+    struct unpin_job *uj = s->pinner ? calloc(1, sizeof(*uj)) : NULL;
+    if (!uj) {
+        s->backend->ops->unpin(s->backend, r->base, (size_t)r->size, r->pin_cookie);
+        s->pinned_bytes -= r->size;
+        return;
+    }
+    *uj = (struct unpin_job){.job = {.run = unpin_run, .done = unpin_done}, .s = s,
+                             .base = r->base, .cookie = r->pin_cookie, .size = r->size,
+                             .fd = r->fd};
+    r->base = NULL;
+    r->fd = -1;
+    worker_submit(s->pinner, &uj->job);
+}
+
 /* A region's last reference is gone: unpinned, and no longer counted
  * against its session (if that is still there) when the client had
  * unregistered it before. */
 static void region_release(void *ctx, struct region *r)
 {
     struct server *s = ctx;
-    if (r->pin_cookie && s->backend->ops->unpin) {
-        s->backend->ops->unpin(s->backend, r->base, (size_t)r->size, r->pin_cookie);
-        s->pinned_bytes -= r->size;
-    }
+    if (r->pin_cookie && s->backend->ops->unpin)
+        unpin(s, r);
     struct session *se = r->retired ? session_by_id(s, r->session_id) : NULL;
     if (se) {
         se->n_retired--;
@@ -416,24 +524,27 @@ static void session_register(struct server *s, struct session *se,
         return;
     }
     fds[0] = -1; /* the region owns it now */
-    r->id = region_new_id(s);
     r->session_id = se->id;
     snprintf(r->name, sizeof(r->name), "%s", m->name ? m->name : "");
-    /* Pinned (CUDA: cudaHostRegister, on this thread, ~15 ms per 256 MiB)
-     * while the daemon's total stays within max_pinned_bytes, so clients
-     * cannot make it lock more RAM than that. */
-    if (s->backend->ops->pin) {
-        rc = s->pinned_bytes + r->size > s->cfg->max_pinned_bytes
-                 ? -EDQUOT
-                 : s->backend->ops->pin(s->backend, r->base, (size_t)r->size, &r->pin_cookie);
-        if (rc)
-            log_debug("region %llu of pid %d not pinned: %s", (unsigned long long)r->id,
-                      (int)se->pid, rc == -EDQUOT ? "over max_pinned_bytes" : strerror(-rc));
-        else if (r->pin_cookie)
-            s->pinned_bytes += r->size;
-    }
     r->release = region_release;
     r->release_ctx = s;
+    /* Pinned (on the pinner thread) while the daemon's total stays within
+     * max_pinned_bytes, so clients cannot make it lock more RAM than that. */
+    if (s->backend->ops->pin && s->pinner) {
+        if (s->pinned_bytes + r->size > s->cfg->max_pinned_bytes)
+            log_debug("region of %llu bytes of pid %d not pinned: over max_pinned_bytes",
+                      (unsigned long long)r->size, (int)se->pid);
+        else if (pin_submit(s, se, r))
+            return;
+    }
+    region_add(s, se, r);
+}
+
+/* A registered region joins its session, under a new id, and is answered. */
+static void region_add(struct server *s, struct session *se, struct region *r)
+{
+    se->pinning = false;
+    r->id = region_new_id(s);
     r->next = se->regions;
     se->regions = r;
     se->n_regions++;
@@ -611,6 +722,8 @@ static void session_on_readable(void *data, int fd, uint32_t events)
             session_close(s, se, "closed");
             return;
         }
+        if (se->pinning)
+            return; /* read again once its region is answered */
     }
 }
 
