@@ -72,6 +72,10 @@ struct moe_client {
     pthread_cond_t cv;
     bool reading;
     int wake_fd;          /* eventfd */
+    /* A region's create or free waiting for its session reply without mu
+     * (session_claim): the session socket is the owner's meanwhile. */
+    bool session_busy;
+    pthread_t session_owner;
     int sfd;
     void *zctx;
     void *zsock;
@@ -165,7 +169,70 @@ static const char *lost_why(const moe_client *c)
     return c->lost ? c->lost : "the daemon stopped or restarted; the request is lost";
 }
 
-static int session_call(moe_client *c, Moe__SessionRequest *req, int fd,
+/* Session calls that wait for their reply without mu (a region's create
+ * and free, whose registration may take the daemon a while: it pins the
+ * region) claim the session socket first: no other thread uses or replaces
+ * it meanwhile. Caller holds mu. */
+static void session_claim(moe_client *c)
+{
+    while (c->session_busy)
+        pthread_cond_wait(&c->cv, &c->mu);
+    c->session_busy = true;
+    c->session_owner = pthread_self();
+}
+
+static void session_unclaim(moe_client *c)
+{
+    c->session_busy = false;
+    pthread_cond_broadcast(&c->cv);
+}
+
+/* Before the session socket is replaced: wait for another thread's claim
+ * to end. Caller holds mu. */
+static void session_wait_unclaimed(moe_client *c)
+{
+    while (c->session_busy && !pthread_equal(c->session_owner, pthread_self()))
+        pthread_cond_wait(&c->cv, &c->mu);
+}
+
+/* Send mh on sfd and wait up to timeout_ms for the reply, into buf: its
+ * length (0: the daemon closed the socket), or -ETIMEDOUT, or -errno of
+ * the send (*send_failed) or of the wait. Touches nothing of the client's.
+ * EINTR is a signal of the caller's handlers, not news from the daemon. */
+static ssize_t session_exchange(int sfd, const struct msghdr *mh, uint8_t *buf, size_t len,
+                                int timeout_ms, bool *send_failed)
+{
+    ssize_t sent;
+    *send_failed = false;
+    while ((sent = sendmsg(sfd, mh, MSG_NOSIGNAL)) < 0 && errno == EINTR)
+        ;
+    if (sent < 0) {
+        *send_failed = true;
+        return -errno;
+    }
+    struct pollfd p = {sfd, POLLIN, 0};
+    uint64_t t0 = mono_ms();
+    int pr, wait = timeout_ms;
+    while ((pr = poll(&p, 1, wait)) < 0 && errno == EINTR) {
+        if (timeout_ms >= 0) { /* what is left of it */
+            uint64_t spent = mono_ms() - t0;
+            wait = spent < (uint64_t)timeout_ms ? timeout_ms - (int)spent : 0;
+        }
+    }
+    if (pr < 0)
+        return -errno;
+    if (pr == 0)
+        return -ETIMEDOUT;
+    ssize_t r;
+    while ((r = recv(sfd, buf, len, 0)) < 0 && errno == EINTR)
+        ;
+    return r < 0 ? -errno : r;
+}
+
+/* One session request and its reply. Caller holds mu; unlocked: the
+ * caller has claimed the session socket (session_claim), and the wait for
+ * the reply releases mu, so that the client's other threads go on. */
+static int session_call(moe_client *c, Moe__SessionRequest *req, int fd, bool unlocked,
                         Moe__SessionReply **out)
 {
     uint8_t buf[4096];
@@ -189,20 +256,22 @@ static int session_call(moe_client *c, Moe__SessionRequest *req, int fd,
         cm->cmsg_len = CMSG_LEN(sizeof(int));
         memcpy(CMSG_DATA(cm), &fd, sizeof(int));
     }
-    /* Here and below, EINTR is a signal of the caller's handlers, not news
-     * from the daemon. */
-    ssize_t sent;
-    while ((sent = sendmsg(c->sfd, &mh, MSG_NOSIGNAL)) < 0 && errno == EINTR)
-        ;
-    if (sent < 0) {
-        int e = errno;
+    int timeout_ms = c->timeout_ms;
+    bool send_failed;
+    if (unlocked)
+        pthread_mutex_unlock(&c->mu);
+    ssize_t r = session_exchange(c->sfd, &mh, buf, sizeof(buf), timeout_ms, &send_failed);
+    if (unlocked)
+        pthread_mutex_lock(&c->mu);
+    if (send_failed) {
+        int e = (int)-r;
         bool gone = e == EPIPE || e == ECONNRESET || e == ENOTCONN;
         if (gone)
             (void)session_gone(c); /* an error there ends the session too */
         /* A daemon that refused the session (too many sessions, shutting
          * down) said why before it closed: that answer beats "reset". */
-        ssize_t r = gone ? recv(c->sfd, buf, sizeof(buf), MSG_DONTWAIT) : -1;
-        Moe__SessionReply *why = r > 0 ? moe__session_reply__unpack(NULL, (size_t)r, buf) : NULL;
+        ssize_t w = gone ? recv(c->sfd, buf, sizeof(buf), MSG_DONTWAIT) : -1;
+        Moe__SessionReply *why = w > 0 ? moe__session_reply__unpack(NULL, (size_t)w, buf) : NULL;
         if (why && why->status != MOE__STATUS__STATUS_OK) {
             int err = status_to_errno(why->status);
             seterr(err, "%s", why->message && why->message[0] ? why->message : status_strerror(err));
@@ -213,26 +282,18 @@ static int session_call(moe_client *c, Moe__SessionRequest *req, int fd,
             moe__session_reply__free_unpacked(why, NULL);
         return seterr(gone ? -ECONNRESET : -e, "cannot reach the daemon: %s", strerror(e));
     }
-    struct pollfd p = {c->sfd, POLLIN, 0};
-    uint64_t t0 = mono_ms();
-    int pr, wait = c->timeout_ms;
-    while ((pr = poll(&p, 1, wait)) < 0 && errno == EINTR) {
-        if (c->timeout_ms >= 0) { /* what is left of it */
-            uint64_t spent = mono_ms() - t0;
-            wait = spent < (uint64_t)c->timeout_ms ? c->timeout_ms - (int)spent : 0;
-        }
-    }
     /* Session replies carry no id: one that comes late would answer the
      * next call. So the session ends here, and the next call opens a new one
      * (the daemon frees what the old one held). */
-    if (pr == 0) {
+    if (r == -ETIMEDOUT) {
         session_over(c, "a session call timed out, which ends the session; the request is lost");
-        return seterr(-ETIMEDOUT, "the daemon did not answer within %d ms", c->timeout_ms);
+        return seterr(-ETIMEDOUT, "the daemon did not answer within %d ms", timeout_ms);
     }
-    ssize_t r;
-    while ((r = recv(c->sfd, buf, sizeof(buf), 0)) < 0 && errno == EINTR)
-        ;
-    if (r <= 0) {
+    if (r < 0) {
+        session_over(c, "a session call failed, which ends the session; the request is lost");
+        return seterr((int)r, "waiting for the daemon: %s", strerror((int)-r));
+    }
+    if (r == 0) {
         (void)session_gone(c);
         return seterr(-ECONNRESET, "the daemon closed the session");
     }
@@ -310,7 +371,8 @@ static void connection_close(moe_client *c, bool keep_replies)
     }
 }
 
-static int region_register(moe_client *c, struct moe_region *r, const char *name);
+static int region_register(moe_client *c, struct moe_region *r, const char *name,
+                           bool unlocked);
 static int session_socket_ready(moe_client *c);
 
 /* Open the session socket, say OpenSession, connect the request socket and
@@ -364,7 +426,7 @@ static int connection_open(moe_client *c)
         open.reply_socket = true;
     }
     Moe__SessionReply *rep = NULL;
-    rc = session_call(c, &req, sv[1], &rep);
+    rc = session_call(c, &req, sv[1], false, &rep);
     if (sv[1] >= 0)
         close(sv[1]);
     if (rc < 0)
@@ -396,7 +458,7 @@ static int connection_open(moe_client *c)
     if (zmq_getsockopt(c->zsock, ZMQ_FD, &c->zfd, &fl) < 0)
         return seterr(-zmq_errno(), "ZMQ_FD: %s", zmq_strerror(zmq_errno()));
     for (struct moe_region *r = c->regions; r; r = r->next)
-        if ((rc = region_register(c, r, "moe-region")) < 0)
+        if ((rc = region_register(c, r, "moe-region", false)) < 0)
             return rc;
     c->generation++;
     c->broken = false;
@@ -416,6 +478,9 @@ static int connection_ensure(moe_client *c)
             (void)session_socket_ready(c); /* an error there ends the session too */
     }
     if (!c->broken)
+        return 0;
+    session_wait_unclaimed(c);
+    if (!c->broken) /* another thread reconnected meanwhile */
         return 0;
     connection_close(c, true);
     int rc = connection_open(c);
@@ -964,7 +1029,8 @@ int moe_hello(moe_client *c, moe_server_info *info)
 /* ---- regions ----------------------------------------------------------- */
 
 /* Pass the region's memfd to the daemon; sets r->id. Caller holds mu. */
-static int region_register(moe_client *c, struct moe_region *r, const char *name)
+static int region_register(moe_client *c, struct moe_region *r, const char *name,
+                           bool unlocked)
 {
     Moe__SessionRequest req = MOE__SESSION_REQUEST__INIT;
     Moe__RegisterRegion reg = MOE__REGISTER_REGION__INIT;
@@ -973,7 +1039,7 @@ static int region_register(moe_client *c, struct moe_region *r, const char *name
     req.body_case = MOE__SESSION_REQUEST__BODY_REGISTER_REGION;
     req.register_region = &reg;
     Moe__SessionReply *rep = NULL;
-    int rc = session_call(c, &req, r->fd, &rep);
+    int rc = session_call(c, &req, r->fd, unlocked, &rep);
     if (!rc) {
         r->id = rep->region;
         moe__session_reply__free_unpacked(rep, NULL);
@@ -1012,13 +1078,15 @@ int moe_region_create(moe_client *c, size_t size, const char *name, moe_region *
     }
     r->size = size;
     pthread_mutex_lock(&c->mu);
+    session_claim(c);
     rc = connection_ensure(c);
     if (!rc)
-        rc = region_register(c, r, name);
+        rc = region_register(c, r, name, true);
     if (!rc) {
         r->next = c->regions;
         c->regions = r;
     }
+    session_unclaim(c);
     pthread_mutex_unlock(&c->mu);
     if (rc) {
         region_unmap(r);
@@ -1040,10 +1108,11 @@ int moe_region_free(moe_client *c, moe_region **rp)
     req.unregister_region = &un;
     Moe__SessionReply *rep = NULL;
     pthread_mutex_lock(&c->mu);
-    un.region = r->id; /* a reconnection re-registers it under mu */
+    session_claim(c);
+    un.region = r->id; /* claimed: a reconnection (which re-registers it) waits */
     /* After a daemon restart the region was never registered with the new
      * one; there is nothing to tell it. */
-    int rc = c->broken ? 0 : session_call(c, &req, -1, &rep);
+    int rc = c->broken ? 0 : session_call(c, &req, -1, true, &rep);
     if (!rc && rep)
         moe__session_reply__free_unpacked(rep, NULL);
     for (moe_region **pp = &c->regions; *pp; pp = &(*pp)->next)
@@ -1051,6 +1120,7 @@ int moe_region_free(moe_client *c, moe_region **rp)
             *pp = r->next;
             break;
         }
+    session_unclaim(c);
     pthread_mutex_unlock(&c->mu);
     region_unmap(r);
     return rc;

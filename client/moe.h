@@ -139,9 +139,11 @@ void moe_disconnect(moe_client **c);
 /* Default timeout of synchronous calls, ms (default 60000; <0: forever).
  * It bounds each wait of a call on a daemon that stopped answering: for
  * room to send (a submit too: -ETIMEDOUT, nothing sent), to connect (and
- * then for OpenSession), and for the reply. A call on the session socket
- * (a region's create or free, a reconnection) holds the client while it
- * waits, so with several threads on a hung daemon a call may also wait out
+ * then for OpenSession), and for the reply. A region's create or free
+ * waits for the daemon (which pins a region as it registers it) without
+ * holding up the client's other threads, but one at a time, and a
+ * reconnection waits for it; a reconnection holds the client while it
+ * waits. So with several threads on a hung daemon a call may also wait out
  * another thread's timeout before its own. A call that times out gives up
  * its reply (the request may still run).
  * Where it waited on the session socket (a region's create or free, or the
