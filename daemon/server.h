@@ -199,6 +199,7 @@ struct server {
     uint32_t n_sessions;
     uint64_t next_session_id;
     uint64_t pinned_bytes;  /* client regions pinned (max_pinned_bytes) */
+    uint64_t unpinning_bytes; /* of those, queued to be unpinned on the pinner */
 
     struct layer *layers;
     unsigned client_loads;  /* clients' loads queued or running (max_loads) */

@@ -452,6 +452,7 @@ static void unpin_done(struct job *job)
 {
     struct unpin_job *uj = (struct unpin_job *)job;
     uj->s->pinned_bytes -= uj->size;
+    uj->s->unpinning_bytes -= uj->size;
     free(uj);
 }
 
@@ -471,6 +472,7 @@ static void unpin(struct server *s, struct region *r)
                              .fd = r->fd};
     r->base = NULL;
     r->fd = -1;
+    s->unpinning_bytes += r->size;
     worker_submit(s->pinner, &uj->job);
 }
 
@@ -529,9 +531,11 @@ static void session_register(struct server *s, struct session *se,
     r->release = region_release;
     r->release_ctx = s;
     /* Pinned (on the pinner thread) while the daemon's total stays within
-     * max_pinned_bytes, so clients cannot make it lock more RAM than that. */
+     * max_pinned_bytes, so clients cannot make it lock more RAM than that.
+     * The unpins queued before it have ended when its pin starts (the
+     * pinner runs its jobs in order): their bytes are room already. */
     if (s->backend->ops->pin && s->pinner) {
-        if (s->pinned_bytes + r->size > s->cfg->max_pinned_bytes)
+        if (s->pinned_bytes - s->unpinning_bytes + r->size > s->cfg->max_pinned_bytes)
             log_debug("region of %llu bytes of pid %d not pinned: over max_pinned_bytes",
                       (unsigned long long)r->size, (int)se->pid);
         else if (pin_submit(s, se, r))

@@ -28,6 +28,7 @@
 
 static atomic_int pins, unpins;
 static atomic_uintptr_t unpinned_base;
+static atomic_int unpin_ms; /* how long an unpin takes (0: at once) */
 
 static int slow_pin(struct backend *b, void *base, size_t size, void **cookie)
 {
@@ -47,6 +48,11 @@ static void counting_unpin(struct backend *b, void *base, size_t size, void *coo
     CHECK(cookie == base);
     /* Still mapped: the unmap comes after. */
     CHECK(((volatile unsigned char *)base)[0] == 0x5a);
+    int ms = atomic_load(&unpin_ms);
+    if (ms) {
+        struct timespec t = {0, ms * 1000000L};
+        nanosleep(&t, NULL);
+    }
     atomic_store(&unpinned_base, (uintptr_t)base);
     atomic_fetch_add(&unpins, 1);
 }
@@ -74,10 +80,12 @@ static void *loop_thread(void *arg)
     return NULL;
 }
 
-static void daemon_start(struct daemon_here *d)
+static void daemon_start_with(struct daemon_here *d, uint64_t max_pinned_bytes)
 {
     memset(d, 0, sizeof(*d));
     CHECK_EQ_INT(config_init(&d->cfg), 0);
+    if (max_pinned_bytes)
+        d->cfg.max_pinned_bytes = max_pinned_bytes;
     free(d->cfg.runtime_dir);
     d->cfg.runtime_dir = strdup(tmp_dir_new("pin"));
     CHECK(d->cfg.runtime_dir != NULL);
@@ -92,6 +100,11 @@ static void daemon_start(struct daemon_here *d)
     CHECK_EQ_INT(server_new(&d->cfg, &d->b, 1, d->loop, &d->s), 0);
     CHECK_EQ_INT(server_listen(d->s, -1, -1), 0);
     CHECK_EQ_INT(pthread_create(&d->thread, NULL, loop_thread, d), 0);
+}
+
+static void daemon_start(struct daemon_here *d)
+{
+    daemon_start_with(d, 0);
 }
 
 static void daemon_halt(struct daemon_here *d)
@@ -324,6 +337,32 @@ TEST(a_pin_in_flight_at_the_stop_is_finished_and_undone)
     CHECK_NO_LEAKS();
 }
 
+/* At max_pinned_bytes, a region freed and another registered right after
+ * (its unpin still queued on the pinner): the new one is pinned, since
+ * its pin runs after that unpin has ended. */
+TEST(a_region_freed_at_the_pinned_limit_makes_room_for_the_next)
+{
+    struct daemon_here d;
+    daemon_start_with(&d, 1 << 20);
+    moe_client *c = NULL;
+    CHECK_MSG(moe_connect(d.cfg.runtime_dir, "c", &c) == 0, "%s", moe_errmsg());
+    moe_region *r = NULL;
+    CHECK_MSG(moe_region_create(c, 1 << 20, "first", &r) == 0, "%s", moe_errmsg());
+    CHECK_EQ_INT(atomic_load(&pins), 1);
+    memset(moe_region_data(r), 0x5a, 1 << 20);
+    atomic_store(&unpin_ms, PIN_MS);
+    CHECK_EQ_INT(moe_region_free(c, &r), 0);
+    CHECK_MSG(moe_region_create(c, 1 << 20, "second", &r) == 0, "%s", moe_errmsg());
+    CHECK_MSG(atomic_load(&pins) == 2, "the second region was not pinned");
+    CHECK_EQ_INT(atomic_load(&unpins), 1);
+    memset(moe_region_data(r), 0x5a, 1 << 20);
+    atomic_store(&unpin_ms, 0);
+    CHECK_EQ_INT(moe_region_free(c, &r), 0);
+    moe_disconnect(&c);
+    daemon_stop(&d);
+    CHECK_NO_LEAKS();
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -331,5 +370,6 @@ int main(int argc, char **argv)
         TEST_CASE(session_requests_behind_a_pin_are_answered_in_order),
         TEST_CASE(a_client_gone_during_its_pin_leaves_nothing_pinned),
         TEST_CASE(a_pin_in_flight_at_the_stop_is_finished_and_undone),
+        TEST_CASE(a_region_freed_at_the_pinned_limit_makes_room_for_the_next),
         {0}});
 }
