@@ -683,6 +683,13 @@ static void session_on_readable(void *data, int fd, uint32_t events)
 {
     struct session *se = data;
     struct server *s = se->server;
+    /* Not read while its region is pinned, yet woken by a hang-up (epoll
+     * reports one whatever the watch asks): the client is gone, and what
+     * it sent after that region is not for anyone. */
+    if (se->pinning) {
+        session_close(s, se, (events & EPOLLERR) ? "failed" : "closed");
+        return;
+    }
     for (int iter = 0; iter < 64; iter++) {
         uint8_t buf[SESSION_MSG_MAX];
         union {

@@ -363,6 +363,29 @@ TEST(a_region_freed_at_the_pinned_limit_makes_room_for_the_next)
     CHECK_NO_LEAKS();
 }
 
+/* A client that sends several regions back to back and goes while the
+ * first is being pinned: its session ends then (the socket hangs up, which
+ * wakes the loop even while the session is not read); its other regions
+ * are neither mapped nor pinned. */
+TEST(a_client_gone_during_its_pin_has_no_more_regions_pinned)
+{
+    struct daemon_here d;
+    daemon_start(&d);
+    int fd = raw_session(d.cfg.runtime_dir);
+    for (int i = 0; i < 4; i++)
+        raw_register(fd, 1 << 16);
+    usleep(50 * 1000);
+    close(fd);
+    CHECK_MSG(wait_for(&unpins, 1, 5000), "the region of a client gone was not unpinned");
+    usleep(3 * PIN_MS * 1000);
+    daemon_halt(&d);
+    CHECK_EQ_INT(d.s->n_sessions, 0);
+    CHECK_EQ_INT(d.s->pinned_bytes, 0);
+    CHECK_EQ_INT(atomic_load(&pins), 1);
+    daemon_free(&d);
+    CHECK_NO_LEAKS();
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -371,5 +394,6 @@ int main(int argc, char **argv)
         TEST_CASE(a_client_gone_during_its_pin_leaves_nothing_pinned),
         TEST_CASE(a_pin_in_flight_at_the_stop_is_finished_and_undone),
         TEST_CASE(a_region_freed_at_the_pinned_limit_makes_room_for_the_next),
+        TEST_CASE(a_client_gone_during_its_pin_has_no_more_regions_pinned),
         {0}});
 }
