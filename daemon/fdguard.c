@@ -10,6 +10,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -55,20 +56,27 @@ static void pause_10ms(void)
 
 /* Out of descriptors: close the pending connection with the reserve's slot.
  * Under the lock, one connection at a time; a caller that finds the slot
- * taken by another thread in between simply fails again. Without a
- * reserve (another thread took its slot back), only the pause. */
+ * taken by another thread in between simply fails again, after a pause,
+ * as without a reserve (another thread took its slot back). */
 static void shed(int lfd, int err)
 {
     uint64_t n = 0;
+    bool closed = false;
     pthread_mutex_lock(&guard_mu);
     bool had = reserve_open() == 0;
-    if (had) {
+    /* Only with a connection pending: libzmq's listener blocks (it accepts
+     * when epoll says it may), and the kernel fails with EMFILE before it
+     * looks for a connection, so an accept with none would wait, under the
+     * lock, for the next. */
+    struct pollfd p = {lfd, POLLIN, 0};
+    if (had && poll(&p, 1, 0) == 1 && (p.revents & POLLIN)) {
         close(reserve_fd);
         reserve_fd = -1;
         int fd = (int)syscall(SYS_accept4, lfd, NULL, NULL, SOCK_CLOEXEC);
         if (fd >= 0) {
             close(fd);
             shed_count++;
+            closed = true;
         }
         reserve_open();
     }
@@ -79,7 +87,7 @@ static void shed(int lfd, int err)
         shed_logged_us = now;
     }
     pthread_mutex_unlock(&guard_mu);
-    if (!had)
+    if (!closed) /* a caller that tries again at once does not spin */
         pause_10ms();
     if (n)
         log_warn("closed %llu incoming connection%s: %s", (unsigned long long)n,
