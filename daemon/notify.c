@@ -201,9 +201,13 @@ void notify_tick(struct server *s)
 {
     char st[200];
     uint64_t wd = watchdog_interval();
-    /* The loop reached this tick, so it is not stuck; a batch that has run
-     * longer than the whole watchdog interval means the device is. */
-    bool alive = wd && worker_busy_seconds(s->compute) * 1e6 < (double)wd;
+    /* The loop reached this tick, so it is not stuck; a batch, or a
+     * region's pin, that has run longer than the whole watchdog interval
+     * means the device (or its driver) is. */
+    double stuck = worker_busy_seconds(s->compute);
+    if (s->pinner && worker_busy_seconds(s->pinner) > stuck)
+        stuck = worker_busy_seconds(s->pinner);
+    bool alive = wd && stuck * 1e6 < (double)wd;
     /* Timer jitter must not make every other tick just miss the refresh. */
     bool status = now_us() - status_us + notify_tick_interval_us() / 2 >= STATUS_EVERY_US;
     if (status)

@@ -21,6 +21,7 @@
 #include "daemon/backend.h"
 #include "daemon/config.h"
 #include "daemon/loop.h"
+#include "daemon/notify.h"
 #include "daemon/server.h"
 #include "moe.pb-c.h"
 
@@ -29,13 +30,20 @@
 static atomic_int pins, unpins;
 static atomic_uintptr_t unpinned_base;
 static atomic_int unpin_ms; /* how long an unpin takes (0: at once) */
+static atomic_int pin_ms = PIN_MS;
+static atomic_bool tick_notifies; /* the loop's timer calls notify_tick() */
+
+static void sleep_ms(int ms)
+{
+    struct timespec t = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&t, NULL);
+}
 
 static int slow_pin(struct backend *b, void *base, size_t size, void **cookie)
 {
     (void)b;
     (void)size;
-    struct timespec t = {0, PIN_MS * 1000000L};
-    nanosleep(&t, NULL);
+    sleep_ms(atomic_load(&pin_ms));
     atomic_fetch_add(&pins, 1);
     *cookie = base;
     return 0;
@@ -48,11 +56,7 @@ static void counting_unpin(struct backend *b, void *base, size_t size, void *coo
     CHECK(cookie == base);
     /* Still mapped: the unmap comes after. */
     CHECK(((volatile unsigned char *)base)[0] == 0x5a);
-    int ms = atomic_load(&unpin_ms);
-    if (ms) {
-        struct timespec t = {0, ms * 1000000L};
-        nanosleep(&t, NULL);
-    }
+    sleep_ms(atomic_load(&unpin_ms));
     atomic_store(&unpinned_base, (uintptr_t)base);
     atomic_fetch_add(&unpins, 1);
 }
@@ -67,10 +71,13 @@ struct daemon_here {
     pthread_t thread;
 };
 
-/* loop_stop() only marks the loop: a timer wakes it to notice. */
+/* loop_stop() only marks the loop: a timer wakes it to notice. It also
+ * stands for the daemon's status tick where a case asks. */
 static void tick(void *data)
 {
-    (void)data;
+    struct daemon_here *d = data;
+    if (atomic_load(&tick_notifies))
+        notify_tick(d->s);
 }
 
 static void *loop_thread(void *arg)
@@ -95,7 +102,7 @@ static void daemon_start_with(struct daemon_here *d, uint64_t max_pinned_bytes)
     d->ops.unpin = counting_unpin;
     d->b->ops = &d->ops;
     CHECK_EQ_INT(loop_new(&d->loop), 0);
-    d->tick = loop_timer(d->loop, 10000, tick, NULL);
+    d->tick = loop_timer(d->loop, 10000, tick, d);
     CHECK(d->tick != NULL);
     CHECK_EQ_INT(server_new(&d->cfg, &d->b, 1, d->loop, &d->s), 0);
     CHECK_EQ_INT(server_listen(d->s, -1, -1), 0);
@@ -386,10 +393,72 @@ TEST(a_client_gone_during_its_pin_has_no_more_regions_pinned)
     CHECK_NO_LEAKS();
 }
 
+/* A pin that runs past the watchdog interval stops the watchdog's pings,
+ * as a batch that does: the driver is stuck. They come again after it. */
+TEST(a_pin_stuck_past_the_watchdog_interval_stops_the_pings)
+{
+    char path[96];
+    snprintf(path, sizeof(path), "%s/notify", tmp_dir_new("wd"));
+    int ns = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+    CHECK(ns >= 0 && bind(ns, (struct sockaddr *)&sa, sizeof(sa)) == 0);
+    char pid[32];
+    snprintf(pid, sizeof(pid), "%d", (int)getpid());
+    setenv("NOTIFY_SOCKET", path, 1);
+    setenv("WATCHDOG_USEC", "300000", 1);
+    setenv("WATCHDOG_PID", pid, 1);
+    atomic_store(&pin_ms, 1500);
+    struct daemon_here d;
+    char rt[64];
+    daemon_start(&d);
+    snprintf(rt, sizeof(rt), "%s", d.cfg.runtime_dir);
+    moe_client *a = NULL;
+    CHECK_MSG(moe_connect(rt, "a", &a) == 0, "%s", moe_errmsg());
+    atomic_store(&tick_notifies, true);
+    struct creator cr = {.c = a};
+    pthread_t t;
+    uint64_t t0 = ms_now();
+    CHECK_EQ_INT(pthread_create(&t, NULL, create_region, &cr), 0);
+    /* Pings up to the pin's start, none from 500 ms into it (past the
+     * interval, with room for a loaded machine) to its last 200 ms. */
+    int before = 0, during = 0, after = 0;
+    struct timeval tv = {0, 20000};
+    setsockopt(ns, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    while (ms_now() - t0 < 2500) {
+        char msg[1024];
+        ssize_t n = recv(ns, msg, sizeof(msg) - 1, 0);
+        if (n <= 0)
+            continue;
+        msg[n] = '\0';
+        if (!strstr(msg, "WATCHDOG=1"))
+            continue;
+        uint64_t at = ms_now() - t0;
+        before += at < 100;
+        during += at >= 500 && at < 1300;
+        after += at >= 1700;
+    }
+    CHECK_EQ_INT(pthread_join(t, NULL), 0);
+    CHECK_MSG(cr.rc == 0, "region: %s", moe_errmsg());
+    atomic_store(&tick_notifies, false);
+    fprintf(stderr, "  watchdog pings: %d before the pin, %d during it, %d after\n", before,
+            during, after);
+    CHECK(before > 0);
+    CHECK_EQ_INT(during, 0);
+    CHECK(after > 0);
+    memset(moe_region_data(cr.r), 0x5a, 1 << 20);
+    moe_region_free(a, &cr.r);
+    moe_disconnect(&a);
+    daemon_stop(&d);
+    close(ns);
+    CHECK_NO_LEAKS();
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
         TEST_CASE(a_pin_does_not_hold_up_other_clients),
+        TEST_CASE(a_pin_stuck_past_the_watchdog_interval_stops_the_pings),
         TEST_CASE(session_requests_behind_a_pin_are_answered_in_order),
         TEST_CASE(a_client_gone_during_its_pin_leaves_nothing_pinned),
         TEST_CASE(a_pin_in_flight_at_the_stop_is_finished_and_undone),
