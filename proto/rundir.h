@@ -11,10 +11,13 @@
 
 #include <stddef.h>
 
-/* 0 when dir is a directory that no one but its owner may write, and whose
- * owner is root or this process's user wherever its parent lets others
- * make entries (under /tmp, anyone could have made it). Else -errno
- * (-ENOENT, -ENOTDIR, -EACCES...) with why in err. */
+/* 0 when dir is a directory that no one but its owner may write; whose
+ * entry (the directory, or a link to it) no one else can have made or can
+ * replace (in a directory others may write, only a sticky one's entry of
+ * root's or this user's); and whose owner is root, this process's user,
+ * or another (the daemon's) where its parent is root's and no one else's
+ * to write, as /run is. Else -errno (-ENOENT, -ENOTDIR, -EACCES...) with
+ * why in err. */
 int rundir_check(const char *dir, char *err, size_t errlen);
 
 #endif

@@ -383,10 +383,11 @@ static void check_rundir(const char *dir, int want, const char *says)
 
 TEST(runtime_directories_others_could_write_are_refused)
 {
-    char top[] = "/tmp/moed-rundir.XXXXXX", d[96], f[96];
+    char top[] = "/tmp/moed-rundir.XXXXXX", d[96], f[96], link[96];
     CHECK(mkdtemp(top) != NULL);
     snprintf(d, sizeof(d), "%s/rt", top);
     snprintf(f, sizeof(f), "%s/file", top);
+    snprintf(link, sizeof(link), "%s/link", top);
     CHECK(mkdir(d, 0700) == 0 && chmod(d, 0750) == 0);
     check_rundir(d, 0, NULL);
     check_rundir(top, 0, NULL);
@@ -401,9 +402,22 @@ TEST(runtime_directories_others_could_write_are_refused)
     char gone[128];
     snprintf(gone, sizeof(gone), "%s/none", top);
     check_rundir(gone, -ENOENT, "No such file");
+    /* In a directory anyone may write: ours, and a link of ours to it,
+     * where it is sticky (as /tmp: no one else can replace them); nothing
+     * where it is not. */
+    CHECK(symlink(d, link) == 0);
+    CHECK(chmod(top, 01777) == 0);
+    check_rundir(d, 0, NULL);
+    check_rundir(link, 0, NULL);
+    CHECK(chmod(top, 0777) == 0);
+    check_rundir(d, -EACCES, "an entry of uid");
+    check_rundir(link, -EACCES, "a link of uid");
+    CHECK(chmod(top, 0700) == 0);
     if (geteuid() == 0) {
-        /* Another user's directory: fine under a parent only root writes,
-         * refused under one anyone writes (anyone could have made it). */
+        /* Another user's directory: fine in a directory root alone writes
+         * (as /run), refused in one anyone writes (anyone could have made
+         * it) and in one of another user's. So is another user's link to
+         * ours in a sticky directory. */
         CHECK(chown(d, 4242, 4242) == 0);
         CHECK(chmod(top, 0755) == 0);
         check_rundir(d, 0, NULL);
@@ -411,10 +425,18 @@ TEST(runtime_directories_others_could_write_are_refused)
         snprintf(slash, sizeof(slash), "%s/", d);
         check_rundir(slash, 0, NULL);
         CHECK(chmod(top, 01777) == 0);
-        check_rundir(d, -EACCES, "belongs to uid 4242");
-        check_rundir(slash, -EACCES, "belongs to uid 4242");
+        check_rundir(d, -EACCES, "an entry of uid 4242");
+        check_rundir(slash, -EACCES, "an entry of uid 4242");
+        CHECK(chmod(top, 0755) == 0);
+        char sub[128];
+        snprintf(sub, sizeof(sub), "%s/sub", d);
+        CHECK(mkdir(sub, 0755) == 0 && chown(sub, 4242, 4242) == 0);
+        check_rundir(sub, -EACCES, "belongs to uid 4242");
+        CHECK(rmdir(sub) == 0 && chown(d, 0, 0) == 0);
+        CHECK(lchown(link, 4242, 4242) == 0 && chmod(top, 01777) == 0);
+        check_rundir(link, -EACCES, "a link of uid 4242");
     }
-    CHECK(unlink(f) == 0 && rmdir(d) == 0 && rmdir(top) == 0);
+    CHECK(unlink(link) == 0 && unlink(f) == 0 && rmdir(d) == 0 && rmdir(top) == 0);
 }
 
 TEST(names)
