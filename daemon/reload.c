@@ -608,6 +608,11 @@ static void restore_apply(struct reload *r, struct plan *p)
         const struct plan_stat *ps = &p->stats[i];
         const struct former *fo = former_of(r, ps->lc->name);
         const struct layer_conf *lc = fo->lc;
+        if (layer_find(r->s, lc->name)) {
+            log_warn("reload: layer '%s' is not loaded from its former section: a client loaded "
+                     "a layer of that name meanwhile", lc->name);
+            continue;
+        }
         if (!ps->have || !same_file(&ps->st, &fo->st)) {
             log_err("reload: layer '%s' is not loaded: the file it was loaded from, %s, %s%s",
                     lc->name, lc->path, ps->have ? "is no longer the same" : "cannot be found: ",
