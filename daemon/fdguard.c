@@ -19,14 +19,13 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "daemon/log.h"
-#include "daemon/util.h"
 
 int accept4(int lfd, struct sockaddr *restrict addr, socklen_t *restrict len, int flags);
 
 static pthread_mutex_t guard_mu = PTHREAD_MUTEX_INITIALIZER;
 static int reserve_fd = -1;
-static uint64_t shed_count, shed_logged_us;
+static uint64_t shed_count;
+static int shed_err;
 
 static int reserve_open(void)
 {
@@ -60,7 +59,6 @@ static void pause_10ms(void)
  * as without a reserve (another thread took its slot back). */
 static void shed(int lfd, int err)
 {
-    uint64_t n = 0;
     bool closed = false;
     pthread_mutex_lock(&guard_mu);
     bool had = reserve_open() == 0;
@@ -76,22 +74,24 @@ static void shed(int lfd, int err)
         if (fd >= 0) {
             close(fd);
             shed_count++;
+            shed_err = err;
             closed = true;
         }
         reserve_open();
     }
-    uint64_t now = now_us();
-    if (shed_count && now - shed_logged_us >= 1000000) {
-        n = shed_count;
-        shed_count = 0;
-        shed_logged_us = now;
-    }
     pthread_mutex_unlock(&guard_mu);
     if (!closed) /* a caller that tries again at once does not spin */
         pause_10ms();
-    if (n)
-        log_warn("closed %llu incoming connection%s: %s", (unsigned long long)n,
-                 n == 1 ? "" : "s", err == EMFILE ? "out of descriptors" : "the system is out of files");
+}
+
+uint64_t fdguard_closed(int *err)
+{
+    pthread_mutex_lock(&guard_mu);
+    uint64_t n = shed_count;
+    *err = shed_err;
+    shed_count = 0;
+    pthread_mutex_unlock(&guard_mu);
+    return n;
 }
 
 int accept4(int lfd, struct sockaddr *restrict addr, socklen_t *restrict len, int flags)

@@ -11,14 +11,22 @@
  * pending connection, close it, take the reserve back, and fail with
  * ECONNABORTED, which libzmq takes for "no connection this time". The peer
  * sees its connection closed; a libzmq peer connects again after its
- * reconnect interval. Out of memory, they fail with ECONNABORTED at most
- * every 10 ms, as the connection cannot be taken to be closed.
+ * reconnect interval. Where no connection is pending, or out of memory
+ * (the connection cannot be taken to be closed), they fail with
+ * ECONNABORTED after a pause of 10 ms, so that a caller does not spin.
  */
 #ifndef MOED_FDGUARD_H
 #define MOED_FDGUARD_H
 
+#include <stdint.h>
+
 /* Open the reserve descriptor (once per process); 0 or -errno. */
 int fdguard_init(void);
+
+/* Connections closed so since the last call, and why (EMFILE: out of
+ * descriptors; ENFILE: the system out of files); the status tick logs
+ * them. */
+uint64_t fdguard_closed(int *err);
 
 /* accept4 without the guard, for a listener that would rather wait for
  * descriptors than close connections (the session socket). */

@@ -23,6 +23,7 @@
 #include "daemon/backend.h"
 #include "daemon/config.h"
 #include "daemon/demo.h"
+#include "daemon/fdguard.h"
 #include "daemon/log.h"
 #include "daemon/loop.h"
 #include "daemon/notify.h"
@@ -388,6 +389,12 @@ static void on_tick(void *data)
     struct daemon *d = data;
     if (server_check_devices(d->server))
         return; /* no watchdog ping: main exits non-zero */
+    int why;
+    uint64_t closed = fdguard_closed(&why);
+    if (closed)
+        log_warn("closed %llu incoming connection%s: %s", (unsigned long long)closed,
+                 closed == 1 ? "" : "s",
+                 why == EMFILE ? "out of descriptors" : "the system is out of files");
     notify_tick(d->server);
     daemon_check_drained(d);
 }

@@ -1441,6 +1441,11 @@ TEST(a_zeromq_connection_flood_out_of_descriptors_is_survived)
         close(fds[i]);
     }
     CHECK_MSG(dropped > 0, "none of %d connections past the limit was closed", CONNS);
+    /* Logged at the next status tick (every 2 s). */
+    uint64_t t0 = now_ms();
+    while (log_lines_with(&d, "incoming connection", "out of descriptors") == 0 &&
+           now_ms() - t0 < 5000)
+        itest_sleep_ms(50);
     CHECK_MSG(log_lines_with(&d, "incoming connection", "out of descriptors") >= 1,
               "no warning of closed connections in %s", d.log);
     check_recovers(&d, &probe, &was);
