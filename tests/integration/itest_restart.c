@@ -253,6 +253,29 @@ TEST(replies_sent_before_the_daemon_died_are_delivered)
     itest_rmdir(d.dir);
 }
 
+/* f[0]'s request submitted and polled until answered (its reply read),
+ * then f[1..3]'s, longer, whose replies come after the last read, then the
+ * daemon stopped cleanly, which answers them before it exits. Requests on
+ * one connection arrive in order: once a Hello is answered, the daemon
+ * holds all of them. */
+static void answered_then_stopped(struct itest_daemon *d, moe_client *c, struct itest_fwd *f,
+                                  moe_request **rq)
+{
+    CHECK_MSG(moe_forward_submit(c, &f[0].args, &rq[0]) == 0, "%s", moe_errmsg());
+    int p = 0;
+    for (int tries = 0; tries < 1000 && p == 0; tries++) {
+        p = moe_poll(c, rq[0]);
+        if (p == 0)
+            itest_sleep_ms(10);
+    }
+    CHECK_EQ_INT(p, 1);
+    for (int i = 1; i < 4; i++)
+        CHECK_MSG(moe_forward_submit(c, &f[i].args, &rq[i]) == 0, "%s", moe_errmsg());
+    CHECK_MSG(moe_hello(c, NULL) == 0, "%s", moe_errmsg());
+    kill(d->pid, SIGTERM);
+    itest_daemon_wait_stopped(d);
+}
+
 /* Replies that came before the daemon went stay delivered whichever call
  * notices first that it went: a submit or a Hello that finds the session
  * over (and connects again, or cannot) must not throw away the replies
@@ -271,23 +294,7 @@ TEST(replies_that_came_survive_another_calls_reconnect)
     for (int round = 0; round < 2; round++) {
         for (int i = 0; i < 4; i++)
             memset((uint8_t *)moe_region_data(f[i].r) + f[i].o_off, 0xff, f[i].T * 256 * 2);
-        CHECK_MSG(moe_forward_submit(c, &f[0].args, &rq[0]) == 0, "%s", moe_errmsg());
-        int p = 0;
-        for (int tries = 0; tries < 1000 && p == 0; tries++) {
-            p = moe_poll(c, rq[0]);
-            if (p == 0)
-                itest_sleep_ms(10);
-        }
-        CHECK_EQ_INT(p, 1);
-        /* Longer ones, whose replies come after the last read. Requests
-         * on one connection arrive in order: once this Hello is answered,
-         * the daemon holds all of them. */
-        for (int i = 1; i < 4; i++)
-            CHECK_MSG(moe_forward_submit(c, &f[i].args, &rq[i]) == 0, "%s", moe_errmsg());
-        CHECK_MSG(moe_hello(c, NULL) == 0, "%s", moe_errmsg());
-        /* A clean stop answers the others before the daemon exits. */
-        kill(d.pid, SIGTERM);
-        itest_daemon_wait_stopped(&d);
+        answered_then_stopped(&d, c, f, rq);
         if (round == 0) {
             /* Another call finds the daemon gone... */
             CHECK_EQ_INT(moe_hello(c, NULL), -ECONNREFUSED);
@@ -329,21 +336,7 @@ TEST(replies_that_came_survive_a_region_free_that_finds_the_daemon_gone)
         itest_fwd_make(c, &L, 512 * (size_t)i, &seed, &f[i]);
     moe_region *extra = NULL;
     CHECK_MSG(moe_region_create(c, 4096, "extra", &extra) == 0, "%s", moe_errmsg());
-    CHECK_MSG(moe_forward_submit(c, &f[0].args, &rq[0]) == 0, "%s", moe_errmsg());
-    int p = 0;
-    for (int tries = 0; tries < 1000 && p == 0; tries++) {
-        p = moe_poll(c, rq[0]);
-        if (p == 0)
-            itest_sleep_ms(10);
-    }
-    CHECK_EQ_INT(p, 1);
-    /* Longer ones, whose replies come after the last read; once the Hello
-     * is answered, the daemon holds them. */
-    for (int i = 1; i < 4; i++)
-        CHECK_MSG(moe_forward_submit(c, &f[i].args, &rq[i]) == 0, "%s", moe_errmsg());
-    CHECK_MSG(moe_hello(c, NULL) == 0, "%s", moe_errmsg());
-    kill(d.pid, SIGTERM); /* a clean stop answers the others first */
-    itest_daemon_wait_stopped(&d);
+    answered_then_stopped(&d, c, f, rq);
     int rc = moe_region_free(c, &extra);
     CHECK_MSG(rc == 0 || rc == -ECONNRESET, "region free: %d (%s)", rc, moe_errmsg());
     CHECK(extra == NULL);

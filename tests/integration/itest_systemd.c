@@ -1123,43 +1123,58 @@ static void pad_header(const char *in, const char *out, unsigned n_keys)
     free(h);
 }
 
+/* Two small layers' files, alpha (fa) and beta (fb), and alpha's weights
+ * again behind a header of megabytes (fslow: seconds of parsing). */
+struct slow_files {
+    uint64_t seed;
+    char wdir[32], conf[128], fa[128], fb[128], fslow[128];
+    struct itest_layer A, B;
+};
+
+static void slow_files_make(struct slow_files *sf)
+{
+    sf->seed = test_seed();
+    snprintf(sf->wdir, sizeof(sf->wdir), "/tmp/moed-sdh.XXXXXX");
+    work_dir(sf->wdir, sf->conf, sf->fa);
+    snprintf(sf->fb, sizeof(sf->fb), "%s/b.safetensors", sf->wdir);
+    snprintf(sf->fslow, sizeof(sf->fslow), "%s/slow.safetensors", sf->wdir);
+    sf->A = layer_def("alpha", 4, 2, 32, 48);
+    sf->B = layer_def("beta", 4, 2, 32, 48);
+    layer_file(&sf->A, sf->fa, "m.", &sf->seed);
+    layer_file(&sf->B, sf->fb, "m.", &sf->seed);
+    pad_header(sf->fa, sf->fslow, 1000000); /* 14 MB of header */
+}
+
 /* max_loads caps clients' loads only: while a reload's plan and loads keep
  * the loader busy, a client's load is taken (and waits its turn), not
  * refused as BUSY. */
 TEST(a_reload_does_not_use_up_clients_loads)
 {
-    uint64_t seed = test_seed();
-    char wdir[] = "/tmp/moed-sdh.XXXXXX", conf[128], fa[128], fb[128], fslow[128];
-    work_dir(wdir, conf, fa);
-    snprintf(fb, sizeof(fb), "%s/b.safetensors", wdir);
-    snprintf(fslow, sizeof(fslow), "%s/slow.safetensors", wdir);
-    struct itest_layer A = layer_def("alpha", 4, 2, 32, 48), B = layer_def("beta", 4, 2, 32, 48);
-    layer_file(&A, fa, "m.", &seed);
-    layer_file(&B, fb, "m.", &seed);
-    pad_header(fa, fslow, 1000000); /* 14 MB of header: seconds of parsing */
+    struct slow_files sf;
+    slow_files_make(&sf);
     const char *text = "[daemon]\nallowed_dirs = %s\n\n[limits]\nmax_loads = 1\n\n"
                        "[layer alpha]\nfile = %s\nprefix = m.\ntopk = 2\n";
-    write_file(conf, text, wdir, fa);
+    write_file(sf.conf, text, sf.wdir, sf.fa);
     struct itest_daemon d;
-    itest_daemon_start(&d, "--config", conf, NULL);
+    itest_daemon_start(&d, "--config", sf.conf, NULL);
     moe_client *c = itest_connect(&d, "loads");
-    write_file(conf, text, wdir, fslow);
+    write_file(sf.conf, text, sf.wdir, sf.fslow);
     kill(d.pid, SIGHUP);
     free(wait_log(d.log, "reloading the configuration", 10000));
     moe_layer_desc desc = {.name = "beta", .kind = MOE_LAYER_MOE, .topk = 2,
-                           .routing = MOE_ROUTING_SOFTMAX, .renormalize = 1, .path = fb,
+                           .routing = MOE_ROUTING_SOFTMAX, .renormalize = 1, .path = sf.fb,
                            .prefix = "m."};
     moe_layer_info info;
     CHECK_MSG(moe_layer_load(c, &desc, &info) == 0, "%s", moe_errmsg());
     free(wait_log(d.log, "reload: 1 layers loaded, 1 unloaded, 0 kept, 0 failed", 60000));
-    forward_and_check(c, &B, 3, &seed);
-    forward_and_check(c, &A, 3, &seed);
+    forward_and_check(c, &sf.B, 3, &sf.seed);
+    forward_and_check(c, &sf.A, 3, &sf.seed);
     moe_disconnect(&c);
     itest_daemon_stop(&d);
-    itest_layer_free(&A);
-    itest_layer_free(&B);
+    itest_layer_free(&sf.A);
+    itest_layer_free(&sf.B);
     itest_rmdir(d.dir);
-    itest_rmdir(wdir);
+    itest_rmdir(sf.wdir);
 }
 
 /* --demo's directory is allowed as --allow-dir's are: a reload keeps it,
@@ -1193,15 +1208,11 @@ TEST(demo_weights_stay_loadable_after_a_reload)
  */
 TEST(reload_parses_headers_off_the_loop)
 {
-    uint64_t seed = test_seed();
-    char wdir[] = "/tmp/moed-sdh.XXXXXX", conf[128], fa[128], fb[128], fslow[128];
-    work_dir(wdir, conf, fa);
-    snprintf(fb, sizeof(fb), "%s/b.safetensors", wdir);
-    snprintf(fslow, sizeof(fslow), "%s/slow.safetensors", wdir);
-    struct itest_layer A = layer_def("alpha", 4, 2, 32, 48), B = layer_def("beta", 4, 2, 32, 48);
-    layer_file(&A, fa, "m.", &seed);
-    layer_file(&B, fb, "m.", &seed);
-    pad_header(fa, fslow, 1000000); /* 14 MB of header */
+    struct slow_files sf;
+    slow_files_make(&sf);
+    uint64_t seed = sf.seed;
+    char *wdir = sf.wdir, *conf = sf.conf, *fa = sf.fa, *fb = sf.fb, *fslow = sf.fslow;
+    struct itest_layer A = sf.A, B = sf.B;
     const char *text = "[daemon]\nallowed_dirs = %s\n\n"
                        "[layer alpha]\nfile = %s\nprefix = m.\ntopk = 2\n\n"
                        "[layer beta]\nfile = %s\nprefix = m.\ntopk = 2\n";
