@@ -22,7 +22,9 @@
 #include "daemon/config.h"
 #include "daemon/loop.h"
 #include "daemon/notify.h"
+#include "daemon/region.h"
 #include "daemon/server.h"
+#include "kernels/moe_kernels.h"
 #include "moe.pb-c.h"
 
 #define PIN_MS 400
@@ -32,6 +34,7 @@ static atomic_uintptr_t unpinned_base;
 static atomic_int unpin_ms; /* how long an unpin takes (0: at once) */
 static atomic_int pin_ms = PIN_MS;
 static atomic_bool tick_notifies; /* the loop's timer calls notify_tick() */
+static atomic_bool unpin_unwritten; /* a region unpinned may hold its zeros still */
 
 static void sleep_ms(int ms)
 {
@@ -39,11 +42,32 @@ static void sleep_ms(int ms)
     nanosleep(&t, NULL);
 }
 
+/* The stress case's pins: random, 0 to 30 ms, and one in five fails with
+ * -ENOMEM (the region then goes unpinned); its unpins take 0 to 10 ms. pinned_live counts the bytes
+ * pinned and not yet unpinned, as the driver would; pin_over_limit the
+ * pins that would have taken it past pin_limit (max_pinned_bytes). */
+static atomic_bool pin_random;
+static atomic_llong pinned_live;
+static atomic_int pin_failures, pin_over_limit, unpin_unknown;
+static uint64_t pin_limit, pin_rng; /* pin_rng: the pinner thread's alone */
+
 static int slow_pin(struct backend *b, void *base, size_t size, void **cookie)
 {
     (void)b;
-    (void)size;
-    sleep_ms(atomic_load(&pin_ms));
+    if (atomic_load(&pin_random)) {
+        pin_rng = pin_rng * 6364136223846793005ull + 1442695040888963407ull;
+        uint64_t r = pin_rng >> 33;
+        if ((uint64_t)atomic_load(&pinned_live) + size > pin_limit)
+            atomic_fetch_add(&pin_over_limit, 1);
+        sleep_ms((int)(r % 31));
+        if ((r >> 8) % 5 == 0) {
+            atomic_fetch_add(&pin_failures, 1);
+            return -ENOMEM;
+        }
+    } else {
+        sleep_ms(atomic_load(&pin_ms));
+    }
+    atomic_fetch_add(&pinned_live, (long long)size);
     atomic_fetch_add(&pins, 1);
     *cookie = base;
     return 0;
@@ -52,11 +76,18 @@ static int slow_pin(struct backend *b, void *base, size_t size, void **cookie)
 static void counting_unpin(struct backend *b, void *base, size_t size, void *cookie)
 {
     (void)b;
-    (void)size;
     CHECK(cookie == base);
     /* Still mapped: the unmap comes after. */
-    CHECK(((volatile unsigned char *)base)[0] == 0x5a);
-    sleep_ms(atomic_load(&unpin_ms));
+    unsigned char first = ((volatile unsigned char *)base)[0];
+    if (!atomic_load(&pin_random)) {
+        CHECK(first == 0x5a || atomic_load(&unpin_unwritten));
+        sleep_ms(atomic_load(&unpin_ms));
+    } else { /* on the pinner thread, as the pins: pin_rng is its own */
+        pin_rng = pin_rng * 6364136223846793005ull + 1442695040888963407ull;
+        sleep_ms((int)((pin_rng >> 33) % 11));
+    }
+    if (atomic_fetch_sub(&pinned_live, (long long)size) < (long long)size)
+        atomic_fetch_add(&unpin_unknown, 1); /* more unpinned than pinned */
     atomic_store(&unpinned_base, (uintptr_t)base);
     atomic_fetch_add(&unpins, 1);
 }
@@ -69,6 +100,13 @@ struct daemon_here {
     struct loop_watch *tick;
     struct server *s;
     pthread_t thread;
+    /* Stepped (the stress case): the loop runs in turns until halting is
+     * set, then on until the pinner and the workers are idle and no more
+     * than settle_sessions sessions are left (or 60 s have gone; not at
+     * all for UINT32_MAX). */
+    bool stepped;
+    atomic_bool halting;
+    uint32_t settle_sessions;
 };
 
 /* loop_stop() only marks the loop: a timer wakes it to notice. It also
@@ -80,21 +118,36 @@ static void tick(void *data)
         notify_tick(d->s);
 }
 
+static uint64_t ms_now(void);
+
 static void *loop_thread(void *arg)
 {
     struct daemon_here *d = arg;
-    CHECK_EQ_INT(loop_run(d->loop), 0);
+    if (!d->stepped) {
+        CHECK_EQ_INT(loop_run(d->loop), 0);
+        return NULL;
+    }
+    while (!atomic_load(&d->halting))
+        CHECK(loop_run_once(d->loop, 20) >= 0);
+    if (d->settle_sessions == UINT32_MAX)
+        return NULL; /* no settling */
+    uint64_t end = ms_now() + 60000;
+    while ((server_pending(d->s) || d->s->n_sessions > d->settle_sessions) && ms_now() < end)
+        CHECK(loop_run_once(d->loop, 20) >= 0);
     return NULL;
 }
 
-static void daemon_start_with(struct daemon_here *d, uint64_t max_pinned_bytes)
+/* dir: the runtime directory of an earlier one (a restart), or NULL. */
+static void daemon_start_opts(struct daemon_here *d, uint64_t max_pinned_bytes, bool stepped,
+                              const char *dir)
 {
     memset(d, 0, sizeof(*d));
+    d->stepped = stepped;
     CHECK_EQ_INT(config_init(&d->cfg), 0);
     if (max_pinned_bytes)
         d->cfg.max_pinned_bytes = max_pinned_bytes;
     free(d->cfg.runtime_dir);
-    d->cfg.runtime_dir = strdup(tmp_dir_new("pin"));
+    d->cfg.runtime_dir = strdup(dir ? dir : tmp_dir_new("pin"));
     CHECK(d->cfg.runtime_dir != NULL);
     CHECK_EQ_INT(backend_open("cpu", 0, 1, &d->b), 0);
     d->ops = *d->b->ops;
@@ -109,6 +162,11 @@ static void daemon_start_with(struct daemon_here *d, uint64_t max_pinned_bytes)
     CHECK_EQ_INT(pthread_create(&d->thread, NULL, loop_thread, d), 0);
 }
 
+static void daemon_start_with(struct daemon_here *d, uint64_t max_pinned_bytes)
+{
+    daemon_start_opts(d, max_pinned_bytes, false, NULL);
+}
+
 static void daemon_start(struct daemon_here *d)
 {
     daemon_start_with(d, 0);
@@ -116,7 +174,10 @@ static void daemon_start(struct daemon_here *d)
 
 static void daemon_halt(struct daemon_here *d)
 {
-    loop_stop(d->loop);
+    if (d->stepped)
+        atomic_store(&d->halting, true);
+    else
+        loop_stop(d->loop);
     CHECK_EQ_INT(pthread_join(d->thread, NULL), 0);
 }
 
@@ -454,6 +515,504 @@ TEST(a_pin_stuck_past_the_watchdog_interval_stops_the_pings)
     CHECK_NO_LEAKS();
 }
 
+/* A region whose registration outlasts the client's timeout (the pin is
+ * slow): the call fails with -ETIMEDOUT and ends the session, the next
+ * call opens a new one and works, and the region that the daemon pinned
+ * for the session gone is unpinned. */
+TEST(a_region_create_timed_out_during_its_pin_leaves_the_client_usable)
+{
+    atomic_store(&unpin_unwritten, true);
+    struct daemon_here d;
+    daemon_start(&d);
+    moe_client *c = NULL;
+    CHECK_MSG(moe_connect(d.cfg.runtime_dir, "c", &c) == 0, "%s", moe_errmsg());
+    moe_region *kept = NULL;
+    CHECK_MSG(moe_region_create(c, 1 << 16, "kept", &kept) == 0, "%s", moe_errmsg());
+    moe_set_timeout(c, PIN_MS / 4);
+    moe_region *r = NULL;
+    CHECK_EQ_INT(moe_region_create(c, 1 << 20, "slow", &r), -ETIMEDOUT);
+    CHECK(r == NULL);
+    moe_set_timeout(c, 20000);
+    CHECK_MSG(moe_hello(c, NULL) == 0, "%s", moe_errmsg()); /* a new session, kept again */
+    CHECK_MSG(moe_region_create(c, 1 << 20, "next", &r) == 0, "%s", moe_errmsg());
+    CHECK_EQ_INT(moe_region_free(c, &r), 0);
+    CHECK_EQ_INT(moe_region_free(c, &kept), 0);
+    CHECK_MSG(wait_for(&unpins, 4, 10000), "unpinned %d of 4", atomic_load(&unpins));
+    daemon_halt(&d);
+    CHECK_EQ_INT(d.s->n_sessions, 1);
+    CHECK_EQ_INT(d.s->pinned_bytes, 0);
+    CHECK_EQ_INT(d.s->unpinning_bytes, 0);
+    CHECK_EQ_INT(atomic_load(&pins), 4);
+    daemon_free(&d);
+    moe_disconnect(&c);
+    CHECK_NO_LEAKS();
+}
+
+/* ---- stress -------------------------------------------------------------
+ *
+ * For ten seconds, at random: regions created and freed (up to and past
+ * max_pinned_bytes) by three threads sharing one client and two clients of
+ * their own (which also reconnect, dropping what they hold), hellos,
+ * grouped GEMMs over a layer uploaded from a region (some with their
+ * region freed while the request is in flight), and raw sessions that
+ * register regions and go mid-pin; every pin takes 0 to 30 ms and one in
+ * five fails (0 to 10 ms an unpin). Every call must succeed; no pin may
+ * take the driver past max_pinned_bytes. Then the counts must agree: the
+ * daemon's pinned bytes with the regions it holds pinned and with the
+ * driver's, nothing left to unpin, no session paused, and nothing pinned
+ * once the server is freed. A second case restarts the daemon three times
+ * meanwhile. STRESS_SEED=n repeats a run's choices (not its timing).
+ */
+#define STRESS_MAXP (6u << 20)
+#define SG 4  /* the GEMM layer: groups, n, k */
+#define SN 16
+#define SK 32
+#define SMAXM 8
+#define STRESS_SHARED 3
+#define STRESS_OWN 2
+#define STRESS_HELD 4
+
+enum { OP_CREATE, OP_FREE, OP_HELLO, OP_GEMM, OP_GEMM_FREED, OP_RECONNECT, OP_RAW, OP_N };
+static const char *const op_names[OP_N] = {"create", "free", "hello", "gemm",
+                                          "gemm-freed", "reconnect", "raw"};
+
+struct stress {
+    struct daemon_here *d;
+    /* The daemon restarts meanwhile: a call may also fail with
+     * -ECONNRESET (the daemon went) or -ECONNREFUSED (it is not back yet),
+     * as moe.h says; GEMMs are left out (the layer goes with the daemon). */
+    bool restarts;
+    char dir[64];
+    uint64_t deadline_ms;
+    moe_client *shared;
+    pthread_mutex_t mu; /* pool, first_bad */
+    moe_region *pool[8]; /* the shared client's regions, for any of its threads to free */
+    int n_pool;
+    uint16_t b[SG * SN * SK]; /* the layer's weights, bf16 */
+    atomic_int ops[OP_N];
+    atomic_int bad;
+    atomic_int lost; /* calls that met a restart */
+    char first_bad[512];
+};
+
+struct stress_thread {
+    struct stress *st;
+    int idx;
+    bool own; /* a client of its own, which it may drop and make again */
+    moe_client *c;
+    uint64_t seed;
+    moe_region *held[STRESS_HELD];
+    int n_held;
+    moe_region *gr; /* its GEMM's operands */
+    pthread_t t;
+};
+
+static void stress_bad(struct stress *st, int idx, const char *what, int rc)
+{
+    if (st->restarts && (rc == -ECONNRESET || rc == -ECONNREFUSED)) {
+        atomic_fetch_add(&st->lost, 1);
+        sleep_ms(2); /* not back yet: a moment's pause */
+        return;
+    }
+    char msg[512];
+    snprintf(msg, sizeof(msg), "thread %d: %s: %d (%s): %s", idx, what, rc, moe_strerror(rc),
+             moe_errmsg());
+    pthread_mutex_lock(&st->mu);
+    if (atomic_fetch_add(&st->bad, 1) == 0)
+        snprintf(st->first_bad, sizeof(st->first_bad), "%s", msg);
+    pthread_mutex_unlock(&st->mu);
+    fprintf(stderr, "  %s\n", msg);
+}
+
+static size_t stress_size(uint64_t *seed)
+{
+    static const size_t sizes[] = {4096, 65536, 1 << 20, STRESS_MAXP / 2,
+                                   STRESS_MAXP - 4096, STRESS_MAXP, STRESS_MAXP + 4096};
+    uint64_t r = test_rand(seed);
+    if (r % 4 == 0)
+        return 1 + (size_t)(r >> 8) % (256 << 10);
+    return sizes[(r >> 8) % ARRAY_LEN(sizes)];
+}
+
+#define GEMM_C_OFF ((SMAXM * SK * 2 + 63) & ~(size_t)63)
+#define GEMM_BYTES (GEMM_C_OFF + SMAXM * SN * 2)
+
+/* A [M, SK] at 0 and C [M, SN] at GEMM_C_OFF of r, A filled; rows split
+ * over the groups at random. */
+static size_t gemm_setup(struct stress_thread *th, moe_region *r, uint64_t ms[SG])
+{
+    size_t M = 1 + test_rand(&th->seed) % SMAXM;
+    uint16_t *a = moe_region_data(r);
+    for (size_t i = 0; i < M * SK; i++)
+        a[i] = moek_f32_to_bf16(test_randf(&th->seed));
+    memset(ms, 0, sizeof(uint64_t) * SG);
+    for (size_t i = 0; i < M; i++)
+        ms[test_rand(&th->seed) % SG]++;
+    return M;
+}
+
+static moe_gemm_args gemm_args(moe_region *r, size_t M, const uint64_t ms[SG])
+{
+    return (moe_gemm_args){.layer = "g", .a = moe_tensor_2d(r, 0, MOE_DTYPE_BF16, M, SK),
+                           .c = moe_tensor_2d(r, GEMM_C_OFF, MOE_DTYPE_BF16, M, SN),
+                           .m_sizes = ms, .groups = SG};
+}
+
+static void stress_gemm(struct stress_thread *th)
+{
+    struct stress *st = th->st;
+    int rc;
+    if (!th->gr && (rc = moe_region_create(th->c, GEMM_BYTES, "gemm", &th->gr)) != 0) {
+        stress_bad(st, th->idx, "moe_region_create (gemm)", rc);
+        return;
+    }
+    uint64_t ms[SG];
+    size_t M = gemm_setup(th, th->gr, ms);
+    moe_gemm_args ga = gemm_args(th->gr, M, ms);
+    if ((rc = moe_gemm(th->c, &ga, NULL)) != 0) {
+        stress_bad(st, th->idx, "moe_gemm", rc);
+        return;
+    }
+    int64_t ms64[SG];
+    for (int g = 0; g < SG; g++)
+        ms64[g] = (int64_t)ms[g];
+    uint8_t *base = moe_region_data(th->gr);
+    uint16_t ref[SMAXM * SN];
+    float got[SMAXM * SN], want[SMAXM * SN];
+    CHECK(moek_ref_grouped_gemm(MOEK_DTYPE_BF16, SG, SN, SK, base, ms64, st->b, ref) == 0);
+    moek_to_f32(MOEK_DTYPE_BF16, base + GEMM_C_OFF, got, M * SN);
+    moek_to_f32(MOEK_DTYPE_BF16, ref, want, M * SN);
+    double err = moek_rel_error(got, want, M * SN);
+    if (!(err < 2e-2))
+        stress_bad(st, th->idx, "moe_gemm: wrong result", (int)(err * 1000));
+}
+
+/* Its region freed while the request is in flight: the daemon holds it
+ * until the request ends. The free can also reach the daemon first (by
+ * another socket): then the request names no region, -ENOENT. */
+static void stress_gemm_freed(struct stress_thread *th)
+{
+    struct stress *st = th->st;
+    moe_region *r = NULL;
+    int rc = moe_region_create(th->c, GEMM_BYTES, "gemm-freed", &r);
+    if (rc) {
+        stress_bad(st, th->idx, "moe_region_create (gemm-freed)", rc);
+        return;
+    }
+    uint64_t ms[SG];
+    size_t M = gemm_setup(th, r, ms);
+    moe_gemm_args ga = gemm_args(r, M, ms);
+    moe_request *req = NULL;
+    if ((rc = moe_gemm_submit(th->c, &ga, &req)) != 0)
+        stress_bad(st, th->idx, "moe_gemm_submit", rc);
+    if ((rc = moe_region_free(th->c, &r)) != 0)
+        stress_bad(st, th->idx, "moe_region_free (gemm-freed)", rc);
+    if (req && (rc = moe_wait(th->c, &req, -1, NULL)) != 0 && rc != -ENOENT)
+        stress_bad(st, th->idx, "moe_wait (gemm-freed)", rc);
+}
+
+static void stress_create(struct stress_thread *th)
+{
+    struct stress *st = th->st;
+    moe_region *r = NULL;
+    size_t size = stress_size(&th->seed);
+    int rc = moe_region_create(th->c, size, "stress", &r);
+    if (rc) {
+        stress_bad(st, th->idx, "moe_region_create", rc);
+        return;
+    }
+    ((unsigned char *)moe_region_data(r))[size - 1] = 0x5a;
+    if (!th->own && test_rand(&th->seed) % 2) {
+        pthread_mutex_lock(&st->mu);
+        if (st->n_pool < (int)ARRAY_LEN(st->pool)) {
+            st->pool[st->n_pool++] = r;
+            r = NULL;
+        }
+        pthread_mutex_unlock(&st->mu);
+        if (!r)
+            return;
+    }
+    if (th->n_held < STRESS_HELD) {
+        th->held[th->n_held++] = r;
+        return;
+    }
+    if ((rc = moe_region_free(th->c, &r)) != 0)
+        stress_bad(st, th->idx, "moe_region_free (over)", rc);
+}
+
+static void stress_free(struct stress_thread *th)
+{
+    struct stress *st = th->st;
+    moe_region *r = NULL;
+    if (!th->own && test_rand(&th->seed) % 2) {
+        pthread_mutex_lock(&st->mu);
+        if (st->n_pool) {
+            int i = (int)(test_rand(&th->seed) % (uint64_t)st->n_pool);
+            r = st->pool[i];
+            st->pool[i] = st->pool[--st->n_pool];
+        }
+        pthread_mutex_unlock(&st->mu);
+    }
+    if (!r && th->n_held) {
+        int i = (int)(test_rand(&th->seed) % (uint64_t)th->n_held);
+        r = th->held[i];
+        th->held[i] = th->held[--th->n_held];
+    }
+    int rc;
+    if (r && (rc = moe_region_free(th->c, &r)) != 0)
+        stress_bad(st, th->idx, "moe_region_free", rc);
+}
+
+static void *stress_client(void *arg)
+{
+    struct stress_thread *th = arg;
+    struct stress *st = th->st;
+    int rc;
+    while (ms_now() < st->deadline_ms) {
+        if (!th->c) { /* its reconnection met a restart */
+            if ((rc = moe_connect(st->dir, "own", &th->c)) != 0) {
+                stress_bad(st, th->idx, "moe_connect", rc);
+                sleep_ms(10);
+                continue;
+            }
+            moe_set_timeout(th->c, 30000);
+        }
+        uint64_t r = test_rand(&th->seed) % 100;
+        int op = r < 30 ? OP_CREATE : r < 52 ? OP_FREE : r < 67 ? OP_HELLO : r < 85 ? OP_GEMM
+                 : r < 96 ? OP_GEMM_FREED : th->own ? OP_RECONNECT : OP_HELLO;
+        if (st->restarts && (op == OP_GEMM || op == OP_GEMM_FREED))
+            op = OP_HELLO;
+        atomic_fetch_add(&st->ops[op], 1);
+        switch (op) {
+        case OP_CREATE:
+            stress_create(th);
+            break;
+        case OP_FREE:
+            stress_free(th);
+            break;
+        case OP_HELLO:
+            if ((rc = moe_hello(th->c, NULL)) != 0)
+                stress_bad(st, th->idx, "moe_hello", rc);
+            break;
+        case OP_GEMM:
+            stress_gemm(th);
+            break;
+        case OP_GEMM_FREED:
+            stress_gemm_freed(th);
+            break;
+        case OP_RECONNECT: /* what it holds goes with the session */
+            moe_disconnect(&th->c);
+            th->n_held = 0;
+            th->gr = NULL;
+            if ((rc = moe_connect(st->dir, "own", &th->c)) != 0)
+                stress_bad(st, th->idx, "moe_connect", rc);
+            else
+                moe_set_timeout(th->c, 30000);
+            break;
+        }
+    }
+    return NULL;
+}
+
+/* Raw sessions that register one to four regions and go: at once (mid-pin),
+ * a moment later, or after the answers (and one unregister). */
+static void *stress_raw(void *arg)
+{
+    struct stress_thread *th = arg;
+    struct stress *st = th->st;
+    while (ms_now() < st->deadline_ms) {
+        atomic_fetch_add(&st->ops[OP_RAW], 1);
+        int fd = raw_session(st->dir);
+        int k = 1 + (int)(test_rand(&th->seed) % 4);
+        for (int i = 0; i < k; i++) {
+            uint64_t r = test_rand(&th->seed);
+            raw_register(fd, r % 3 == 0 ? STRESS_MAXP / 2 : 4096 + (size_t)(r >> 8) % (512 << 10));
+        }
+        uint64_t mode = test_rand(&th->seed) % 3;
+        if (mode == 1)
+            sleep_ms((int)(test_rand(&th->seed) % 40));
+        if (mode == 2) {
+            uint64_t id = 0;
+            for (int i = 0; i < k; i++) {
+                Moe__SessionReply *rep = raw_reply(fd);
+                if (rep->status != MOE__STATUS__STATUS_OK || !rep->region)
+                    stress_bad(st, th->idx, "raw register", -(int)rep->status);
+                id = rep->region;
+                moe__session_reply__free_unpacked(rep, NULL);
+            }
+            Moe__SessionRequest req = MOE__SESSION_REQUEST__INIT;
+            Moe__UnregisterRegion un = MOE__UNREGISTER_REGION__INIT;
+            un.region = id;
+            req.body_case = MOE__SESSION_REQUEST__BODY_UNREGISTER_REGION;
+            req.unregister_region = &un;
+            uint8_t buf[256];
+            size_t n = moe__session_request__pack(&req, buf);
+            CHECK(send(fd, buf, n, 0) == (ssize_t)n);
+            if (test_rand(&th->seed) % 2) {
+                Moe__SessionReply *rep = raw_reply(fd);
+                if (rep->status != MOE__STATUS__STATUS_OK || rep->region != id)
+                    stress_bad(st, th->idx, "raw unregister", -(int)rep->status);
+                moe__session_reply__free_unpacked(rep, NULL);
+            }
+        }
+        close(fd);
+    }
+    return NULL;
+}
+
+/* The GEMM layer, uploaded from a region of the shared client. */
+static void stress_layer(struct stress *st)
+{
+    moe_region *wr = NULL;
+    CHECK_MSG(moe_region_create(st->shared, sizeof(st->b), "B", &wr) == 0, "%s", moe_errmsg());
+    memcpy(moe_region_data(wr), st->b, sizeof(st->b));
+    moe_layer_desc gd = {.name = "g", .kind = MOE_LAYER_GEMM, .dtype = MOE_DTYPE_BF16,
+                         .groups = SG, .n = SN, .k = SK,
+                         .w1 = moe_tensor_3d(wr, 0, MOE_DTYPE_BF16, SG, SN, SK)};
+    CHECK_MSG(moe_layer_load(st->shared, &gd, NULL) == 0, "%s", moe_errmsg());
+    CHECK_EQ_INT(moe_region_free(st->shared, &wr), 0);
+}
+
+/* restarts: the daemon is stopped and started again (on the same runtime
+ * directory) this many times while the clients run; raw sessions and
+ * GEMMs are left out then. */
+static void stress_run(int restarts, uint64_t ms)
+{
+    const char *seed_env = getenv("STRESS_SEED");
+    uint64_t seed = seed_env ? strtoull(seed_env, NULL, 0) : (uint64_t)time(NULL) ^ (uint64_t)getpid();
+    fprintf(stderr, "  seed %llu (STRESS_SEED)\n", (unsigned long long)seed);
+    pin_rng = seed;
+    pin_limit = STRESS_MAXP;
+    atomic_store(&pin_random, true);
+    static struct stress st;
+    static struct daemon_here d;
+    daemon_start_opts(&d, STRESS_MAXP, true, NULL);
+    st.d = &d;
+    st.restarts = restarts > 0;
+    snprintf(st.dir, sizeof(st.dir), "%s", d.cfg.runtime_dir);
+    pthread_mutex_init(&st.mu, NULL);
+    CHECK_MSG(moe_connect(st.dir, "shared", &st.shared) == 0, "%s", moe_errmsg());
+    moe_set_timeout(st.shared, 30000);
+    uint64_t s2 = seed;
+    for (size_t i = 0; i < ARRAY_LEN(st.b); i++)
+        st.b[i] = moek_f32_to_bf16(test_randf(&s2) * 0.3f);
+    if (!restarts)
+        stress_layer(&st);
+
+    enum { NT = STRESS_SHARED + STRESS_OWN + 1 };
+    static struct stress_thread th[NT];
+    int nt = restarts ? NT - 1 : NT; /* the raw sessions' thread last */
+    uint64_t t0 = ms_now();
+    st.deadline_ms = t0 + ms;
+    for (int i = 0; i < nt; i++) {
+        th[i] = (struct stress_thread){.st = &st, .idx = i, .seed = seed * 31 + (uint64_t)i + 1,
+                                       .own = i >= STRESS_SHARED && i < NT - 1, .c = st.shared};
+        if (th[i].own) {
+            CHECK_MSG(moe_connect(st.dir, "own", &th[i].c) == 0, "%s", moe_errmsg());
+            moe_set_timeout(th[i].c, 30000);
+        }
+        CHECK_EQ_INT(pthread_create(&th[i].t, NULL, i == NT - 1 ? stress_raw : stress_client,
+                                    &th[i]), 0);
+    }
+    for (int k = 1; k <= restarts; k++) {
+        /* At random times in the run's k-th slice: the daemon stops as
+         * moed does (its server freed), the pins and unpins undone. */
+        uint64_t slice = ms / ((uint64_t)restarts + 1);
+        uint64_t at = t0 + slice * (uint64_t)k - slice / 2 + (seed >> (k * 7)) % (slice / 2);
+        while (ms_now() < at)
+            sleep_ms(5);
+        d.settle_sessions = UINT32_MAX;
+        daemon_halt(&d);
+        daemon_free(&d); /* pins == unpins */
+        CHECK_EQ_INT(atomic_load(&pinned_live), 0);
+        sleep_ms((int)((seed >> (k * 5)) % 50));
+        daemon_start_opts(&d, STRESS_MAXP, true, st.dir);
+    }
+    for (int i = 0; i < nt; i++) {
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += (time_t)(ms / 1000) + 60;
+        int e = pthread_timedjoin_np(th[i].t, NULL, &until);
+        CHECK_MSG(e == 0, "thread %d did not end (a call hung): %s", i, strerror(e));
+    }
+    fprintf(stderr, "  ops:");
+    for (int i = 0; i < OP_N; i++)
+        fprintf(stderr, " %s %d", op_names[i], atomic_load(&st.ops[i]));
+    fprintf(stderr, "; pins %d, failed %d, unpins %d; %d calls met a restart\n",
+            atomic_load(&pins), atomic_load(&pin_failures), atomic_load(&unpins),
+            atomic_load(&st.lost));
+    CHECK_MSG(atomic_load(&st.bad) == 0, "%d calls failed, the first: %s", atomic_load(&st.bad),
+              st.first_bad);
+    if (restarts) {
+        /* After the last restart each client's next call reconnects and
+         * registers its regions again. */
+        int rc;
+        for (int i = 0; i < nt; i++)
+            if (th[i].c && (rc = moe_hello(th[i].c, NULL)) != 0)
+                CHECK_MSG(rc == -ECONNRESET && moe_hello(th[i].c, NULL) == 0,
+                          "thread %d's client: %d: %s", i, rc, moe_errmsg());
+    }
+
+    /* The regions the clients hold, each registered once. */
+    unsigned held = (unsigned)st.n_pool;
+    unsigned sessions = 1;
+    for (int i = 0; i < STRESS_SHARED + STRESS_OWN; i++) {
+        held += (unsigned)th[i].n_held + (th[i].gr != NULL);
+        sessions += th[i].own && th[i].c;
+    }
+    d.settle_sessions = sessions;
+    daemon_halt(&d);
+    struct server *s = d.s;
+    CHECK_EQ_INT(server_pending(s), 0);
+    CHECK_EQ_INT(s->n_sessions, sessions);
+    CHECK_EQ_INT(s->unpinning_bytes, 0);
+    uint64_t pinned = 0;
+    unsigned n_pinned = 0, regions = 0;
+    for (struct session *se = s->sessions; se; se = se->next) {
+        CHECK_MSG(!se->pinning, "session %llu left paused", (unsigned long long)se->id);
+        CHECK_EQ_INT(se->n_retired, 0);
+        unsigned n = 0;
+        uint64_t bytes = 0;
+        for (struct region *r = se->regions; r; r = r->next) {
+            n++;
+            bytes += r->size;
+            if (r->pin_cookie) {
+                n_pinned++;
+                pinned += r->size;
+            }
+        }
+        CHECK_EQ_INT(n, se->n_regions);
+        CHECK_EQ_INT(bytes, se->region_bytes);
+        regions += n;
+    }
+    CHECK_EQ_INT(regions, held);
+    CHECK_EQ_INT(s->pinned_bytes, pinned);
+    CHECK_EQ_INT(atomic_load(&pinned_live), (long long)pinned);
+    CHECK_EQ_INT(atomic_load(&pins) - atomic_load(&unpins), n_pinned);
+    CHECK_EQ_INT(atomic_load(&pin_over_limit), 0);
+    CHECK_EQ_INT(atomic_load(&unpin_unknown), 0);
+    fprintf(stderr, "  at the end: %u sessions, %u regions, %u pinned (%llu bytes)\n", sessions,
+            regions, n_pinned, (unsigned long long)pinned);
+    daemon_free(&d); /* pins == unpins */
+    CHECK_EQ_INT(atomic_load(&pinned_live), 0);
+    CHECK_EQ_INT(atomic_load(&unpin_unknown), 0);
+    for (int i = STRESS_SHARED; i < STRESS_SHARED + STRESS_OWN; i++)
+        moe_disconnect(&th[i].c);
+    moe_disconnect(&st.shared);
+    pthread_mutex_destroy(&st.mu);
+    CHECK_NO_LEAKS();
+}
+
+TEST(stress_regions_gemms_and_raw_sessions_under_random_pins)
+{
+    stress_run(0, 10000);
+}
+
+TEST(stress_regions_across_daemon_restarts_under_random_pins)
+{
+    stress_run(3, 6000);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -464,5 +1023,8 @@ int main(int argc, char **argv)
         TEST_CASE(a_pin_in_flight_at_the_stop_is_finished_and_undone),
         TEST_CASE(a_region_freed_at_the_pinned_limit_makes_room_for_the_next),
         TEST_CASE(a_client_gone_during_its_pin_has_no_more_regions_pinned),
+        TEST_CASE(a_region_create_timed_out_during_its_pin_leaves_the_client_usable),
+        TEST_CASE_TIMEOUT(stress_regions_gemms_and_raw_sessions_under_random_pins, 180),
+        TEST_CASE_TIMEOUT(stress_regions_across_daemon_restarts_under_random_pins, 180),
         {0}});
 }
