@@ -256,11 +256,11 @@ static int session_call(moe_client *c, Moe__SessionRequest *req, int fd, bool un
         cm->cmsg_len = CMSG_LEN(sizeof(int));
         memcpy(CMSG_DATA(cm), &fd, sizeof(int));
     }
-    int timeout_ms = c->timeout_ms;
+    int timeout_ms = c->timeout_ms, sfd = c->sfd;
     bool send_failed;
     if (unlocked)
         pthread_mutex_unlock(&c->mu);
-    ssize_t r = session_exchange(c->sfd, &mh, buf, sizeof(buf), timeout_ms, &send_failed);
+    ssize_t r = session_exchange(sfd, &mh, buf, sizeof(buf), timeout_ms, &send_failed);
     if (unlocked)
         pthread_mutex_lock(&c->mu);
     if (send_failed) {
