@@ -19,7 +19,6 @@
 #include <time.h>
 #include <unistd.h>
 
-
 int accept4(int lfd, struct sockaddr *restrict addr, socklen_t *restrict len, int flags);
 
 static pthread_mutex_t guard_mu = PTHREAD_MUTEX_INITIALIZER;

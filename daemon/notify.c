@@ -205,8 +205,9 @@ void notify_tick(struct server *s)
      * region's pin, that has run longer than the whole watchdog interval
      * means the device (or its driver) is. */
     double stuck = worker_busy_seconds(s->compute);
-    if (s->pinner && worker_busy_seconds(s->pinner) > stuck)
-        stuck = worker_busy_seconds(s->pinner);
+    double pin = s->pinner ? worker_busy_seconds(s->pinner) : 0;
+    if (pin > stuck)
+        stuck = pin;
     bool alive = wd && stuck * 1e6 < (double)wd;
     /* Timer jitter must not make every other tick just miss the refresh. */
     bool status = now_us() - status_us + notify_tick_interval_us() / 2 >= STATUS_EVERY_US;

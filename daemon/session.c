@@ -534,7 +534,7 @@ static void session_register(struct server *s, struct session *se,
      * max_pinned_bytes, so clients cannot make it lock more RAM than that.
      * The unpins queued before it have ended when its pin starts (the
      * pinner runs its jobs in order): their bytes are room already. */
-    if (s->backend->ops->pin && s->pinner) {
+    if (s->pinner) { /* made where the backend pins */
         if (s->pinned_bytes - s->unpinning_bytes + r->size > s->cfg->max_pinned_bytes)
             log_debug("region of %llu bytes of pid %d not pinned: over max_pinned_bytes",
                       (unsigned long long)r->size, (int)se->pid);
