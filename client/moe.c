@@ -211,14 +211,11 @@ static ssize_t session_exchange(int sfd, const struct msghdr *mh, uint8_t *buf, 
         return -errno;
     }
     struct pollfd p = {sfd, POLLIN, 0};
-    uint64_t t0 = mono_ms();
+    uint64_t deadline = deadline_ms(timeout_ms), now;
     int pr, wait = timeout_ms;
-    while ((pr = poll(&p, 1, wait)) < 0 && errno == EINTR) {
-        if (timeout_ms >= 0) { /* what is left of it */
-            uint64_t spent = mono_ms() - t0;
-            wait = spent < (uint64_t)timeout_ms ? timeout_ms - (int)spent : 0;
-        }
-    }
+    while ((pr = poll(&p, 1, wait)) < 0 && errno == EINTR)
+        if (deadline != UINT64_MAX) /* what is left of it */
+            wait = (now = mono_ms()) < deadline ? (int)(deadline - now) : 0;
     if (pr < 0)
         return -errno;
     if (pr == 0)
