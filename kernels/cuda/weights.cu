@@ -25,6 +25,7 @@
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
+#include <algorithm>
 #include <new>
 
 #include "cuda_common.cuh"
@@ -124,8 +125,10 @@ int device_setup(int device, int *sms, int *cc)
  * multi-block path; 8 unless set, and 16 lets a device that runs clusters
  * of 16 route up to 512 tokens a warp each in that launch, within noise
  * of the default on the H200: RESULTS.md, run 35),
- * MOEK_CUDA_NO_PREFETCH=1 drops GEMM 1's guessed L2 prefetch and
- * MOEK_CUDA_PREFETCH_KB=N sets its K blocks (16 unless set; layer.cu).
+ * MOEK_CUDA_NO_PREFETCH=1 drops GEMM 1's guessed L2 prefetch,
+ * MOEK_CUDA_PREFETCH_KB=N sets its K blocks (16 unless set; layer.cu) and
+ * MOEK_CUDA_UPLOAD_KB=N bounds the staging buffer that grouped GEMM
+ * weights go up through (64 MiB unless set; one group at least).
  * Read once, when a layer or weight set is made. */
 bool env_off(const char *name)
 {
@@ -367,24 +370,39 @@ int gemm_weights_new(moek_dtype dt, int groups, int n, int k, const void *b,
         return r;
     }
     void *tmp = nullptr;
-    const size_t nk = (size_t)n * k;
+    const size_t gb = (size_t)n * k * 2; /* bytes of one group */
+    /* Host weights go up through a staging buffer of at most `per` groups
+     * (one at least), so a load needs little more device memory than the
+     * weights themselves. */
+    const size_t stage = (size_t)env_int("MOEK_CUDA_UPLOAD_KB", 64 << 10, 1 << 22) * 1024;
+    const int per = (int)std::min<size_t>(groups, std::max<size_t>(1, stage / gb));
     cudaError_t e = weight_alloc(&W->b, W->tiled, groups, W->n16, k);
     if (e == cudaSuccess && !on_device)
-        e = cudaMalloc(&tmp, (size_t)groups * nk * 2);
+        e = cudaMalloc(&tmp, (size_t)per * gb);
     if (e != cudaSuccess) {
         r = moek_cuda_fail(e, "cudaMalloc(gemm weights)");
         goto fail;
     }
-    if (!on_device) {
-        e = cudaMemcpy(tmp, b, (size_t)groups * nk * 2, cudaMemcpyHostToDevice);
-        if (e != cudaSuccess) {
-            r = moek_cuda_fail(e, "cudaMemcpy(b)");
+    if (on_device) {
+        if ((r = relayout(W->b, W->tiled, 0, b, nullptr, RELAYOUT_PAIRS, groups,
+                          W->n16, n, k)))
             goto fail;
+    } else {
+        for (int g0 = 0; g0 < groups; g0 += per) {
+            const int cnt = std::min(per, groups - g0);
+            /* tmp is written again only after the relayout before read it:
+             * copy and kernel are ordered on the one stream. */
+            e = cudaMemcpy(tmp, (const uint8_t *)b + g0 * gb, cnt * gb,
+                           cudaMemcpyHostToDevice);
+            if (e != cudaSuccess) {
+                r = moek_cuda_fail(e, "cudaMemcpy(b)");
+                goto fail;
+            }
+            if ((r = relayout(W->b, W->tiled, g0, tmp, nullptr, RELAYOUT_PAIRS,
+                              cnt, W->n16, n, k)))
+                goto fail;
         }
     }
-    if ((r = relayout(W->b, W->tiled, 0, on_device ? b : tmp, nullptr,
-                      RELAYOUT_PAIRS, groups, W->n16, n, k)))
-        goto fail;
     e = cudaStreamSynchronize(0); /* the upload's stream, as in layer_new */
     if (e != cudaSuccess) {
         r = moek_cuda_fail(e, "relayout");

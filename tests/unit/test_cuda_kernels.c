@@ -1524,6 +1524,14 @@ TEST(grouped_gemm)
     for (int i = 0; i < 6; i++)
         run_gemm(i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16, 8, 256, 512, big,
                  tiles[i], false, &rng);
+    /* Host weights going up a few groups at a time (weights.cu): three of
+     * 256 KB a step (steps of 3, 3 and 2 groups), and one at a time. */
+    char *keep = env_set("MOEK_CUDA_UPLOAD_KB", "768");
+    run_gemm(MOEK_DTYPE_BF16, 8, 256, 512, big, 128, false, &rng);
+    env_restore("MOEK_CUDA_UPLOAD_KB", keep);
+    keep = env_set("MOEK_CUDA_UPLOAD_KB", "1");
+    run_gemm(MOEK_DTYPE_FP16, 64, 72, 200, sizes, 0, false, &rng);
+    env_restore("MOEK_CUDA_UPLOAD_KB", keep);
     /* Items of one K block, about 32 per CTA at 64-row tiles: the producer
      * runs up to a pipeline's depth of items ahead of the consumers, twice
      * round the ring of decoded items it hands them (gemm_wgmma.cu,
