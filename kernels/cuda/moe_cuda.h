@@ -234,7 +234,9 @@ int moek_cuda_moe_read_routing(const moek_cuda_moe_layer *layer,
 /*
  * A stacked weight tensor B [G, N, K] resident on a device for grouped GEMMs
  * (dt bf16 or fp16; N and K multiples of 8, else -ENOTSUP). b_host is only
- * read during the call. Caller owns *out; free with
+ * read during the call; it goes up a few groups at a time through a
+ * staging buffer of at most 64 MiB (one group at least), so the call needs
+ * little more device memory than the weights. Caller owns *out; free with
  * moek_cuda_gemm_weights_free(), which accepts NULL.
  */
 typedef struct moek_cuda_gemm_weights moek_cuda_gemm_weights;
