@@ -357,6 +357,7 @@ struct plan_item {
 /* The identity of a new section's file before its load reads it. */
 struct plan_stat {
     const struct layer_conf *lc;
+    const struct former *fo; /* a restore's: the former section of lc */
     bool have;
     int err; /* stat's, when not have */
     struct stat st;
@@ -606,8 +607,8 @@ static void restore_apply(struct reload *r, struct plan *p)
 {
     for (unsigned i = 0; i < p->n_stats; i++) {
         const struct plan_stat *ps = &p->stats[i];
-        const struct former *fo = former_of(r, ps->lc->name);
-        const struct layer_conf *lc = fo->lc;
+        const struct former *fo = ps->fo;
+        const struct layer_conf *lc = ps->lc;
         if (layer_find(r->s, lc->name)) {
             log_warn("reload: layer '%s' is not loaded from its former section: a client loaded "
                      "a layer of that name meanwhile", lc->name);
@@ -655,7 +656,7 @@ static void restore_begin(struct reload *r)
         r->failed++; /* layer.c logged why */
         const struct former *fo = former_of(r, r->loading[i]);
         if (fo && p)
-            p->stats[p->n_stats++].lc = fo->lc;
+            p->stats[p->n_stats++] = (struct plan_stat){.lc = fo->lc, .fo = fo};
         else if (fo)
             log_err("reload: layer '%s' is not loaded: out of memory", fo->lc->name);
     }
