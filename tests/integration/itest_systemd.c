@@ -1210,26 +1210,23 @@ TEST(reload_parses_headers_off_the_loop)
 {
     struct slow_files sf;
     slow_files_make(&sf);
-    uint64_t seed = sf.seed;
-    char *wdir = sf.wdir, *conf = sf.conf, *fa = sf.fa, *fb = sf.fb, *fslow = sf.fslow;
-    struct itest_layer A = sf.A, B = sf.B;
     const char *text = "[daemon]\nallowed_dirs = %s\n\n"
                        "[layer alpha]\nfile = %s\nprefix = m.\ntopk = 2\n\n"
                        "[layer beta]\nfile = %s\nprefix = m.\ntopk = 2\n";
-    write_file(conf, text, wdir, fa, fb);
+    write_file(sf.conf, text, sf.wdir, sf.fa, sf.fb);
     struct itest_daemon d;
-    itest_daemon_start(&d, "--config", conf, NULL);
+    itest_daemon_start(&d, "--config", sf.conf, NULL);
     moe_client *c = itest_connect(&d, "kept");
-    forward_and_check(c, &B, 3, &seed);
+    forward_and_check(c, &sf.B, 3, &sf.seed);
 
-    write_file(conf, text, wdir, fslow, fb);
+    write_file(sf.conf, text, sf.wdir, sf.fslow, sf.fb);
     uint64_t t0 = now_ms(), worst = 0;
     kill(d.pid, SIGHUP);
     char *log = NULL;
     int forwards = 0;
     for (;; forwards++) {
         uint64_t t = now_ms();
-        forward_and_check(c, &B, 3, &seed);
+        forward_and_check(c, &sf.B, 3, &sf.seed);
         t = now_ms() - t;
         worst = t > worst ? t : worst;
         free(log);
@@ -1246,16 +1243,16 @@ TEST(reload_parses_headers_off_the_loop)
     CHECK_MSG(took >= 500, "the reload took %llu ms: too fast to tell", (unsigned long long)took);
     CHECK_MSG(worst * 4 < took, "a forward waited %llu ms of the reload's %llu ms",
               (unsigned long long)worst, (unsigned long long)took);
-    forward_and_check(c, &A, 5, &seed); /* the same weights, from the padded file */
+    forward_and_check(c, &sf.A, 5, &sf.seed); /* the same weights, from the padded file */
 
     /* Stopped at once (two SIGTERMs: no drain) while a reload's plan
      * still parses beta's new header: the daemon exits cleanly, the
      * reload freed once the plan ends (AddressSanitizer's builds would
      * fail the exit status on a leak or a use after free). */
     char fslow_b[160];
-    snprintf(fslow_b, sizeof(fslow_b), "%s/slow-b.safetensors", wdir);
-    pad_header(fb, fslow_b, 1000000);
-    write_file(conf, text, wdir, fslow, fslow_b);
+    snprintf(fslow_b, sizeof(fslow_b), "%s/slow-b.safetensors", sf.wdir);
+    pad_header(sf.fb, fslow_b, 1000000);
+    write_file(sf.conf, text, sf.wdir, sf.fslow, fslow_b);
     moe_disconnect(&c);
     kill(d.pid, SIGHUP);
     free(wait_log(d.log, "reloading the configuration", 10000));
@@ -1267,11 +1264,10 @@ TEST(reload_parses_headers_off_the_loop)
     CHECK_STR_CONTAINS(log, "second signal: stopping without draining");
     CHECK(strstr(log, "unloading layer 'beta'") == NULL); /* it stopped before the plan came */
     free(log);
+    itest_layer_free(&sf.A);
+    itest_layer_free(&sf.B);
     itest_rmdir(d.dir);
-    itest_layer_free(&A);
-    itest_layer_free(&B);
-    itest_rmdir(d.dir);
-    itest_rmdir(wdir);
+    itest_rmdir(sf.wdir);
 }
 
 /*
