@@ -6,7 +6,7 @@
 #include "daemon/loop.h"
 
 #include <errno.h>
-#include <signal.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <sys/epoll.h>
@@ -27,7 +27,7 @@ struct loop_watch {
 
 struct loop {
     int epfd;
-    volatile sig_atomic_t stop;
+    atomic_bool stop; /* loop_stop: any thread, or a signal handler */
     loop_hook_fn before_sleep;
     void *before_sleep_data;
     struct loop_watch *dead;
@@ -157,7 +157,7 @@ void loop_set_before_sleep(struct loop *l, loop_hook_fn fn, void *data)
 
 void loop_stop(struct loop *l)
 {
-    l->stop = 1;
+    atomic_store(&l->stop, true);
 }
 
 int loop_run_once(struct loop *l, int timeout_ms)
@@ -165,7 +165,7 @@ int loop_run_once(struct loop *l, int timeout_ms)
     struct epoll_event evs[64];
     if (l->before_sleep)
         l->before_sleep(l->before_sleep_data);
-    if (l->stop)
+    if (atomic_load(&l->stop))
         return 0;
     int n = epoll_wait(l->epfd, evs, (int)ARRAY_SIZE(evs), timeout_ms);
     if (n < 0)
@@ -188,7 +188,7 @@ int loop_run_once(struct loop *l, int timeout_ms)
 
 int loop_run(struct loop *l)
 {
-    while (!l->stop) {
+    while (!atomic_load(&l->stop)) {
         int rc = loop_run_once(l, -1);
         if (rc < 0)
             return rc;

@@ -5,7 +5,8 @@
  * sleeps with work it could do.
  *
  * Single-threaded: every function here is called from the loop thread,
- * except loop_stop(), which is safe from a signal context.
+ * except loop_stop(), which is safe from any thread and from a signal
+ * context (it only marks the loop: the loop notices when it next wakes).
  */
 #ifndef MOED_LOOP_H
 #define MOED_LOOP_H
