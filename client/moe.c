@@ -169,16 +169,44 @@ static const char *lost_why(const moe_client *c)
     return c->lost ? c->lost : "the daemon stopped or restarted; the request is lost";
 }
 
+/* Wait on cv up to deadline (UINT64_MAX: for good). Caller holds mu. */
+static void cv_wait_until(moe_client *c, uint64_t deadline)
+{
+    if (deadline == UINT64_MAX) {
+        pthread_cond_wait(&c->cv, &c->mu);
+        return;
+    }
+    uint64_t now = mono_ms(), left = deadline > now ? deadline - now : 0;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ts.tv_sec += (time_t)(left / 1000);
+    ts.tv_nsec += (long)(left % 1000) * 1000000;
+    if (ts.tv_nsec >= 1000000000) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000;
+    }
+    pthread_cond_timedwait(&c->cv, &c->mu, &ts);
+}
+
 /* Session calls that wait for their reply without mu (a region's create
  * and free, whose registration may take the daemon a while: it pins the
- * region) claim the session socket first: no other thread uses or replaces
- * it meanwhile. Caller holds mu. */
-static void session_claim(moe_client *c)
+ * region; a reconnection, which registers every region again) claim the
+ * session socket first: no other thread uses or replaces it meanwhile.
+ * Another thread's claim is waited for up to the client's timeout (timed:
+ * else for good): 0, or -ETIMEDOUT with nothing sent. Caller holds mu. */
+static int session_claim(moe_client *c, bool timed)
 {
-    while (c->session_busy)
-        pthread_cond_wait(&c->cv, &c->mu);
+    uint64_t deadline = timed ? deadline_ms(c->timeout_ms) : UINT64_MAX;
+    while (c->session_busy) {
+        if (mono_ms() >= deadline)
+            return seterr(-ETIMEDOUT, "the client's session socket stayed busy for %d ms "
+                          "(another thread's region registration or reconnection); nothing "
+                          "was sent", c->timeout_ms);
+        cv_wait_until(c, deadline);
+    }
     c->session_busy = true;
     c->session_owner = pthread_self();
+    return 0;
 }
 
 static void session_unclaim(moe_client *c)
@@ -187,12 +215,9 @@ static void session_unclaim(moe_client *c)
     pthread_cond_broadcast(&c->cv);
 }
 
-/* Before the session socket is replaced: wait for another thread's claim
- * to end. Caller holds mu. */
-static void session_wait_unclaimed(moe_client *c)
+static bool session_claimed_here(const moe_client *c)
 {
-    while (c->session_busy && !pthread_equal(c->session_owner, pthread_self()))
-        pthread_cond_wait(&c->cv, &c->mu);
+    return c->session_busy && pthread_equal(c->session_owner, pthread_self());
 }
 
 /* Send mh on sfd and wait up to timeout_ms for the reply, into buf: its
@@ -373,9 +398,11 @@ static int region_register(moe_client *c, struct moe_region *r, const char *name
 static int session_socket_ready(moe_client *c);
 
 /* Open the session socket, say OpenSession, connect the request socket and
- * register the regions the client already holds. Caller holds mu (or owns c
- * alone). */
-static int connection_open(moe_client *c)
+ * register the regions the client already holds. Caller owns c alone, or
+ * holds mu and has claimed the session socket (unlocked: the waits for
+ * the daemon's replies release mu, so that the client's other threads go
+ * on; c->broken keeps them off the connection until it is done). */
+static int connection_open(moe_client *c, bool unlocked)
 {
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
     if (snprintf(sa.sun_path, sizeof(sa.sun_path), "%s/moed.sock", c->dir) >= (int)sizeof(sa.sun_path))
@@ -423,7 +450,7 @@ static int connection_open(moe_client *c)
         open.reply_socket = true;
     }
     Moe__SessionReply *rep = NULL;
-    rc = session_call(c, &req, sv[1], false, &rep);
+    rc = session_call(c, &req, sv[1], unlocked, &rep);
     if (sv[1] >= 0)
         close(sv[1]);
     if (rc < 0)
@@ -454,8 +481,10 @@ static int connection_open(moe_client *c)
     size_t fl = sizeof(c->zfd);
     if (zmq_getsockopt(c->zsock, ZMQ_FD, &c->zfd, &fl) < 0)
         return seterr(-zmq_errno(), "ZMQ_FD: %s", zmq_strerror(zmq_errno()));
+    /* The list holds still: its changes (a region's create and free) wait
+     * for the claim. */
     for (struct moe_region *r = c->regions; r; r = r->next)
-        if ((rc = region_register(c, r, "moe-region", false)) < 0)
+        if ((rc = region_register(c, r, "moe-region", unlocked)) < 0)
             return rc;
     c->generation++;
     c->broken = false;
@@ -463,7 +492,9 @@ static int connection_open(moe_client *c)
 }
 
 /* Make sure the connection is usable: reconnect after the daemon went
- * away. Caller holds mu. */
+ * away, with the session socket claimed (a region's create has claimed it
+ * already). A thread that finds another's claim waits for it up to the
+ * client's timeout. Caller holds mu. */
 static int connection_ensure(moe_client *c)
 {
     if (!c->broken && c->sfd >= 0) {
@@ -476,17 +507,19 @@ static int connection_ensure(moe_client *c)
     }
     if (!c->broken)
         return 0;
-    session_wait_unclaimed(c);
-    if (!c->broken) /* another thread reconnected meanwhile */
-        return 0;
-    connection_close(c, true);
-    int rc = connection_open(c);
+    bool claimed = session_claimed_here(c);
+    int rc = claimed ? 0 : session_claim(c, true);
     if (rc < 0)
+        return rc;
+    if (c->broken) { /* else another thread reconnected meanwhile */
         connection_close(c, true);
-    else
-        c->broken = false;
-    if (rc < 0)
-        c->broken = true;
+        rc = connection_open(c, true);
+        if (rc < 0)
+            connection_close(c, true);
+        c->broken = rc < 0;
+    }
+    if (!claimed)
+        session_unclaim(c);
     return rc;
 }
 
@@ -526,7 +559,7 @@ int moe_connect(const char *runtime_dir, const char *client_name, moe_client **o
     if (!rc && !c->zctx)
         rc = seterr(-ENOMEM, "cannot create a ZeroMQ context");
     if (!rc)
-        rc = connection_open(c);
+        rc = connection_open(c, false);
     if (rc) {
         moe_disconnect(&c);
         return rc;
@@ -901,21 +934,7 @@ static int wait_reply(moe_client *c, uint64_t id, unsigned gen, int timeout_ms, 
             break;
         }
         if (c->reading) {
-            /* Another thread reads; its news comes on cv. */
-            if (deadline == UINT64_MAX) {
-                pthread_cond_wait(&c->cv, &c->mu);
-            } else {
-                struct timespec ts;
-                clock_gettime(CLOCK_MONOTONIC, &ts);
-                uint64_t left = deadline > now ? deadline - now : 0;
-                ts.tv_sec += (time_t)(left / 1000);
-                ts.tv_nsec += (long)(left % 1000) * 1000000;
-                if (ts.tv_nsec >= 1000000000) {
-                    ts.tv_sec++;
-                    ts.tv_nsec -= 1000000000;
-                }
-                pthread_cond_timedwait(&c->cv, &c->mu, &ts);
-            }
+            cv_wait_until(c, deadline); /* another thread reads; its news comes on cv */
             continue;
         }
         /* Spinning: no sleep. Else up to the deadline, at most 1 s at a
@@ -1075,15 +1094,17 @@ int moe_region_create(moe_client *c, size_t size, const char *name, moe_region *
     }
     r->size = size;
     pthread_mutex_lock(&c->mu);
-    session_claim(c);
-    rc = connection_ensure(c);
+    bool claimed = (rc = session_claim(c, true)) == 0;
+    if (!rc)
+        rc = connection_ensure(c);
     if (!rc)
         rc = region_register(c, r, name, true);
     if (!rc) {
         r->next = c->regions;
         c->regions = r;
     }
-    session_unclaim(c);
+    if (claimed)
+        session_unclaim(c);
     pthread_mutex_unlock(&c->mu);
     if (rc) {
         region_unmap(r);
@@ -1105,7 +1126,9 @@ int moe_region_free(moe_client *c, moe_region **rp)
     req.unregister_region = &un;
     Moe__SessionReply *rep = NULL;
     pthread_mutex_lock(&c->mu);
-    session_claim(c);
+    /* For good: the region has to leave the list, which only the claim's
+     * holder may change (another's wait is bounded by its timeout). */
+    session_claim(c, false);
     un.region = r->id; /* claimed: a reconnection (which re-registers it) waits */
     /* After a daemon restart the region was never registered with the new
      * one; there is nothing to tell it. */

@@ -139,12 +139,13 @@ void moe_disconnect(moe_client **c);
 /* Default timeout of synchronous calls, ms (default 60000; <0: forever).
  * It bounds each wait of a call on a daemon that stopped answering: for
  * room to send (a submit too: -ETIMEDOUT, nothing sent), to connect (and
- * then for OpenSession), and for the reply. A region's create or free
- * waits for the daemon (which pins a region as it registers it) without
- * holding up the client's other threads, but one at a time, and a
- * reconnection waits for it; a reconnection holds the client while it
- * waits. So with several threads on a hung daemon a call may also wait out
- * another thread's timeout before its own. A call that times out gives up
+ * then for OpenSession), and for the reply. A region's create or free,
+ * and a reconnection (OpenSession and the regions registered again),
+ * wait for the daemon (which pins a region as it registers it) without
+ * holding up the client's other threads, but one at a time: a create, or
+ * a call that must reconnect or finds a reconnection under way, waits for
+ * the one before up to its timeout (then -ETIMEDOUT, nothing sent, the
+ * session kept); a free waits as long as that one takes. A call that times out gives up
  * its reply (the request may still run).
  * Where it waited on the session socket (a region's create or free, or the
  * regions registered again after a restart), it also ends the session: the

@@ -30,6 +30,7 @@
 #define PIN_MS 400
 
 static atomic_int pins, unpins;
+static atomic_int pins_begun;
 static atomic_uintptr_t unpinned_base;
 static atomic_int unpin_ms; /* how long an unpin takes (0: at once) */
 static atomic_int pin_ms = PIN_MS;
@@ -54,6 +55,7 @@ static uint64_t pin_limit, pin_rng; /* pin_rng: the pinner thread's alone */
 static int slow_pin(struct backend *b, void *base, size_t size, void **cookie)
 {
     (void)b;
+    atomic_fetch_add(&pins_begun, 1);
     if (atomic_load(&pin_random)) {
         pin_rng = pin_rng * 6364136223846793005ull + 1442695040888963407ull;
         uint64_t r = pin_rng >> 33;
@@ -558,6 +560,89 @@ TEST(a_region_create_timed_out_during_its_pin_leaves_the_client_usable)
     CHECK_NO_LEAKS();
 }
 
+struct hello_call {
+    moe_client *c;
+    int rc;
+    uint64_t took_ms;
+};
+
+static void *call_hello(void *arg)
+{
+    struct hello_call *h = arg;
+    uint64_t t0 = ms_now();
+    h->rc = moe_hello(h->c, NULL);
+    h->took_ms = ms_now() - t0;
+    return NULL;
+}
+
+/* After a daemon restart the next call reconnects and registers the
+ * client's regions again, each pinned as it is registered (here 4 x
+ * RECONNECT_PIN_MS). Meanwhile the client's other threads are not held
+ * up: a call that only sets the client returns at once, and one that
+ * needs the daemon waits for the reconnection no longer than its timeout
+ * (-ETIMEDOUT, nothing sent, the session unharmed), a region's create
+ * waits for it and goes on; once it is done, calls work and every region
+ * was pinned again. */
+#define RECONNECT_PIN_MS 600
+TEST(a_reconnection_does_not_hold_up_the_clients_other_threads)
+{
+    atomic_store(&unpin_unwritten, true);
+    atomic_store(&pin_ms, 0);
+    struct daemon_here d;
+    daemon_start(&d);
+    char dir[PATH_MAX];
+    snprintf(dir, sizeof(dir), "%s", d.cfg.runtime_dir);
+    moe_client *c = NULL;
+    CHECK_MSG(moe_connect(dir, "c", &c) == 0, "%s", moe_errmsg());
+    moe_region *r[4] = {NULL};
+    for (int i = 0; i < 4; i++)
+        CHECK_MSG(moe_region_create(c, 1 << 16, "r", &r[i]) == 0, "%s", moe_errmsg());
+    daemon_stop(&d); /* pins == unpins */
+    atomic_store(&pin_ms, RECONNECT_PIN_MS);
+    daemon_start_opts(&d, 0, false, dir);
+    /* Each registration waits one pin; another call's wait for the
+     * reconnection ends 1.5 pins before it does, and a second one's 1 pin
+     * after it. */
+    moe_set_timeout(c, 5 * RECONNECT_PIN_MS / 2);
+    struct hello_call a = {.c = c}, b = {.c = c};
+    pthread_t t;
+    CHECK_EQ_INT(pthread_create(&t, NULL, call_hello, &a), 0);
+    /* Its first region is being pinned again: the reconnection is under
+     * way (three pins to go). */
+    CHECK_MSG(wait_for(&pins_begun, 5, 10000), "no region was registered again");
+    uint64_t t0 = ms_now();
+    moe_set_spin_us(c, 0);
+    uint64_t set_ms = ms_now() - t0;
+    call_hello(&b);
+    /* A region's create waits for the claim on the session socket, which
+     * the reconnection gives up 1.5 pins later: in time. */
+    moe_region *late = NULL;
+    t0 = ms_now();
+    int late_rc = moe_region_create(c, 1 << 16, "late", &late);
+    uint64_t late_ms = ms_now() - t0;
+    CHECK_EQ_INT(pthread_join(t, NULL), 0);
+    fprintf(stderr, "  reconnection %llu ms; meanwhile a setting took %llu ms, a hello %llu ms "
+            "(%d), then a region's create %llu ms (%d)\n", (unsigned long long)a.took_ms,
+            (unsigned long long)set_ms, (unsigned long long)b.took_ms, b.rc,
+            (unsigned long long)late_ms, late_rc);
+    CHECK_MSG(a.rc == 0, "the reconnecting call: %s", moe_errmsg());
+    CHECK(a.took_ms >= 4 * RECONNECT_PIN_MS);
+    CHECK_MSG(set_ms < RECONNECT_PIN_MS / 2, "setting the client waited %llu ms",
+              (unsigned long long)set_ms);
+    CHECK_EQ_INT(b.rc, -ETIMEDOUT);
+    CHECK(b.took_ms + 20 >= 5 * RECONNECT_PIN_MS / 2 && b.took_ms < 4 * RECONNECT_PIN_MS);
+    CHECK_MSG(late_rc == 0, "a region created meanwhile: %s", moe_errmsg());
+    CHECK(late_ms >= RECONNECT_PIN_MS);
+    CHECK_EQ_INT(atomic_load(&pins), 9);
+    CHECK_EQ_INT(moe_region_free(c, &late), 0);
+    CHECK_MSG(moe_hello(c, NULL) == 0, "%s", moe_errmsg());
+    for (int i = 0; i < 4; i++)
+        CHECK_EQ_INT(moe_region_free(c, &r[i]), 0);
+    moe_disconnect(&c);
+    daemon_stop(&d);
+    CHECK_NO_LEAKS();
+}
+
 /* ---- stress -------------------------------------------------------------
  *
  * For ten seconds, at random: regions created and freed (up to and past
@@ -1034,6 +1119,7 @@ int main(int argc, char **argv)
         TEST_CASE(a_region_freed_at_the_pinned_limit_makes_room_for_the_next),
         TEST_CASE(a_client_gone_during_its_pin_has_no_more_regions_pinned),
         TEST_CASE(a_region_create_timed_out_during_its_pin_leaves_the_client_usable),
+        TEST_CASE(a_reconnection_does_not_hold_up_the_clients_other_threads),
         TEST_CASE_TIMEOUT(stress_regions_gemms_and_raw_sessions_under_random_pins, 180),
         TEST_CASE_TIMEOUT(stress_regions_across_daemon_restarts_under_random_pins, 180),
         {0}});
