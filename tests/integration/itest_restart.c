@@ -236,10 +236,22 @@ TEST(replies_sent_before_the_daemon_died_are_delivered)
     struct itest_fwd f, g;
     moe_client *c = start_with_layer(&d, "late-reader", 16, &seed, &L, &f);
     itest_fwd_make(c, &L, 8, &seed, &g);
+    /* Another client watches the daemon answer both (a request is counted
+     * once its reply is sent); this one reads nothing before the kill. */
+    moe_client *w = itest_connect(&d, "watcher");
+    moe_stats s0, s;
+    CHECK_MSG(moe_stats_get(w, &s0) == 0, "%s", moe_errmsg());
     moe_request *rf, *rg;
     CHECK(moe_forward_submit(c, &f.args, &rf) == 0);
     CHECK(moe_forward_submit(c, &g.args, &rg) == 0);
-    itest_sleep_ms(500); /* both answered, the replies unread */
+    for (int i = 0; i < 1000; i++) { /* both answered, the replies unread */
+        CHECK_MSG(moe_stats_get(w, &s) == 0, "%s", moe_errmsg());
+        if (s.requests + s.errors >= s0.requests + s0.errors + 2)
+            break;
+        itest_sleep_ms(10);
+    }
+    CHECK_EQ_INT(s.requests, s0.requests + 2);
+    moe_disconnect(&w);
     itest_daemon_kill(&d);
     CHECK_EQ_INT(moe_poll(c, rf), 1);
     CHECK_MSG(moe_wait(c, &rf, 5000, NULL) == 0, "%s", moe_errmsg());
