@@ -410,7 +410,7 @@ TEST(a_pin_in_flight_at_the_stop_is_finished_and_undone)
     daemon_start(&d);
     int fd = raw_session(d.cfg.runtime_dir);
     raw_register(fd, 1 << 16);
-    usleep(50 * 1000);
+    CHECK_MSG(wait_for(&pins_begun, 1, 5000), "the pin did not start");
     daemon_stop(&d); /* pins == unpins */
     CHECK_EQ_INT(atomic_load(&pins), 1);
     close(fd);
