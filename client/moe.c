@@ -419,12 +419,18 @@ static int connection_open(moe_client *c, bool unlocked)
     /* Not blocking: a daemon that has stopped accepting (hung) fills its
      * backlog, and a blocking connect would then wait for good. EAGAIN
      * says the backlog is full: tried again every 2 ms up to the client's
-     * timeout. */
+     * timeout, with mu released where unlocked (the claim keeps sfd ours). */
     uint64_t deadline = deadline_ms(c->timeout_ms);
-    while ((rc = connect(c->sfd, (struct sockaddr *)&sa, sizeof(sa))) < 0 &&
+    int sfd = c->sfd;
+    while ((rc = connect(sfd, (struct sockaddr *)&sa, sizeof(sa))) < 0 &&
            (errno == EINTR || (errno == EAGAIN && mono_ms() < deadline)))
-        if (errno == EAGAIN)
+        if (errno == EAGAIN) {
+            if (unlocked)
+                pthread_mutex_unlock(&c->mu);
             nanosleep(&(struct timespec){0, 2000000}, NULL);
+            if (unlocked)
+                pthread_mutex_lock(&c->mu);
+        }
     if (rc < 0) {
         int e = errno;
         if (e == EAGAIN)

@@ -140,8 +140,8 @@ void moe_disconnect(moe_client **c);
  * It bounds each wait of a call on a daemon that stopped answering: for
  * room to send (a submit too: -ETIMEDOUT, nothing sent), to connect (and
  * then for OpenSession), and for the reply. A region's create or free,
- * and a reconnection (OpenSession and the regions registered again),
- * wait for the daemon (which pins a region as it registers it) without
+ * and a reconnection (its connect, OpenSession and the regions registered
+ * again), wait for the daemon (which pins a region as it registers it) without
  * holding up the client's other threads, but one at a time: a create, or
  * a call that must reconnect or finds a reconnection under way, waits for
  * the one before up to its timeout (then -ETIMEDOUT, nothing sent, the

@@ -643,6 +643,63 @@ TEST(a_reconnection_does_not_hold_up_the_clients_other_threads)
     CHECK_NO_LEAKS();
 }
 
+/* A daemon that accepts no more connections (hung, its listen backlog
+ * full: here a socket that listens and never accepts) makes a reconnection
+ * try its connect again up to the client's timeout. Meanwhile the client's
+ * other threads go on, as they do while it waits for OpenSession and the
+ * registrations: a call that only sets the client returns at once. */
+TEST(a_reconnection_into_a_full_backlog_does_not_hold_up_the_clients_other_threads)
+{
+    struct daemon_here d;
+    daemon_start(&d);
+    char dir[PATH_MAX];
+    snprintf(dir, sizeof(dir), "%s", d.cfg.runtime_dir);
+    moe_client *c = NULL;
+    CHECK_MSG(moe_connect(dir, "c", &c) == 0, "%s", moe_errmsg());
+    moe_set_timeout(c, 1500);
+    daemon_stop(&d);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    CHECK(snprintf(sa.sun_path, sizeof(sa.sun_path), "%s/moed.sock", dir) <
+          (int)sizeof(sa.sun_path));
+    unlink(sa.sun_path);
+    int lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    CHECK(lfd >= 0 && bind(lfd, (struct sockaddr *)&sa, sizeof(sa)) == 0 && listen(lfd, 0) == 0);
+    int queued[16], n_queued = 0;
+    for (;;) {
+        int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        CHECK(fd >= 0);
+        if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+            CHECK_MSG(errno == EAGAIN, "connect: %s", strerror(errno));
+            close(fd);
+            break;
+        }
+        CHECK(n_queued < (int)ARRAY_LEN(queued));
+        queued[n_queued++] = fd;
+    }
+    struct hello_call a = {.c = c};
+    pthread_t t;
+    CHECK_EQ_INT(pthread_create(&t, NULL, call_hello, &a), 0);
+    sleep_ms(400); /* its connect is tried again and again */
+    uint64_t t0 = ms_now();
+    moe_set_spin_us(c, 0);
+    uint64_t set_ms = ms_now() - t0;
+    CHECK_EQ_INT(pthread_join(t, NULL), 0);
+    fprintf(stderr, "  reconnection %llu ms (%d); meanwhile a setting took %llu ms\n",
+            (unsigned long long)a.took_ms, a.rc, (unsigned long long)set_ms);
+    CHECK_EQ_INT(a.rc, -ETIMEDOUT);
+    CHECK(a.took_ms >= 1500);
+    CHECK_MSG(set_ms < 300, "setting the client waited %llu ms", (unsigned long long)set_ms);
+    for (int i = 0; i < n_queued; i++)
+        close(queued[i]);
+    close(lfd);
+    unlink(sa.sun_path);
+    daemon_start_opts(&d, 0, false, dir);
+    CHECK_MSG(moe_hello(c, NULL) == 0, "%s", moe_errmsg());
+    moe_disconnect(&c);
+    daemon_stop(&d);
+    CHECK_NO_LEAKS();
+}
+
 /* ---- stress -------------------------------------------------------------
  *
  * For ten seconds, at random: regions created and freed (up to and past
@@ -1120,6 +1177,7 @@ int main(int argc, char **argv)
         TEST_CASE(a_client_gone_during_its_pin_has_no_more_regions_pinned),
         TEST_CASE(a_region_create_timed_out_during_its_pin_leaves_the_client_usable),
         TEST_CASE(a_reconnection_does_not_hold_up_the_clients_other_threads),
+        TEST_CASE(a_reconnection_into_a_full_backlog_does_not_hold_up_the_clients_other_threads),
         TEST_CASE_TIMEOUT(stress_regions_gemms_and_raw_sessions_under_random_pins, 180),
         TEST_CASE_TIMEOUT(stress_regions_across_daemon_restarts_under_random_pins, 180),
         {0}});
