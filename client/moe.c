@@ -72,8 +72,9 @@ struct moe_client {
     pthread_cond_t cv;
     bool reading;
     int wake_fd;          /* eventfd */
-    /* A region's create or free waiting for its session reply without mu
-     * (session_claim): the session socket is the owner's meanwhile. */
+    /* A region's create or free, or a reconnection, waiting for the daemon
+     * without mu (session_claim): the session socket is the owner's
+     * meanwhile. */
     bool session_busy;
     pthread_t session_owner;
     int sfd;
@@ -492,6 +493,18 @@ static int connection_open(moe_client *c, bool unlocked)
     for (struct moe_region *r = c->regions; r; r = r->next)
         if ((rc = region_register(c, r, "moe-region", unlocked)) < 0)
             return rc;
+    /* Marks of given-up requests belong to the connection before, whose
+     * replies can no longer come; those left while this one was being
+     * opened (its waits release mu) go now, not with the next. */
+    for (struct pending **pp = &c->pending; *pp;) {
+        struct pending *p = *pp;
+        if (p->reply) {
+            pp = &p->next;
+            continue;
+        }
+        *pp = p->next;
+        free(p);
+    }
     c->generation++;
     c->broken = false;
     return 0;
