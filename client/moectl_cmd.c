@@ -6,6 +6,7 @@
 #include <getopt.h>
 #include <limits.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -188,6 +189,24 @@ int cmd_ping(const char *rt, int argc, char **argv)
     return 0;
 }
 
+/* zmq-rtt's reply from the echo process: the receive times out now and
+ * then to see whether that process still runs, since one that died (killed,
+ * or unable to bind) never answers. False on an error or once it is gone
+ * (reaped: *gone set). */
+static bool rtt_recv(void *s, char *buf, size_t len, pid_t pid, bool *gone)
+{
+    for (;;) {
+        if (zmq_recv(s, buf, len, 0) >= 0)
+            return true;
+        if (zmq_errno() != EAGAIN && zmq_errno() != EINTR)
+            return false;
+        if (waitpid(pid, NULL, WNOHANG) == pid) {
+            *gone = true;
+            return false;
+        }
+    }
+}
+
 /* The floor under `ping`: a bare ZeroMQ DEALER/ROUTER round trip of 64
  * bytes between two processes of this machine over ipc, no daemon. */
 int cmd_zmq_rtt(const char *rt, int argc, char **argv)
@@ -242,21 +261,26 @@ int cmd_zmq_rtt(const char *rt, int argc, char **argv)
         _exit(0);
     }
     void *ctx = zmq_ctx_new(), *s = zmq_socket(ctx, ZMQ_DEALER);
-    int linger = 0;
+    int linger = 0, timeout_ms = 100;
+    bool gone = false;
     zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof(linger));
+    zmq_setsockopt(s, ZMQ_RCVTIMEO, &timeout_ms, sizeof(timeout_ms));
     zmq_connect(s, ep);
     char msg[64] = {0}, back[256];
     int rc = 0;
     for (unsigned long long i = 0; i <= count && !rc; i++) {
         uint64_t t0 = moectl_now_us();
-        if (zmq_send(s, msg, sizeof(msg), 0) < 0 || zmq_recv(s, back, sizeof(back), 0) < 0)
+        if (zmq_send(s, msg, sizeof(msg), 0) < 0 || !rtt_recv(s, back, sizeof(back), pid, &gone))
             rc = 1;
         if (i > 0) /* the first waits for the connection */
             lat[i - 1] = moectl_now_us() - t0;
     }
     zmq_close(s);
     zmq_ctx_term(ctx);
-    waitpid(pid, NULL, 0);
+    if (rc && !gone) /* still waiting for messages that will not come */
+        kill(pid, SIGKILL);
+    if (!gone)
+        waitpid(pid, NULL, 0);
     char path[96];
     snprintf(path, sizeof(path), "%s/rtt.zmq", dir);
     unlink(path);

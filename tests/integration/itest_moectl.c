@@ -422,6 +422,39 @@ TEST(cli_bench_clients_die_with_moectl)
     itest_daemon_stop(&d);
 }
 
+/* zmq-rtt's echo process dies mid-run (killed, or it could not bind): the
+ * timing side stops with an error rather than wait for a reply forever. */
+TEST(cli_zmq_rtt_fails_when_its_echo_process_dies)
+{
+    char dir[] = "/tmp/moed-cli-rtt.XXXXXX", log[300], bin[256];
+    CHECK(mkdtemp(dir) != NULL);
+    snprintf(log, sizeof(log), "%s/rtt.out", dir);
+    snprintf(bin, sizeof(bin), "%s/moectl", itest_build());
+    char *argv[] = {bin, "zmq-rtt", "--count", "10000000", NULL};
+    pid_t pid = itest_spawn(log, argv), kids[8];
+    int n = 0;
+    uint64_t t0 = now_ms();
+    while ((n = children_of(pid, kids, 8)) < 1 && now_ms() - t0 < 10000)
+        itest_sleep_ms(10);
+    CHECK_MSG(n >= 1, "zmq-rtt started no echo process");
+    itest_sleep_ms(300); /* exchanging messages */
+    CHECK(kill(kids[0], SIGKILL) == 0);
+    int st = wait_exit(pid, 10000);
+    if (st == -1) {
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        print_file(log);
+        itest_rmdir(dir);
+        FAIL_AT("zmq-rtt still waits 10 s after its echo process died");
+    }
+    print_file(log);
+    CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 1, "zmq-rtt exit status %d", st);
+    char out[4096];
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "cat %s", log), 0);
+    CHECK_STR_CONTAINS(out, "echo process");
+    itest_rmdir(dir);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -433,5 +466,6 @@ int main(int argc, char **argv)
         TEST_CASE(cli_finds_layers_past_the_first_256),
         TEST_CASE(cli_bench_fails_when_a_client_dies_before_it_is_ready),
         TEST_CASE(cli_bench_clients_die_with_moectl),
+        TEST_CASE(cli_zmq_rtt_fails_when_its_echo_process_dies),
         {0}});
 }
