@@ -27,6 +27,9 @@
 
 struct bench_slot {
     uint64_t requests, errors, busy, batch_requests_sum;
+    /* When this client started sending and when its last reply came
+     * (moectl_now_us: the same clock in every process). */
+    uint64_t start_us, end_us;
     atomic_int ready;   /* this client reached the barrier */
     int failed_start;   /* it could not set up; error says why */
     char error[160];
@@ -116,7 +119,8 @@ static void bench_child(const char *rt, const moe_layer_info *li, uint64_t token
     atomic_fetch_add(&sh->ready, 1);
     while (!atomic_load(&sh->go))
         usleep(200);
-    uint64_t end = moectl_now_us() + (uint64_t)(seconds * 1e6);
+    sl->start_us = moectl_now_us();
+    uint64_t end = sl->start_us + (uint64_t)(seconds * 1e6);
     for (;;) {
         uint64_t t0 = moectl_now_us();
         if (t0 >= end)
@@ -138,6 +142,7 @@ static void bench_child(const char *rt, const moe_layer_info *li, uint64_t token
         if (sl->n < BENCH_MAX_SAMPLES)
             sl->lat_us[sl->n++] = dt > UINT32_MAX ? UINT32_MAX : (uint32_t)dt;
     }
+    sl->end_us = moectl_now_us();
     moe_region_free(c, &r);
     moe_disconnect(&c);
     _exit(0);
@@ -267,7 +272,6 @@ int cmd_bench(const char *rt, int argc, char **argv)
         munmap(sh, shsize);
         return 1;
     }
-    uint64_t t0 = moectl_now_us();
     atomic_store(&sh->go, 1);
     int failed = 0;
     for (unsigned long long i = 0; i < clients; i++) {
@@ -275,9 +279,15 @@ int cmd_bench(const char *rt, int argc, char **argv)
             status[i] = -1;
         failed += !(WIFEXITED(status[i]) && WEXITSTATUS(status[i]) == 0);
     }
-    double wall = (double)(moectl_now_us() - t0) / 1e6;
-    uint64_t reqs = 0, errs = 0, busy = 0, bsum = 0, n = 0;
+    /* The rates are over the time the clients sent for, first start to last
+     * reply: each client's last request ends past --seconds, by up to a
+     * whole request (longer than --seconds itself with many tokens). */
+    uint64_t reqs = 0, errs = 0, busy = 0, bsum = 0, n = 0, first = UINT64_MAX, last = 0;
     for (unsigned long long i = 0; i < clients; i++) {
+        if (sh->slots[i].end_us) {
+            first = sh->slots[i].start_us < first ? sh->slots[i].start_us : first;
+            last = sh->slots[i].end_us > last ? sh->slots[i].end_us : last;
+        }
         reqs += sh->slots[i].requests;
         errs += sh->slots[i].errors;
         busy += sh->slots[i].busy;
@@ -303,7 +313,8 @@ int cmd_bench(const char *rt, int argc, char **argv)
     qsort(all, n, sizeof(*all), cmp_u32);
     uint32_t p50 = n ? all[n / 2] : 0, p99 = n ? all[(n * 99) / 100 < n ? (n * 99) / 100 : n - 1] : 0,
              mx = n ? all[n - 1] : 0;
-    double rps = (double)reqs / seconds, tps = rps * (double)tokens;
+    double elapsed = last > first ? (double)(last - first) / 1e6 : seconds;
+    double rps = (double)reqs / elapsed, tps = rps * (double)tokens;
     double mean_batch = reqs ? (double)bsum / (double)reqs : 0;
     if (json) {
         cJSON *j = cJSON_CreateObject();
@@ -311,6 +322,7 @@ int cmd_bench(const char *rt, int argc, char **argv)
         cJSON_AddNumberToObject(j, "clients", (double)clients);
         cJSON_AddNumberToObject(j, "tokens", (double)tokens);
         cJSON_AddNumberToObject(j, "seconds", seconds);
+        cJSON_AddNumberToObject(j, "elapsed_s", elapsed);
         cJSON_AddBoolToObject(j, "batching", !no_batch);
         cJSON_AddNumberToObject(j, "requests", (double)reqs);
         cJSON_AddNumberToObject(j, "errors", (double)errs);
@@ -326,13 +338,13 @@ int cmd_bench(const char *rt, int argc, char **argv)
         free(txt);
         cJSON_Delete(j);
     } else {
-        printf("bench: layer %s, %llu clients x %llu tokens, %.1f s%s: %.0f requests/s, "
+        printf("bench: layer %s, %llu clients x %llu tokens, %.1f s (%.3f s to the last reply)%s: "
+               "%.0f requests/s, "
                "%.0f tokens/s, latency p50 %u us p99 %u us max %u us, mean batch %.2f requests"
                "%s%llu errors, %llu busy\n",
-               layer, clients, tokens, seconds, no_batch ? ", batching off" : "", rps, tps, p50, p99,
+               layer, clients, tokens, seconds, elapsed, no_batch ? ", batching off" : "", rps, tps, p50, p99,
                mx, mean_batch, ", ", (unsigned long long)errs, (unsigned long long)busy);
     }
-    (void)wall;
     free(all);
     free(pids);
     free(status);

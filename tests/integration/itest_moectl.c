@@ -455,6 +455,34 @@ TEST(cli_zmq_rtt_fails_when_its_echo_process_dies)
     itest_rmdir(dir);
 }
 
+/* bench's rates are over the time its requests took: the last request of a
+ * client runs past --seconds, and with requests longer than --seconds
+ * dividing by --seconds claimed many times the real rate. One client sends
+ * one request after another, so the run lasts at least as long as its
+ * slowest request. */
+TEST(cli_bench_rates_cover_the_requests_time)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--demo", NULL);
+    const char *b = itest_build();
+    char out[8192];
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out),
+                               "%s/moectl -r %s bench --clients 1 --tokens 8192 --seconds 0.01 --json",
+                               b, d.dir), 0);
+    cJSON *j = cJSON_Parse(out);
+    CHECK(j != NULL);
+    double reqs = cJSON_GetNumberValue(cJSON_GetObjectItem(j, "requests")),
+           rps = cJSON_GetNumberValue(cJSON_GetObjectItem(j, "requests_per_s")),
+           tps = cJSON_GetNumberValue(cJSON_GetObjectItem(j, "tokens_per_s")),
+           max_s = cJSON_GetNumberValue(cJSON_GetObjectItem(j, "max_us")) / 1e6;
+    CHECK(reqs >= 1 && max_s > 0);
+    CHECK_MSG(rps <= reqs / max_s * 1.001, "%.1f requests/s from %.0f requests of up to %.6f s",
+              rps, reqs, max_s);
+    CHECK_MSG(tps <= 8192 * reqs / max_s * 1.001, "%.1f tokens/s", tps);
+    cJSON_Delete(j);
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -467,5 +495,6 @@ int main(int argc, char **argv)
         TEST_CASE(cli_bench_fails_when_a_client_dies_before_it_is_ready),
         TEST_CASE(cli_bench_clients_die_with_moectl),
         TEST_CASE(cli_zmq_rtt_fails_when_its_echo_process_dies),
+        TEST_CASE(cli_bench_rates_cover_the_requests_time),
         {0}});
 }
