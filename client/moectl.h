@@ -42,6 +42,9 @@ int moectl_layer(moe_client *c, const char *name, moe_layer_info *out);
  * naming the option, and exit 2. */
 unsigned long long moectl_num(const char *opt, const char *v, unsigned long long min,
                               unsigned long long max);
+/* After a command's options, from argv[first]: 0 if nothing is left, else
+ * print the first argument the command does not take and return 2. */
+int moectl_no_more_args(int argc, char **argv, int first);
 const char *moectl_dtype_name(moe_dtype dt);
 /* Parse "0,1,2" into out (max entries); the count, or 0 after printing why. */
 size_t moectl_list(const char *opt, const char *v, uint32_t *out, size_t max);

@@ -220,6 +220,8 @@ int cmd_bench(const char *rt, int argc, char **argv)
         default: return 2;
         }
     }
+    if (moectl_no_more_args(argc, argv, optind))
+        return 2;
     moe_client *cl = moectl_connect(rt, "moectl bench");
     if (!cl)
         return 1;

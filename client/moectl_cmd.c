@@ -62,6 +62,14 @@ unsigned long long moectl_num(const char *opt, const char *v, unsigned long long
     return x;
 }
 
+int moectl_no_more_args(int argc, char **argv, int first)
+{
+    if (first >= argc)
+        return 0;
+    fprintf(stderr, "moectl: %s takes no argument '%s'\n", argv[0], argv[first]);
+    return 2;
+}
+
 size_t moectl_list(const char *opt, const char *v, uint32_t *out, size_t max)
 {
     size_t n = 0;
@@ -156,6 +164,8 @@ int cmd_ping(const char *rt, int argc, char **argv)
         else
             return 2;
     }
+    if (moectl_no_more_args(argc, argv, optind))
+        return 2;
     uint64_t *lat = malloc(count * sizeof(*lat));
     if (!lat) {
         fprintf(stderr, "moectl: ping: no memory for %llu samples\n", count);
@@ -220,6 +230,8 @@ int cmd_zmq_rtt(const char *rt, int argc, char **argv)
         else
             return 2;
     }
+    if (moectl_no_more_args(argc, argv, optind))
+        return 2;
     /* Before the fork: once the echo process runs, it waits for us. */
     uint64_t *lat = malloc(count * sizeof(*lat));
     if (!lat) {
@@ -301,6 +313,8 @@ int cmd_zmq_rtt(const char *rt, int argc, char **argv)
 
 int cmd_info(const char *rt, int argc, char **argv)
 {
+    if (moectl_no_more_args(argc, argv, 1))
+        return 2;
     moe_client *cl = moectl_connect(rt, "moectl info");
     if (!cl)
         return 1;
@@ -322,6 +336,8 @@ int cmd_info(const char *rt, int argc, char **argv)
 
 int cmd_layers(const char *rt, int argc, char **argv)
 {
+    if (moectl_no_more_args(argc, argv, 1))
+        return 2;
     moe_client *cl = moectl_connect(rt, "moectl layers");
     if (!cl)
         return 1;
@@ -498,6 +514,8 @@ int cmd_stats(const char *rt, int argc, char **argv)
         else
             return 2;
     }
+    if (moectl_no_more_args(argc, argv, optind))
+        return 2;
     moe_client *cl = moectl_connect(rt, "moectl stats");
     if (!cl)
         return 1;

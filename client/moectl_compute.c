@@ -245,6 +245,8 @@ int cmd_forward(const char *rt, int argc, char **argv)
         default: return 2;
         }
     }
+    if (moectl_no_more_args(argc, argv, optind))
+        return 2;
     if (!layer || (!tokens && !input) || (tokens && input) || repeat == 0) {
         fprintf(stderr, "usage: moectl forward --layer L (--tokens T | --input FILE) [--check]\n");
         return 2;
@@ -445,6 +447,8 @@ int cmd_gemm(const char *rt, int argc, char **argv)
         default: return 2;
         }
     }
+    if (moectl_no_more_args(argc, argv, optind))
+        return 2;
     if (!layer || !rows) {
         fprintf(stderr, "usage: moectl gemm --layer L --rows M [--check]\n");
         return 2;

@@ -483,6 +483,43 @@ TEST(cli_bench_rates_cover_the_requests_time)
     itest_daemon_stop(&d);
 }
 
+/* An argument a command does not take is refused, naming it, before
+ * anything is sent: `layers --json` printed text, `ping --count 3 x` ran. */
+TEST(cli_arguments_a_command_does_not_take_are_refused)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--demo", NULL);
+    const char *b = itest_build();
+    char out[8192];
+    static const struct {
+        const char *args, *arg;
+    } bad[] = {
+        {"info extra", "'extra'"},
+        {"info --json", "'--json'"},
+        {"layers --json", "'--json'"},
+        {"stats extra", "'extra'"},
+        {"stats --json extra", "'extra'"},
+        {"ping --count 3 extra", "'extra'"},
+        {"zmq-rtt --count 3 extra", "'extra'"},
+        {"forward --layer demo --tokens 2 extra", "'extra'"},
+        {"gemm --layer demo-gemm --rows 2 extra", "'extra'"},
+        {"bench --seconds 0.1 --clients 1 extra", "'extra'"},
+    };
+    for (size_t i = 0; i < ARRAY_LEN(bad); i++) {
+        CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "timeout 60 %s/moectl -r %s %s", b,
+                                   d.dir, bad[i].args), 2);
+        CHECK_STR_CONTAINS(out, bad[i].arg);
+        CHECK_STR_CONTAINS(out, "takes no");
+    }
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "%s/moectl -r %s stats --json", b, d.dir), 0);
+    cJSON *j = cJSON_Parse(out);
+    CHECK(j != NULL);
+    /* Nothing was sent: the daemon counted no request. */
+    CHECK_EQ_INT((int)cJSON_GetNumberValue(cJSON_GetObjectItem(j, "requests")), 0);
+    cJSON_Delete(j);
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -496,5 +533,6 @@ int main(int argc, char **argv)
         TEST_CASE(cli_bench_clients_die_with_moectl),
         TEST_CASE(cli_zmq_rtt_fails_when_its_echo_process_dies),
         TEST_CASE(cli_bench_rates_cover_the_requests_time),
+        TEST_CASE(cli_arguments_a_command_does_not_take_are_refused),
         {0}});
 }
