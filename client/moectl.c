@@ -64,12 +64,21 @@ int main(int argc, char **argv)
     const char *rt = NULL;
     int i = 1;
     while (i < argc && argv[i][0] == '-') {
-        if ((!strcmp(argv[i], "-r") || !strcmp(argv[i], "--runtime-dir")) && i + 1 < argc) {
-            rt = argv[i + 1];
-            i += 2;
-        } else if (!strncmp(argv[i], "--runtime-dir=", 14)) {
-            rt = argv[i] + 14;
-            i++;
+        if (!strcmp(argv[i], "-r") || !strcmp(argv[i], "--runtime-dir") ||
+            !strncmp(argv[i], "--runtime-dir=", 14)) {
+            const char *opt = argv[i][1] == 'r' ? "-r" : "--runtime-dir";
+            if (argv[i][1] == '-' && argv[i][13] == '=') {
+                rt = argv[i] + 14;
+                i++;
+            } else {
+                rt = i + 1 < argc ? argv[i + 1] : NULL;
+                i += 2;
+            }
+            /* Empty, libmoe would look for the socket at /moed.sock. */
+            if (!rt || !rt[0]) {
+                fprintf(stderr, "moectl: %s needs a runtime directory\n", opt);
+                return 2;
+            }
         } else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
             usage(stdout);
             return 0;
@@ -97,6 +106,11 @@ int main(int argc, char **argv)
     };
     for (size_t c = 0; c < sizeof(cmds) / sizeof(cmds[0]); c++)
         if (!strcmp(argv[i], cmds[c].name)) {
+            /* getopt_long's messages begin with argv[0]: "moectl ping:",
+             * not a bare "ping:" that reads as another program's. */
+            static char name[32];
+            snprintf(name, sizeof(name), "moectl %s", cmds[c].name);
+            argv[i] = name;
             optind = 1;
             return cmds[c].fn(rt, argc - i, argv + i);
         }

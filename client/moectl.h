@@ -3,7 +3,7 @@
  * moectl_cmd.c (ping, info, layers, load, unload, stats), moectl_compute.c
  * (forward, gemm: inputs, the reference check), moectl_bench.c (bench).
  * Each takes the runtime directory (NULL: default) and its own argv, whose
- * argv[0] is the command name, and returns the exit status.
+ * argv[0] is "moectl NAME" (for messages), and returns the exit status.
  */
 #ifndef MOECTL_H
 #define MOECTL_H

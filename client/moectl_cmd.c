@@ -66,7 +66,7 @@ int moectl_no_more_args(int argc, char **argv, int first)
 {
     if (first >= argc)
         return 0;
-    fprintf(stderr, "moectl: %s takes no argument '%s'\n", argv[0], argv[first]);
+    fprintf(stderr, "%s: takes no argument '%s'\n", argv[0], argv[first]);
     return 2;
 }
 

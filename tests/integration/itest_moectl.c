@@ -520,6 +520,31 @@ TEST(cli_arguments_a_command_does_not_take_are_refused)
     itest_daemon_stop(&d);
 }
 
+/* The runtime directory option without a directory, or with an empty one,
+ * is a usage error that says so (it was "unknown option -r", or a connect
+ * to /moed.sock); a command's own option errors name moectl and the
+ * command, not a bare "ping:". */
+TEST(cli_usage_errors_name_what_is_wrong)
+{
+    const char *b = itest_build();
+    char out[8192];
+    static const struct {
+        const char *args, *msg;
+    } bad[] = {
+        {"-r", "-r needs a runtime directory"},
+        {"--runtime-dir", "--runtime-dir needs a runtime directory"},
+        {"-r '' info", "-r needs a runtime directory"},
+        {"--runtime-dir= info", "--runtime-dir needs a runtime directory"},
+        {"-r /nonexistent ping --bogus", "moectl ping: unrecognized option '--bogus'"},
+        {"-r /nonexistent forward --layer", "moectl forward: option '--layer' requires an argument"},
+    };
+    for (size_t i = 0; i < ARRAY_LEN(bad); i++) {
+        CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "timeout 60 %s/moectl %s", b,
+                                   bad[i].args), 2);
+        CHECK_STR_CONTAINS(out, bad[i].msg);
+    }
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -534,5 +559,6 @@ int main(int argc, char **argv)
         TEST_CASE(cli_zmq_rtt_fails_when_its_echo_process_dies),
         TEST_CASE(cli_bench_rates_cover_the_requests_time),
         TEST_CASE(cli_arguments_a_command_does_not_take_are_refused),
+        TEST_CASE(cli_usage_errors_name_what_is_wrong),
         {0}});
 }
