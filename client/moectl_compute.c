@@ -112,8 +112,10 @@ static int load_input(const char *file, const moe_layer_info *li, uint64_t *toke
         return rc;
     }
     const struct st_tensor *x = st_find(*out, "x");
-    if (!x || x->ndim != 2 || x->shape[1] != li->hidden || x->shape[0] > MOECTL_MAX_TOKENS) {
-        fprintf(stderr, "moectl: %s needs a tensor 'x' [T, %u], T at most %llu\n", file,
+    /* T bounded as --tokens is; none would make an empty region. */
+    if (!x || x->ndim != 2 || x->shape[1] != li->hidden || x->shape[0] < 1 ||
+        x->shape[0] > MOECTL_MAX_TOKENS) {
+        fprintf(stderr, "moectl: %s needs a tensor 'x' [T, %u], T from 1 to %llu\n", file,
                 li->hidden, MOECTL_MAX_TOKENS);
         st_close(out);
         return -EINVAL;

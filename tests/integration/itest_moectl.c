@@ -545,6 +545,28 @@ TEST(cli_usage_errors_name_what_is_wrong)
     }
 }
 
+/* forward --input whose 'x' has no rows is refused as such, not sent on to
+ * fail as "a region needs at least one byte". */
+TEST(cli_forward_input_without_rows_is_refused)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--demo", NULL);
+    const char *b = itest_build();
+    char out[8192], path[300];
+    snprintf(path, sizeof(path), "%s/empty.safetensors", d.dir);
+    uint16_t none[1];
+    float nolog[1];
+    struct st_out t[] = {
+        {.name = "x", .dtype = ST_BF16, .ndim = 2, .shape = {0, 256}, .data = none},
+        {.name = "logits", .dtype = ST_F32, .ndim = 2, .shape = {0, 8}, .data = nolog},
+    };
+    CHECK(st_write(path, t, 2) == 0);
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moectl -r %s forward --layer demo --input %s",
+                               b, d.dir, path), 1);
+    CHECK_STR_CONTAINS(out, "needs a tensor 'x' [T, 256], T from 1 to");
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -560,5 +582,6 @@ int main(int argc, char **argv)
         TEST_CASE(cli_bench_rates_cover_the_requests_time),
         TEST_CASE(cli_arguments_a_command_does_not_take_are_refused),
         TEST_CASE(cli_usage_errors_name_what_is_wrong),
+        TEST_CASE(cli_forward_input_without_rows_is_refused),
         {0}});
 }
