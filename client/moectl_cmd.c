@@ -2,6 +2,7 @@
  * moectl_cmd.c: the small commands: ping, info, layers, load, unload, stats.
  */
 #include <cjson/cJSON.h>
+#include <ctype.h>
 #include <errno.h>
 #include <getopt.h>
 #include <limits.h>
@@ -49,8 +50,13 @@ unsigned long long moectl_num(const char *opt, const char *v, unsigned long long
 {
     char *end;
     errno = 0;
-    unsigned long long x = strtoull(v, &end, 0);
-    if (!v[0] || *end || v[0] == '-' || (errno && errno != ERANGE)) {
+    /* Decimal, or hexadecimal after 0x: base 0 would read "010" as octal 8
+     * and refuse "08". A digit first: strtoull would also skip spaces and
+     * take a sign ("-1" wraps to 2^64 - 1). */
+    bool hex = v[0] == '0' && (v[1] == 'x' || v[1] == 'X');
+    unsigned long long x = strtoull(v, &end, hex ? 16 : 10);
+    if (!isdigit((unsigned char)v[0]) || (hex && !isxdigit((unsigned char)v[2])) || *end ||
+        (errno && errno != ERANGE)) {
         fprintf(stderr, "moectl: %s needs a non-negative number, not '%s'\n", opt, v);
         exit(2);
     }

@@ -567,6 +567,28 @@ TEST(cli_forward_input_without_rows_is_refused)
     itest_daemon_stop(&d);
 }
 
+/* Numbers are decimal (or hexadecimal after 0x), whatever zeros lead them:
+ * "010" was read as octal 8 and "08" refused. */
+TEST(cli_numbers_with_leading_zeros_are_decimal)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--demo", NULL);
+    const char *b = itest_build();
+    char out[8192];
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moectl -r %s forward --layer demo --tokens 010",
+                               b, d.dir), 0);
+    CHECK_STR_CONTAINS(out, "10 tokens");
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moectl -r %s ping --count 08", b, d.dir), 0);
+    CHECK_STR_CONTAINS(out, "8 round trips");
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moectl -r %s ping --count 0x0a", b, d.dir), 0);
+    CHECK_STR_CONTAINS(out, "10 round trips");
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moectl -r %s ping --count ' 5'", b, d.dir), 2);
+    CHECK_STR_CONTAINS(out, "--count needs a non-negative number");
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moectl -r %s ping --count +5", b, d.dir), 2);
+    CHECK_STR_CONTAINS(out, "--count needs a non-negative number");
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -583,5 +605,6 @@ int main(int argc, char **argv)
         TEST_CASE(cli_arguments_a_command_does_not_take_are_refused),
         TEST_CASE(cli_usage_errors_name_what_is_wrong),
         TEST_CASE(cli_forward_input_without_rows_is_refused),
+        TEST_CASE(cli_numbers_with_leading_zeros_are_decimal),
         {0}});
 }
