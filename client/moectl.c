@@ -4,10 +4,12 @@
  *   moectl [-r DIR] ping [--count N] [--interval-us U]
  *   moectl [-r DIR] info
  *   moectl [-r DIR] layers
- *   moectl [-r DIR] load NAME (--file F [--prefix P] | --random [--seed S]) [--kind moe|gemm] [--topk K]
- *                             [--experts E] [--hidden H] [--intermediate I]
- *                             [--dtype bf16|fp16|fp32] [--routing softmax|sigmoid|given]
- *                             [--no-renormalize]
+ *   moectl [-r DIR] load NAME (--file F [--prefix P] | --random [--seed S])
+ *                             [--dtype bf16|fp16|fp32]
+ *                             MoE: [--topk K] [--experts E] [--hidden H] [--intermediate I]
+ *                             [--routing softmax|sigmoid|given] [--no-renormalize]
+ *                             [--devices 0,1] [--placement D,...]
+ *                             --kind gemm: [--groups G] [--n N] [--k K]
  *   moectl [-r DIR] unload NAME
  *   moectl [-r DIR] forward --layer L (--tokens T | --input F) [--output F] [--check]
  *                           [--seed S] [--repeat N]
@@ -15,7 +17,6 @@
  *   moectl [-r DIR] stats [--json]
  *   moectl [-r DIR] bench [--layer L] [--clients N] [--tokens T] [--seconds S] [--json]
  *                         [--no-batch] [--client-spin-us U]
- *                         [--no-batch]
  *   moectl zmq-rtt [--count N]
  *
  * Exit status: 0 success, 1 a failed operation or a check past tolerance,
@@ -40,9 +41,11 @@ static void usage(FILE *f)
             "                               round trips to the daemon (U us apart), p50/p99 latency\n"
             "  info                         daemon version, backend, devices, capabilities\n"
             "  layers                       the loaded layers\n"
-            "  load NAME (--file F [--prefix P] | --random) [--kind moe|gemm] [--topk K] [--experts E]\n"
-            "       [--hidden H] [--intermediate I] [--dtype D] [--routing R] [--no-renormalize]\n"
-            "       [--devices 0,1] [--placement DEVICE_OF_EACH_EXPERT,...]\n"
+            "  load NAME (--file F [--prefix P] | --random [--seed S]) [--dtype bf16|fp16|fp32]\n"
+            "       a MoE layer: [--topk K] [--experts E] [--hidden H] [--intermediate I]\n"
+            "       [--routing softmax|sigmoid|given] [--no-renormalize] [--devices 0,1]\n"
+            "       [--placement DEVICE_OF_EACH_EXPERT,...]\n"
+            "       a GEMM layer: --kind gemm [--groups G] [--n N] [--k K] (--prefix: its tensor)\n"
             "                               load a layer from a safetensors file, or upload\n"
             "                               random weights of the given shape\n"
             "  unload NAME                  unload a layer\n"

@@ -80,20 +80,26 @@ size_t moectl_list(const char *opt, const char *v, uint32_t *out, size_t max)
 {
     size_t n = 0;
     const char *p = v;
-    while (*p && n < max) {
+    /* Each entry a number (strtoul alone would skip spaces and take a
+     * sign), each comma followed by one: "0," is not a list of one. */
+    for (;;) {
         char *end;
         errno = 0;
-        unsigned long x = strtoul(p, &end, 10);
-        if (end == p || errno || x > 65535 || (*end && *end != ','))
-            break;
+        unsigned long x = isdigit((unsigned char)*p) ? strtoul(p, &end, 10) : 0;
+        if (!isdigit((unsigned char)*p) || errno || x > 65535 || (*end && *end != ',')) {
+            fprintf(stderr, "moectl: %s needs a comma-separated list of numbers, not '%s'\n",
+                    opt, v);
+            return 0;
+        }
+        if (n == max) {
+            fprintf(stderr, "moectl: %s takes at most %zu entries\n", opt, max);
+            return 0;
+        }
         out[n++] = (uint32_t)x;
-        p = *end ? end + 1 : end;
+        if (!*end)
+            return n;
+        p = end + 1;
     }
-    if (*p || n == 0) {
-        fprintf(stderr, "moectl: %s needs a comma-separated list of numbers, not '%s'\n", opt, v);
-        return 0;
-    }
-    return n;
 }
 
 const char *moectl_dtype_name(moe_dtype dt)
@@ -407,9 +413,18 @@ int cmd_load(const char *rt, int argc, char **argv)
     moe_layer_desc d = {.renormalize = 1, .topk = 0};
     int c, random = 0;
     uint64_t seed = 1;
+    bool given[O_PLACEMENT + 1] = {false};
     while ((c = getopt_long(argc, argv, "", o, NULL)) != -1) {
+        if (c > 0 && c <= O_PLACEMENT)
+            given[c] = true;
         switch (c) {
-        case O_FILE: d.path = optarg; break;
+        case O_FILE:
+            if (!optarg[0]) {
+                fprintf(stderr, "moectl: --file needs a path\n");
+                return 2;
+            }
+            d.path = optarg;
+            break;
         case O_PREFIX: d.prefix = optarg; break;
         case O_KIND:
             if (!strcmp(optarg, "moe")) d.kind = MOE_LAYER_MOE;
@@ -454,6 +469,36 @@ int cmd_load(const char *rt, int argc, char **argv)
     if (optind + 1 != argc || (!d.path) == !random) {
         fprintf(stderr, "usage: moectl load NAME (--file FILE | --random) [options]\n");
         return 2;
+    }
+    /* An option that does not go with the rest would be dropped unsaid
+     * (the daemon reads only what the layer's source and kind use): refuse
+     * it, so that what loads is what the command line says. */
+    static const struct {
+        int opt;
+        const char *name, *why;
+    } misfit[] = {
+        {O_PREFIX, "--prefix", "goes with --file"}, {O_SEED, "--seed", "goes with --random"},
+        {O_TOPK, "--topk", "is for MoE layers"}, {O_E, "--experts", "is for MoE layers"},
+        {O_H, "--hidden", "is for MoE layers"}, {O_I, "--intermediate", "is for MoE layers"},
+        {O_ROUTE, "--routing", "is for MoE layers"},
+        {O_NORENORM, "--no-renormalize", "is for MoE layers"},
+        {O_DEVICES, "--devices", "is for MoE layers"},
+        {O_PLACEMENT, "--placement", "is for MoE layers"},
+        {O_G, "--groups", "is for GEMM layers (--kind gemm)"},
+        {O_N, "--n", "is for GEMM layers (--kind gemm)"},
+        {O_K, "--k", "is for GEMM layers (--kind gemm)"},
+    };
+    for (size_t m = 0; m < sizeof(misfit) / sizeof(misfit[0]); m++) {
+        int opt = misfit[m].opt;
+        bool gemm_opt = opt == O_G || opt == O_N || opt == O_K;
+        bool fits = opt == O_PREFIX ? !random
+                    : opt == O_SEED ? random
+                    : gemm_opt      ? d.kind == MOE_LAYER_GEMM
+                                    : d.kind == MOE_LAYER_MOE;
+        if (given[opt] && !fits) {
+            fprintf(stderr, "moectl: load: %s %s\n", misfit[m].name, misfit[m].why);
+            return 2;
+        }
     }
     d.name = argv[optind];
     if (d.kind == MOE_LAYER_MOE && !d.topk)

@@ -589,6 +589,54 @@ TEST(cli_numbers_with_leading_zeros_are_decimal)
     itest_daemon_stop(&d);
 }
 
+/* load refuses options that do not go with the rest rather than drop them
+ * unsaid: a prefix for random weights, a seed for a file, MoE options for a
+ * GEMM layer and GEMM options for a MoE one, an empty file name, a device
+ * list with a trailing comma or past its room. Nothing is loaded. */
+TEST(cli_load_refuses_options_that_do_not_apply)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--demo", NULL);
+    const char *b = itest_build();
+    char out[8192];
+    static const struct {
+        const char *args, *msg;
+    } bad[] = {
+        {"load x --random --prefix p. --experts 2 --hidden 8 --intermediate 8",
+         "--prefix goes with --file"},
+        {"load x --file /srv/m.safetensors --seed 5", "--seed goes with --random"},
+        {"load x --file ''", "--file needs a path"},
+        {"load x --random --kind gemm --groups 2 --n 8 --k 8 --experts 2",
+         "--experts is for MoE layers"},
+        {"load x --random --kind gemm --groups 2 --n 8 --k 8 --topk 1", "--topk is for MoE layers"},
+        {"load x --random --kind gemm --groups 2 --n 8 --k 8 --routing given",
+         "--routing is for MoE layers"},
+        {"load x --random --kind gemm --groups 2 --n 8 --k 8 --devices 0",
+         "--devices is for MoE layers"},
+        {"load x --random --experts 2 --hidden 8 --intermediate 8 --n 5", "--n is for GEMM layers"},
+        {"load x --random --experts 2 --hidden 8 --intermediate 8 --devices 0,",
+         "comma-separated list"},
+        {"load x --random --experts 2 --hidden 8 --intermediate 8 "
+         "--devices 0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16", "at most 16"},
+    };
+    for (size_t i = 0; i < ARRAY_LEN(bad); i++) {
+        CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "timeout 60 %s/moectl -r %s %s", b,
+                                   d.dir, bad[i].args), 2);
+        CHECK_STR_CONTAINS(out, bad[i].msg);
+    }
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "%s/moectl -r %s layers", b, d.dir), 0);
+    CHECK(!listed(out, "x"));
+    /* What does apply still works, in any order. */
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out),
+                               "%s/moectl -r %s load g --n 8 --random --groups 2 --k 8 --kind gemm",
+                               b, d.dir), 0);
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out),
+                               "%s/moectl -r %s load m --random --experts 2 --topk 1 --hidden 8 "
+                               "--intermediate 8 --routing sigmoid --no-renormalize --devices 0 "
+                               "--placement 0,0 --seed 3 --kind moe", b, d.dir), 0);
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -606,5 +654,6 @@ int main(int argc, char **argv)
         TEST_CASE(cli_usage_errors_name_what_is_wrong),
         TEST_CASE(cli_forward_input_without_rows_is_refused),
         TEST_CASE(cli_numbers_with_leading_zeros_are_decimal),
+        TEST_CASE(cli_load_refuses_options_that_do_not_apply),
         {0}});
 }
