@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "client/moectl.h"
 #include "daemon/layer.h"
@@ -56,34 +57,47 @@ static size_t align64(size_t n)
     return (n + 63) & ~(size_t)63;
 }
 
-/* Split a LayerInfo source "path:prefix" and read the weights it names. */
+/* Read the weights a LayerInfo source names: "PATH", or "PATH:PREFIX" for
+ * a layer loaded with a prefix. A colon may be part of the file's name
+ * too, and a slash part of the prefix, so no one split is right: each that
+ * leaves a regular file on the left is tried, leftmost first, then the
+ * whole source as the path. */
 static int read_layer_weights(const moe_layer_info *li, struct host_weights *hw)
 {
-    char path[PATH_MAX];
-    const char *prefix = NULL;
-    snprintf(path, sizeof(path), "%s", li->source);
-    char *slash = strrchr(path, '/');
-    char *colon = slash ? strchr(slash, ':') : NULL;
-    if (!slash || path[0] != '/') {
+    if (li->source[0] != '/') {
         fprintf(stderr, "moectl: --check needs weights from a file; layer '%s' came from '%s'\n",
                 li->name, li->source);
         return -ENOTSUP;
     }
-    if (colon) {
-        *colon = '\0';
-        prefix = colon + 1;
+    char path[sizeof(li->source)], err[512] = "";
+    int rc = -ENOENT;
+    size_t len = strlen(li->source);
+    for (size_t i = 1; i <= len; i++) {
+        if (li->source[i] != ':' && li->source[i] != '\0')
+            continue;
+        memcpy(path, li->source, i);
+        path[i] = '\0';
+        struct stat st;
+        if (stat(path, &st) || !S_ISREG(st.st_mode))
+            continue;
+        struct layer_spec spec = {
+            .kind = li->kind == MOE_LAYER_GEMM ? MOE__LAYER_KIND__LAYER_GEMM
+                                               : MOE__LAYER_KIND__LAYER_MOE,
+            .dtype = (int)li->dtype, .experts = li->experts, .hidden = li->hidden,
+            .intermediate = li->intermediate, .groups = li->groups, .n = li->n, .k = li->k,
+            .path = path, .prefix = li->source[i] ? li->source + i + 1 : NULL,
+        };
+        char *root[] = {"/"}, why[512] = "";
+        int r = layer_read_weights(&spec, root, 1, hw, why, sizeof(why));
+        if (!r)
+            return 0;
+        if (!err[0]) /* the likeliest split's reason */
+            snprintf(err, sizeof(err), "%s", why);
+        rc = r;
     }
-    struct layer_spec spec = {
-        .kind = li->kind == MOE_LAYER_GEMM ? MOE__LAYER_KIND__LAYER_GEMM : MOE__LAYER_KIND__LAYER_MOE,
-        .dtype = (int)li->dtype, .experts = li->experts, .hidden = li->hidden,
-        .intermediate = li->intermediate, .groups = li->groups, .n = li->n, .k = li->k,
-        .path = path, .prefix = prefix,
-    };
-    char *root[] = {"/"};
-    char err[512] = "";
-    int rc = layer_read_weights(&spec, root, 1, hw, err, sizeof(err));
-    if (rc)
-        fprintf(stderr, "moectl: --check cannot read the layer's weights: %s\n", err);
+    if (!err[0])
+        snprintf(err, sizeof(err), "no file at %s", li->source);
+    fprintf(stderr, "moectl: --check cannot read the layer's weights: %s\n", err);
     return rc;
 }
 

@@ -637,6 +637,29 @@ TEST(cli_load_refuses_options_that_do_not_apply)
     itest_daemon_stop(&d);
 }
 
+/* forward --check finds the layer's file when its name holds a colon: the
+ * layer's source "PATH:PREFIX" was split at the first colon of the name. */
+TEST(cli_check_reads_a_file_whose_name_holds_a_colon)
+{
+    uint64_t seed = test_seed();
+    char wdir[] = "/tmp/moed-cli.XXXXXX";
+    CHECK(mkdtemp(wdir) != NULL);
+    char path[300];
+    snprintf(path, sizeof(path), "%s/qwen:2.safetensors", wdir);
+    write_moe_file(path, 4, 32, 48, &seed);
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--allow-dir", wdir, NULL);
+    const char *b = itest_build();
+    char out[8192];
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moectl -r %s load q --file '%s' --prefix mlp.",
+                               b, d.dir, path), 0);
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moectl -r %s forward --layer q --tokens 5 --check",
+                               b, d.dir), 0);
+    CHECK_STR_CONTAINS(out, ": ok");
+    itest_daemon_stop(&d);
+    itest_rmdir(wdir);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -655,5 +678,6 @@ int main(int argc, char **argv)
         TEST_CASE(cli_forward_input_without_rows_is_refused),
         TEST_CASE(cli_numbers_with_leading_zeros_are_decimal),
         TEST_CASE(cli_load_refuses_options_that_do_not_apply),
+        TEST_CASE(cli_check_reads_a_file_whose_name_holds_a_colon),
         {0}});
 }
