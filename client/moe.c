@@ -1133,10 +1133,19 @@ int moe_region_create(moe_client *c, size_t size, const char *name, moe_region *
     return 0;
 }
 
+/* Whether r is one of c's regions, found by its address alone (a handle
+ * freed already is not read). Caller holds mu. */
+static bool region_of(const moe_client *c, const moe_region *r)
+{
+    for (const struct moe_region *q = c->regions; q; q = q->next)
+        if (q == r)
+            return true;
+    return false;
+}
+
 int moe_region_free(moe_client *c, moe_region **rp)
 {
     moe_region *r = *rp;
-    *rp = NULL;
     if (!r)
         return 0;
     Moe__SessionRequest req = MOE__SESSION_REQUEST__INIT;
@@ -1148,6 +1157,16 @@ int moe_region_free(moe_client *c, moe_region **rp)
     /* For good: the region has to leave the list, which only the claim's
      * holder may change (another's wait is bounded by its timeout). */
     session_claim(c, false);
+    /* Another client's region (or one freed already, through a copy of
+     * its handle) is left alone: unmapping it would pull the memory from
+     * under its owner, which still lists it. */
+    if (!region_of(c, r)) {
+        session_unclaim(c);
+        pthread_mutex_unlock(&c->mu);
+        return seterr(-EINVAL, "the region is not one of this client's (another client's, or "
+                      "freed already)");
+    }
+    *rp = NULL;
     un.region = r->id; /* claimed: a reconnection (which re-registers it) waits */
     /* After a daemon restart the region was never registered with the new
      * one; there is nothing to tell it. */

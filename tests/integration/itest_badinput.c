@@ -355,10 +355,43 @@ TEST(bad_weight_files_are_refused)
     itest_rmdir(outside);
 }
 
+/* A region handle passed to a client other than its own, or freed already
+ * (through a copy of the handle), is refused: the owner's mapping stays. */
+TEST(a_region_is_freed_only_by_its_own_client)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    moe_client *a = itest_connect(&d, "a"), *b = itest_connect(&d, "b");
+    moe_region *ra, *rb;
+    CHECK(moe_region_create(a, 4096, "ra", &ra) == 0);
+    CHECK(moe_region_create(b, 4096, "rb", &rb) == 0);
+    memset(moe_region_data(ra), 0x5a, 4096);
+    moe_region *wrong = ra;
+    CHECK_EQ_INT(moe_region_free(b, &wrong), -EINVAL);
+    CHECK_STR_CONTAINS(moe_errmsg(), "not one of this client's");
+    CHECK(wrong == ra); /* still the caller's */
+    /* Still mapped, still registered with a's session. */
+    CHECK(((uint8_t *)moe_region_data(ra))[4095] == 0x5a);
+    moe_stats st;
+    CHECK(moe_stats_get(a, &st) == 0);
+    CHECK_EQ_INT(st.regions, 2);
+    moe_region *copy = ra;
+    CHECK_EQ_INT(moe_region_free(a, &ra), 0);
+    CHECK(ra == NULL);
+    CHECK_EQ_INT(moe_region_free(a, &copy), -EINVAL); /* freed already */
+    CHECK_EQ_INT(moe_region_free(b, &rb), 0);
+    CHECK(moe_stats_get(a, &st) == 0);
+    CHECK_EQ_INT(st.regions, 0);
+    moe_disconnect(&a);
+    moe_disconnect(&b);
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
         TEST_CASE(bad_requests_are_refused_and_the_daemon_keeps_serving),
         TEST_CASE(bad_weight_files_are_refused),
+        TEST_CASE(a_region_is_freed_only_by_its_own_client),
         {0}});
 }
