@@ -102,6 +102,9 @@ struct moe_client {
 };
 
 struct moe_request {
+    /* Request ids are the client's own (each client counts from 1): in
+     * another client's hands id would name one of that client's requests. */
+    const moe_client *client;
     uint64_t id;
     unsigned generation;
 };
@@ -1427,6 +1430,7 @@ static int submit(moe_client *c, void (*build)(struct compute_msg *, const void 
         build(&cm, args);
         rc = send_request(c, &cm.req, true);
     }
+    r->client = c;
     r->generation = c->generation;
     r->id = rc ? 0 : cm.req.id;
     pthread_mutex_unlock(&c->mu);
@@ -1482,6 +1486,8 @@ int moe_wait(moe_client *c, moe_request **rp, int timeout_ms, moe_timings *timin
     moe_request *r = *rp;
     if (!r)
         return seterr(-EINVAL, "no request");
+    if (r->client != c)
+        return seterr(-EINVAL, "the request is not this client's");
     int rc = request_wait(c, r, timeout_ms, timings);
     if (rc == -ETIMEDOUT)
         return rc; /* still the caller's: wait again or give up */
@@ -1492,6 +1498,8 @@ int moe_wait(moe_client *c, moe_request **rp, int timeout_ms, moe_timings *timin
 
 int moe_poll(moe_client *c, moe_request *r)
 {
+    if (r->client != c)
+        return seterr(-EINVAL, "the request is not this client's");
     pthread_mutex_lock(&c->mu);
     /* A reply that has come is looked for first: it stands even when the
      * connection broke or was replaced since. Else a request of an earlier
@@ -1518,7 +1526,9 @@ void moe_request_free(moe_client *c, moe_request **rp)
     *rp = NULL;
     if (!r)
         return;
-    if (c)
+    /* Another client's hands: its requests of the same id are not touched
+     * (the owner keeps the reply, when it comes, until it disconnects). */
+    if (c && c == r->client)
         give_up(c, r->id, r->generation);
     free(r);
 }

@@ -282,13 +282,17 @@ int moe_gemm(moe_client *c, const moe_gemm_args *args, moe_timings *timings);
 int moe_forward_submit(moe_client *c, const moe_forward_args *args, moe_request **req);
 int moe_gemm_submit(moe_client *c, const moe_gemm_args *args, moe_request **req);
 /* Wait up to timeout_ms (<0: the client's default) for the result; returns
- * the request's status and frees *req (set to NULL) unless -ETIMEDOUT. */
+ * the request's status and frees *req (set to NULL) unless -ETIMEDOUT. A
+ * request of another client is refused (-EINVAL, *req left as it is), here
+ * and by moe_poll. */
 int moe_wait(moe_client *c, moe_request **req, int timeout_ms, moe_timings *timings);
 /* 1 if the result has arrived (moe_wait will not block), 0 if not, <0 error. */
 int moe_poll(moe_client *c, moe_request *req);
 /* Give up a request without waiting for it: its result, when it comes, is
  * dropped. c may be NULL (after moe_disconnect: the handle is freed).
- * Sets *req = NULL; accepts NULL. */
+ * Sets *req = NULL; accepts NULL. A request that c did not make is freed
+ * as with c NULL, and c's requests are left alone (the client that made it
+ * keeps its result, when it comes, until moe_disconnect). */
 void moe_request_free(moe_client *c, moe_request **req);
 
 /* ---- stats ------------------------------------------------------------- */

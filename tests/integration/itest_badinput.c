@@ -387,11 +387,56 @@ TEST(a_region_is_freed_only_by_its_own_client)
     itest_daemon_stop(&d);
 }
 
+/* Request ids are the client's own: a request handle passed to another
+ * client is refused there, and neither client's requests are touched. */
+TEST(a_request_is_waited_for_only_by_its_own_client)
+{
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    moe_client *a = itest_connect(&d, "a"), *b = itest_connect(&d, "b");
+    struct itest_layer L = {.name = "L", .dt = MOE_DTYPE_BF16, .sh = {E, K, H, I},
+                            .routing = MOE_ROUTING_SOFTMAX, .renorm = true};
+    itest_layer_upload(a, &L, &seed); /* a's request 1 */
+    CHECK(moe_hello(b, NULL) == 0);   /* b's request 1 */
+    struct itest_fwd fa, fb;
+    itest_fwd_make(a, &L, T, &seed, &fa);
+    itest_fwd_make(b, &L, T, &seed, &fb);
+    moe_request *ra, *ra2, *rb, *rb2;
+    /* The same ids on both clients: 2 and 3. */
+    CHECK(moe_forward_submit(a, &fa.args, &ra) == 0);
+    CHECK(moe_forward_submit(b, &fb.args, &rb) == 0);
+    CHECK(moe_forward_submit(a, &fa.args, &ra2) == 0);
+    CHECK(moe_forward_submit(b, &fb.args, &rb2) == 0);
+    CHECK_EQ_INT(moe_poll(b, ra), -EINVAL);
+    CHECK_STR_CONTAINS(moe_errmsg(), "not this client's");
+    moe_request *wrong = ra;
+    CHECK_EQ_INT(moe_wait(b, &wrong, 5000, NULL), -EINVAL);
+    CHECK_STR_CONTAINS(moe_errmsg(), "not this client's");
+    CHECK(wrong == ra); /* still the caller's */
+    /* Given up through the wrong client: the handle goes, b's own request
+     * of the same id stays. */
+    moe_request_free(b, &ra2);
+    CHECK(ra2 == NULL);
+    CHECK_MSG(moe_wait(b, &rb, 10000, NULL) == 0, "%s", moe_errmsg());
+    CHECK_MSG(moe_wait(b, &rb2, 10000, NULL) == 0, "%s", moe_errmsg());
+    CHECK(itest_fwd_error(&L, &fb) <= itest_tolerance(L.dt));
+    CHECK_MSG(moe_wait(a, &ra, 10000, NULL) == 0, "%s", moe_errmsg());
+    CHECK(itest_fwd_error(&L, &fa) <= itest_tolerance(L.dt));
+    moe_region_free(a, &fa.r);
+    moe_region_free(b, &fb.r);
+    moe_disconnect(&a);
+    moe_disconnect(&b);
+    itest_layer_free(&L);
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
         TEST_CASE(bad_requests_are_refused_and_the_daemon_keeps_serving),
         TEST_CASE(bad_weight_files_are_refused),
         TEST_CASE(a_region_is_freed_only_by_its_own_client),
+        TEST_CASE(a_request_is_waited_for_only_by_its_own_client),
         {0}});
 }
