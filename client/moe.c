@@ -1382,7 +1382,9 @@ struct compute_msg {
     Moe__Tensor t[5];
 };
 
-static void forward_build(struct compute_msg *cm, const void *args)
+/* Build the request from the caller's arguments: 0, or -EINVAL for what
+ * cannot go on the wire. Caller holds mu. */
+static int forward_build(moe_client *c, struct compute_msg *cm, const void *args)
 {
     const moe_forward_args *a = args;
     Moe__FusedMoe *m = &cm->fused;
@@ -1398,11 +1400,15 @@ static void forward_build(struct compute_msg *cm, const void *args)
     cm->req.no_batch = a->no_batch != 0;
     cm->req.body_case = MOE__REQUEST__BODY_FUSED_MOE;
     cm->req.fused_moe = m;
+    return 0;
 }
 
-static void gemm_build(struct compute_msg *cm, const void *args)
+static int gemm_build(moe_client *c, struct compute_msg *cm, const void *args)
 {
     const moe_gemm_args *a = args;
+    /* The packer reads groups entries from m_sizes. */
+    if (a->groups && !a->m_sizes)
+        return seterr(-EINVAL, "m_sizes is NULL but groups is %zu", a->groups);
     Moe__GroupedGemm *m = &cm->gemm;
     moe__request__init(&cm->req);
     moe__grouped_gemm__init(m);
@@ -1415,21 +1421,23 @@ static void gemm_build(struct compute_msg *cm, const void *args)
     cm->req.no_batch = a->no_batch != 0;
     cm->req.body_case = MOE__REQUEST__BODY_GROUPED_GEMM;
     cm->req.grouped_gemm = m;
+    return 0;
 }
+
+typedef int build_fn(moe_client *, struct compute_msg *, const void *);
 
 /* Check the connection (reconnecting if the daemon went away), build the
  * request and send it, all under one hold of mu: the tensors name regions
  * by id, and a reconnection gives the regions new ids. Fills *r. */
-static int submit(moe_client *c, void (*build)(struct compute_msg *, const void *),
-                  const void *args, moe_request *r)
+static int submit(moe_client *c, build_fn *build, const void *args, moe_request *r)
 {
     struct compute_msg cm;
     pthread_mutex_lock(&c->mu);
     int rc = connection_ensure(c);
-    if (!rc) {
-        build(&cm, args);
+    if (!rc)
+        rc = build(c, &cm, args);
+    if (!rc)
         rc = send_request(c, &cm.req, true);
-    }
     r->client = c;
     r->generation = c->generation;
     r->id = rc ? 0 : cm.req.id;
@@ -1437,8 +1445,7 @@ static int submit(moe_client *c, void (*build)(struct compute_msg *, const void 
     return rc;
 }
 
-static int submit_new(moe_client *c, void (*build)(struct compute_msg *, const void *),
-                      const void *args, moe_request **out)
+static int submit_new(moe_client *c, build_fn *build, const void *args, moe_request **out)
 {
     *out = NULL;
     moe_request *r = malloc(sizeof(*r));

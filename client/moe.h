@@ -263,7 +263,8 @@ typedef struct moe_forward_args {
     int no_batch;       /* run alone, never merged with other requests */
 } moe_forward_args;
 
-/* C [M, N] = A [M, K] . B[g]^T with A's rows grouped by m_sizes[groups]. */
+/* C [M, N] = A [M, K] . B[g]^T with A's rows grouped by m_sizes[groups]
+ * (m_sizes NULL with groups > 0: -EINVAL). */
 typedef struct moe_gemm_args {
     const char *layer;
     moe_tensor a, c;

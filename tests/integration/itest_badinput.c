@@ -431,6 +431,45 @@ TEST(a_request_is_waited_for_only_by_its_own_client)
     itest_daemon_stop(&d);
 }
 
+/* Arguments libmoe cannot put on the wire as they are get -EINVAL and a
+ * message naming them, and the client goes on. */
+TEST(arguments_libmoe_cannot_send_are_refused)
+{
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    moe_client *c = itest_connect(&d, "args");
+    enum { G = 4, N = 16, KK = 16 };
+    moe_region *wr, *r;
+    CHECK(moe_region_create(c, G * N * KK * 2, "B", &wr) == 0);
+    itest_fill(&seed, MOE_DTYPE_BF16, moe_region_data(wr), G * N * KK, 0.5f);
+    moe_layer_desc gd = {.name = "g", .kind = MOE_LAYER_GEMM, .dtype = MOE_DTYPE_BF16,
+                         .groups = G, .n = N, .k = KK,
+                         .w1 = moe_tensor_3d(wr, 0, MOE_DTYPE_BF16, G, N, KK)};
+    CHECK_MSG(moe_layer_load(c, &gd, NULL) == 0, "%s", moe_errmsg());
+    CHECK(moe_region_create(c, 4096, "ac", &r) == 0);
+    uint64_t ms[G] = {1, 0, 2, 0};
+    moe_gemm_args ga = {.layer = "g", .a = moe_tensor_2d(r, 0, MOE_DTYPE_BF16, 3, KK),
+                        .c = moe_tensor_2d(r, 1024, MOE_DTYPE_BF16, 3, N), .m_sizes = ms,
+                        .groups = G};
+    moe_request *req = NULL;
+
+    /* groups without m_sizes */
+    ga.m_sizes = NULL;
+    CHECK_EQ_INT(moe_gemm(c, &ga, NULL), -EINVAL);
+    CHECK_STR_CONTAINS(moe_errmsg(), "m_sizes");
+    CHECK_EQ_INT(moe_gemm_submit(c, &ga, &req), -EINVAL);
+    CHECK(req == NULL);
+    ga.m_sizes = ms;
+
+    /* After all that, the client is served. */
+    CHECK_MSG(moe_gemm(c, &ga, NULL) == 0, "%s", moe_errmsg());
+    moe_region_free(c, &r);
+    moe_region_free(c, &wr);
+    moe_disconnect(&c);
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -438,5 +477,6 @@ int main(int argc, char **argv)
         TEST_CASE(bad_weight_files_are_refused),
         TEST_CASE(a_region_is_freed_only_by_its_own_client),
         TEST_CASE(a_request_is_waited_for_only_by_its_own_client),
+        TEST_CASE(arguments_libmoe_cannot_send_are_refused),
         {0}});
 }
