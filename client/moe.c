@@ -997,13 +997,14 @@ static int reply_status(const Moe__Reply *rep)
  * NULL). fill(req, arg), if given, completes req under the same hold of mu
  * as the connection check and the send: what names regions by id, since
  * a reconnection gives them new ids. */
-static int call_filled(moe_client *c, Moe__Request *req, void (*fill)(Moe__Request *, const void *),
-                       const void *arg, Moe__Reply **out)
+static int call_filled(moe_client *c, Moe__Request *req,
+                       int (*fill)(moe_client *, Moe__Request *, const void *), const void *arg,
+                       Moe__Reply **out)
 {
     pthread_mutex_lock(&c->mu);
     int rc = connection_ensure(c);
     if (!rc && fill)
-        fill(req, arg);
+        rc = fill(c, req, arg);
     if (!rc)
         rc = send_request(c, req, false);
     unsigned gen = c->generation;
@@ -1236,18 +1237,27 @@ uint64_t moe_tensor_bytes(const moe_tensor *t)
     return n;
 }
 
-/* A wire Tensor for t, or NULL when t is absent. */
-static Moe__Tensor *wire_tensor(const moe_tensor *t, Moe__Tensor *w)
+/* The wire Tensor for t (in *w), into *out; NULL when t is absent. 0, or
+ * -EINVAL for a tensor that names a region not of this client's: the
+ * region is looked for by its address before its handle is read (a freed
+ * one's is gone). Caller holds mu. */
+static int wire_tensor(const moe_client *c, const char *what, const moe_tensor *t,
+                       Moe__Tensor *w, Moe__Tensor **out)
 {
+    *out = NULL;
     if (!t->region)
-        return NULL;
+        return 0;
+    if (!region_of(c, t->region))
+        return seterr(-EINVAL, "tensor %s: its region is not one of this client's (another "
+                      "client's, or freed)", what);
     moe__tensor__init(w);
     w->region = t->region->id;
     w->offset = t->offset;
     w->dtype = (Moe__DType)t->dtype;
     w->n_shape = t->ndim > 0 && t->ndim <= MOE_MAX_DIMS ? (size_t)t->ndim : 0;
     w->shape = (uint64_t *)t->shape;
-    return w;
+    *out = w;
+    return 0;
 }
 
 /* ---- layers ------------------------------------------------------------ */
@@ -1285,12 +1295,16 @@ struct upload_tensors {
     Moe__Tensor t1, t3, t2;
 };
 
-static void upload_fill(Moe__Request *req, const void *arg)
+static int upload_fill(moe_client *c, Moe__Request *req, const void *arg)
 {
     struct upload_tensors *u = (struct upload_tensors *)arg;
-    req->load_layer->w1 = wire_tensor(&u->d->w1, &u->t1);
-    req->load_layer->w3 = wire_tensor(&u->d->w3, &u->t3);
-    req->load_layer->w2 = wire_tensor(&u->d->w2, &u->t2);
+    Moe__LoadLayer *m = req->load_layer;
+    int rc = wire_tensor(c, "w1", &u->d->w1, &u->t1, &m->w1);
+    if (!rc)
+        rc = wire_tensor(c, "w3", &u->d->w3, &u->t3, &m->w3);
+    if (!rc)
+        rc = wire_tensor(c, "w2", &u->d->w2, &u->t2, &m->w2);
+    return rc;
 }
 
 int moe_layer_load(moe_client *c, const moe_layer_desc *d, moe_layer_info *info)
@@ -1391,11 +1405,17 @@ static int forward_build(moe_client *c, struct compute_msg *cm, const void *args
     moe__request__init(&cm->req);
     moe__fused_moe__init(m);
     m->layer = (char *)(a->layer ? a->layer : "");
-    m->x = wire_tensor(&a->x, &cm->t[0]);
-    m->logits = wire_tensor(&a->logits, &cm->t[1]);
-    m->topk_ids = wire_tensor(&a->topk_ids, &cm->t[2]);
-    m->topk_weights = wire_tensor(&a->topk_weights, &cm->t[3]);
-    m->out = wire_tensor(&a->out, &cm->t[4]);
+    int rc = wire_tensor(c, "x", &a->x, &cm->t[0], &m->x);
+    if (!rc)
+        rc = wire_tensor(c, "logits", &a->logits, &cm->t[1], &m->logits);
+    if (!rc)
+        rc = wire_tensor(c, "topk_ids", &a->topk_ids, &cm->t[2], &m->topk_ids);
+    if (!rc)
+        rc = wire_tensor(c, "topk_weights", &a->topk_weights, &cm->t[3], &m->topk_weights);
+    if (!rc)
+        rc = wire_tensor(c, "out", &a->out, &cm->t[4], &m->out);
+    if (rc)
+        return rc;
     cm->req.timeout_us = a->timeout_us;
     cm->req.no_batch = a->no_batch != 0;
     cm->req.body_case = MOE__REQUEST__BODY_FUSED_MOE;
@@ -1413,8 +1433,11 @@ static int gemm_build(moe_client *c, struct compute_msg *cm, const void *args)
     moe__request__init(&cm->req);
     moe__grouped_gemm__init(m);
     m->layer = (char *)(a->layer ? a->layer : "");
-    m->a = wire_tensor(&a->a, &cm->t[0]);
-    m->c = wire_tensor(&a->c, &cm->t[1]);
+    int rc = wire_tensor(c, "a", &a->a, &cm->t[0], &m->a);
+    if (!rc)
+        rc = wire_tensor(c, "c", &a->c, &cm->t[1], &m->c);
+    if (rc)
+        return rc;
     m->n_m_sizes = a->groups;
     m->m_sizes = (uint64_t *)a->m_sizes;
     cm->req.timeout_us = a->timeout_us;

@@ -87,7 +87,9 @@ typedef enum moe_layer_kind {
 
 #define MOE_MAX_DIMS 4
 
-/* A tensor in one of the caller's regions. region NULL means "absent". */
+/* A tensor in one of the caller's regions. region NULL means "absent". A
+ * call given a tensor in a region that is not its client's (another
+ * client's, or freed) refuses it with -EINVAL. */
 typedef struct moe_tensor {
     const moe_region *region;
     uint64_t offset;

@@ -462,6 +462,32 @@ TEST(arguments_libmoe_cannot_send_are_refused)
     CHECK(req == NULL);
     ga.m_sizes = ms;
 
+    /* Tensors in another client's region, or in one freed already: the
+     * handle is not read. */
+    moe_client *other = itest_connect(&d, "other");
+    moe_region *foreign, *freed;
+    CHECK(moe_region_create(other, 4096, "foreign", &foreign) == 0);
+    CHECK(moe_region_create(c, 4096, "freed", &freed) == 0);
+    moe_tensor in_freed = moe_tensor_2d(freed, 0, MOE_DTYPE_BF16, 3, N);
+    CHECK(moe_region_free(c, &freed) == 0);
+    ga.c = moe_tensor_2d(foreign, 0, MOE_DTYPE_BF16, 3, N);
+    CHECK_EQ_INT(moe_gemm(c, &ga, NULL), -EINVAL);
+    CHECK_STR_CONTAINS(moe_errmsg(), "tensor c: its region is not one of this client's");
+    ga.c = in_freed;
+    CHECK_EQ_INT(moe_gemm_submit(c, &ga, &req), -EINVAL);
+    CHECK_STR_CONTAINS(moe_errmsg(), "tensor c: its region is not one of this client's");
+    ga.c = moe_tensor_2d(r, 1024, MOE_DTYPE_BF16, 3, N);
+    moe_forward_args fa = {.layer = "g", .x = in_freed, .out = in_freed};
+    CHECK_EQ_INT(moe_forward(c, &fa, NULL), -EINVAL);
+    CHECK_STR_CONTAINS(moe_errmsg(), "tensor x: its region is not one of this client's");
+    moe_layer_desc up = gd;
+    up.name = "g2";
+    up.w1 = moe_tensor_3d(foreign, 0, MOE_DTYPE_BF16, 2, 8, 8);
+    CHECK_EQ_INT(moe_layer_load(c, &up, NULL), -EINVAL);
+    CHECK_STR_CONTAINS(moe_errmsg(), "tensor w1: its region is not one of this client's");
+    moe_region_free(other, &foreign);
+    moe_disconnect(&other);
+
     /* After all that, the client is served. */
     CHECK_MSG(moe_gemm(c, &ga, NULL) == 0, "%s", moe_errmsg());
     moe_region_free(c, &r);
