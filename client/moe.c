@@ -1238,9 +1238,11 @@ uint64_t moe_tensor_bytes(const moe_tensor *t)
 }
 
 /* The wire Tensor for t (in *w), into *out; NULL when t is absent. 0, or
- * -EINVAL for a tensor that names a region not of this client's: the
- * region is looked for by its address before its handle is read (a freed
- * one's is gone). Caller holds mu. */
+ * -EINVAL for a tensor that names a region not of this client's (the
+ * region is looked for by its address before its handle is read: a freed
+ * one's is gone) or has more dimensions than it holds, or none (on the
+ * wire that would be an empty shape, which the daemon would call rank 0).
+ * Caller holds mu. */
 static int wire_tensor(const moe_client *c, const char *what, const moe_tensor *t,
                        Moe__Tensor *w, Moe__Tensor **out)
 {
@@ -1250,11 +1252,14 @@ static int wire_tensor(const moe_client *c, const char *what, const moe_tensor *
     if (!region_of(c, t->region))
         return seterr(-EINVAL, "tensor %s: its region is not one of this client's (another "
                       "client's, or freed)", what);
+    if (t->ndim < 1 || t->ndim > MOE_MAX_DIMS)
+        return seterr(-EINVAL, "tensor %s: ndim %d is outside [1, %d]", what, t->ndim,
+                      MOE_MAX_DIMS);
     moe__tensor__init(w);
     w->region = t->region->id;
     w->offset = t->offset;
     w->dtype = (Moe__DType)t->dtype;
-    w->n_shape = t->ndim > 0 && t->ndim <= MOE_MAX_DIMS ? (size_t)t->ndim : 0;
+    w->n_shape = (size_t)t->ndim;
     w->shape = (uint64_t *)t->shape;
     *out = w;
     return 0;

@@ -488,6 +488,19 @@ TEST(arguments_libmoe_cannot_send_are_refused)
     moe_region_free(other, &foreign);
     moe_disconnect(&other);
 
+    /* More dimensions than a tensor holds, or none: said as the caller
+     * gave them, not as the empty shape they would go out as. */
+    int ndims[] = {0, -1, MOE_MAX_DIMS + 1, INT32_MAX};
+    for (size_t i = 0; i < ARRAY_LEN(ndims); i++) {
+        ga.a.ndim = ndims[i];
+        CHECK_EQ_INT(moe_gemm(c, &ga, NULL), -EINVAL);
+        char want[64];
+        snprintf(want, sizeof(want), "tensor a: ndim %d is outside [1, %d]", ndims[i],
+                 MOE_MAX_DIMS);
+        CHECK_STR_CONTAINS(moe_errmsg(), want);
+    }
+    ga.a.ndim = 2;
+
     /* After all that, the client is served. */
     CHECK_MSG(moe_gemm(c, &ga, NULL) == 0, "%s", moe_errmsg());
     moe_region_free(c, &r);
