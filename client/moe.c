@@ -131,6 +131,12 @@ static int seterr(int err, const char *fmt, ...)
     return err;
 }
 
+/* A pointer the call cannot do without is NULL. */
+static int null_arg(const char *what)
+{
+    return seterr(-EINVAL, "%s is NULL", what);
+}
+
 static uint64_t mono_ms(void)
 {
     struct timespec ts;
@@ -356,6 +362,8 @@ static int default_runtime_dir(char *buf, size_t len)
 
 void moe_set_timeout(moe_client *c, int timeout_ms)
 {
+    if (!c)
+        return;
     pthread_mutex_lock(&c->mu);
     c->timeout_ms = timeout_ms;
     pthread_mutex_unlock(&c->mu);
@@ -363,6 +371,8 @@ void moe_set_timeout(moe_client *c, int timeout_ms)
 
 void moe_set_spin_us(moe_client *c, unsigned spin_us)
 {
+    if (!c)
+        return;
     pthread_mutex_lock(&c->mu);
     c->spin_us = spin_us;
     pthread_mutex_unlock(&c->mu);
@@ -547,8 +557,10 @@ static int connection_ensure(moe_client *c)
 
 int moe_connect(const char *runtime_dir, const char *client_name, moe_client **out)
 {
-    *out = NULL;
     moe_err_buf[0] = '\0';
+    if (!out)
+        return null_arg("out");
+    *out = NULL;
     moe_client *c = calloc(1, sizeof(*c));
     if (!c)
         return seterr(-ENOMEM, "out of memory");
@@ -599,6 +611,8 @@ static void region_unmap(struct moe_region *r)
 
 void moe_disconnect(moe_client **cp)
 {
+    if (!cp)
+        return;
     moe_client *c = *cp;
     *cp = NULL;
     if (!c)
@@ -1033,6 +1047,8 @@ static int call(moe_client *c, Moe__Request *req, Moe__Reply **out)
 
 int moe_hello(moe_client *c, moe_server_info *info)
 {
+    if (!c)
+        return null_arg("the client");
     Moe__Request req = MOE__REQUEST__INIT;
     Moe__Hello h = MOE__HELLO__INIT;
     h.protocol_version = MOE_PROTOCOL_VERSION;
@@ -1088,7 +1104,11 @@ static int region_register(moe_client *c, struct moe_region *r, const char *name
 
 int moe_region_create(moe_client *c, size_t size, const char *name, moe_region **out)
 {
+    if (!out)
+        return null_arg("out");
     *out = NULL;
+    if (!c)
+        return null_arg("the client");
     if (size == 0)
         return seterr(-EINVAL, "a region needs at least one byte");
     moe_region *r = calloc(1, sizeof(*r));
@@ -1149,9 +1169,11 @@ static bool region_of(const moe_client *c, const moe_region *r)
 
 int moe_region_free(moe_client *c, moe_region **rp)
 {
-    moe_region *r = *rp;
+    moe_region *r = rp ? *rp : NULL;
     if (!r)
         return 0;
+    if (!c)
+        return null_arg("the client");
     Moe__SessionRequest req = MOE__SESSION_REQUEST__INIT;
     Moe__UnregisterRegion un = MOE__UNREGISTER_REGION__INIT;
     req.body_case = MOE__SESSION_REQUEST__BODY_UNREGISTER_REGION;
@@ -1190,17 +1212,17 @@ int moe_region_free(moe_client *c, moe_region **rp)
 
 void *moe_region_data(const moe_region *r)
 {
-    return r->base;
+    return r ? r->base : NULL;
 }
 
 size_t moe_region_size(const moe_region *r)
 {
-    return r->size;
+    return r ? r->size : 0;
 }
 
 uint64_t moe_region_id(const moe_region *r)
 {
-    return r->id;
+    return r ? r->id : 0;
 }
 
 moe_tensor moe_tensor_2d(const moe_region *r, uint64_t offset, moe_dtype dt, uint64_t d0,
@@ -1228,7 +1250,7 @@ size_t moe_dtype_size(moe_dtype dt)
 
 uint64_t moe_tensor_bytes(const moe_tensor *t)
 {
-    if (!t->region || t->ndim < 1 || t->ndim > MOE_MAX_DIMS)
+    if (!t || !t->region || t->ndim < 1 || t->ndim > MOE_MAX_DIMS)
         return 0;
     uint64_t n = moe_dtype_size(t->dtype);
     for (int i = 0; i < t->ndim; i++)
@@ -1314,6 +1336,8 @@ static int upload_fill(moe_client *c, Moe__Request *req, const void *arg)
 
 int moe_layer_load(moe_client *c, const moe_layer_desc *d, moe_layer_info *info)
 {
+    if (!c || !d)
+        return null_arg(!c ? "the client" : "desc");
     int rc;
     Moe__Request req = MOE__REQUEST__INIT;
     Moe__LoadLayer m = MOE__LOAD_LAYER__INIT;
@@ -1350,6 +1374,8 @@ int moe_layer_load(moe_client *c, const moe_layer_desc *d, moe_layer_info *info)
 
 int moe_layer_unload(moe_client *c, const char *name)
 {
+    if (!c)
+        return null_arg("the client");
     Moe__Request req = MOE__REQUEST__INIT;
     Moe__UnloadLayer m = MOE__UNLOAD_LAYER__INIT;
     m.name = (char *)(name ? name : "");
@@ -1360,6 +1386,10 @@ int moe_layer_unload(moe_client *c, const char *name)
 
 int moe_layer_list(moe_client *c, moe_layer_info *out, int max)
 {
+    if (!c)
+        return null_arg("the client");
+    if (!out && max > 0)
+        return null_arg("out (with max > 0)");
     Moe__Request req = MOE__REQUEST__INIT;
     Moe__ListLayers m = MOE__LIST_LAYERS__INIT;
     req.body_case = MOE__REQUEST__BODY_LIST_LAYERS;
@@ -1459,6 +1489,8 @@ typedef int build_fn(moe_client *, struct compute_msg *, const void *);
  * by id, and a reconnection gives the regions new ids. Fills *r. */
 static int submit(moe_client *c, build_fn *build, const void *args, moe_request *r)
 {
+    if (!c || !args)
+        return null_arg(!c ? "the client" : "args");
     struct compute_msg cm;
     pthread_mutex_lock(&c->mu);
     int rc = connection_ensure(c);
@@ -1475,6 +1507,8 @@ static int submit(moe_client *c, build_fn *build, const void *args, moe_request 
 
 static int submit_new(moe_client *c, build_fn *build, const void *args, moe_request **out)
 {
+    if (!out)
+        return null_arg("req");
     *out = NULL;
     moe_request *r = malloc(sizeof(*r));
     if (!r)
@@ -1518,9 +1552,11 @@ static int request_wait(moe_client *c, const moe_request *r, int timeout_ms, moe
 
 int moe_wait(moe_client *c, moe_request **rp, int timeout_ms, moe_timings *timings)
 {
-    moe_request *r = *rp;
+    if (!c)
+        return null_arg("the client");
+    moe_request *r = rp ? *rp : NULL;
     if (!r)
-        return seterr(-EINVAL, "no request");
+        return null_arg("the request");
     if (r->client != c)
         return seterr(-EINVAL, "the request is not this client's");
     int rc = request_wait(c, r, timeout_ms, timings);
@@ -1533,6 +1569,8 @@ int moe_wait(moe_client *c, moe_request **rp, int timeout_ms, moe_timings *timin
 
 int moe_poll(moe_client *c, moe_request *r)
 {
+    if (!c || !r)
+        return null_arg(!c ? "the client" : "the request");
     if (r->client != c)
         return seterr(-EINVAL, "the request is not this client's");
     pthread_mutex_lock(&c->mu);
@@ -1557,6 +1595,8 @@ int moe_poll(moe_client *c, moe_request *r)
 
 void moe_request_free(moe_client *c, moe_request **rp)
 {
+    if (!rp)
+        return;
     moe_request *r = *rp;
     *rp = NULL;
     if (!r)
@@ -1597,6 +1637,8 @@ int moe_gemm(moe_client *c, const moe_gemm_args *a, moe_timings *timings)
 
 int moe_stats_get(moe_client *c, moe_stats *o)
 {
+    if (!c || !o)
+        return null_arg(!c ? "the client" : "out");
     Moe__Request req = MOE__REQUEST__INIT;
     Moe__GetStats m = MOE__GET_STATS__INIT;
     req.body_case = MOE__REQUEST__BODY_GET_STATS;

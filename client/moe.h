@@ -33,6 +33,11 @@
  * moe_errmsg() gives the calling thread's last detailed message (the
  * daemon's own words where it answered).
  *
+ * NULL: where a call needs a pointer (the client, an argument block, an
+ * out pointer, a request), NULL is refused with -EINVAL, unless the call
+ * says that it accepts NULL; the calls that return nothing ignore a NULL
+ * client, and the region accessors give NULL or 0 for a NULL region.
+ *
  * Threads: a moe_client may be used from several threads at once; calls on
  * it are serialised where they touch its sockets. moe_request handles belong
  * to the client that made them.
@@ -248,7 +253,7 @@ typedef struct moe_layer_info {
 int moe_layer_load(moe_client *c, const moe_layer_desc *desc, moe_layer_info *info);
 int moe_layer_unload(moe_client *c, const char *name);
 /* Fill up to max entries; returns the number of layers loaded (which may
- * exceed max) or a negative error. */
+ * exceed max) or a negative error. out may be NULL where max <= 0. */
 int moe_layer_list(moe_client *c, moe_layer_info *out, int max);
 
 /* ---- compute ----------------------------------------------------------- */

@@ -509,6 +509,77 @@ TEST(arguments_libmoe_cannot_send_are_refused)
     itest_daemon_stop(&d);
 }
 
+/* A NULL where a call needs a pointer is refused with -EINVAL (or ignored
+ * by the calls that return nothing), never dereferenced. */
+TEST(null_pointers_are_refused)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    CHECK_EQ_INT(moe_connect(d.dir, "n", NULL), -EINVAL);
+    CHECK_STR_CONTAINS(moe_errmsg(), "NULL");
+    moe_client *c = itest_connect(&d, "n");
+    moe_region *r = NULL;
+    moe_request *req = NULL;
+    moe_forward_args fa = {.layer = "L"};
+    moe_gemm_args ga = {.layer = "g"};
+    moe_layer_desc ld = {.name = "x", .path = "/nope"};
+    moe_stats st;
+    moe_layer_info li;
+#define REFUSED(call)                                                          \
+    do {                                                                       \
+        int rc_ = (call);                                                      \
+        CHECK_MSG(rc_ == -EINVAL, "%s: %d (%s)", #call, rc_, moe_errmsg());    \
+        CHECK_STR_CONTAINS(moe_errmsg(), "NULL");                              \
+    } while (0)
+    REFUSED(moe_hello(NULL, NULL));
+    REFUSED(moe_region_create(NULL, 4096, "r", &r));
+    REFUSED(moe_region_create(c, 4096, "r", NULL));
+    REFUSED(moe_layer_load(NULL, &ld, NULL));
+    REFUSED(moe_layer_load(c, NULL, NULL));
+    REFUSED(moe_layer_unload(NULL, "x"));
+    REFUSED(moe_layer_list(NULL, &li, 1));
+    REFUSED(moe_layer_list(c, NULL, 1));
+    REFUSED(moe_forward(NULL, &fa, NULL));
+    REFUSED(moe_forward(c, NULL, NULL));
+    REFUSED(moe_gemm(NULL, &ga, NULL));
+    REFUSED(moe_gemm(c, NULL, NULL));
+    REFUSED(moe_forward_submit(NULL, &fa, &req));
+    REFUSED(moe_forward_submit(c, NULL, &req));
+    REFUSED(moe_forward_submit(c, &fa, NULL));
+    REFUSED(moe_gemm_submit(NULL, &ga, &req));
+    REFUSED(moe_gemm_submit(c, NULL, &req));
+    REFUSED(moe_gemm_submit(c, &ga, NULL));
+    REFUSED(moe_wait(c, NULL, 0, NULL));
+    REFUSED(moe_poll(c, NULL));
+    REFUSED(moe_stats_get(NULL, &st));
+    REFUSED(moe_stats_get(c, NULL));
+    CHECK_EQ_INT(moe_region_free(c, NULL), 0); /* nothing to free */
+    CHECK(moe_region_create(c, 4096, "r", &r) == 0);
+    REFUSED(moe_region_free(NULL, &r));
+    CHECK(r != NULL);
+    CHECK(moe_forward_submit(c, &fa, &req) == 0);
+    CHECK(moe_wait(c, &req, -1, NULL) == -ENOENT); /* no such layer */
+    CHECK(req == NULL);
+    REFUSED(moe_wait(NULL, &req, 0, NULL)); /* *req NULL as well */
+#undef REFUSED
+    /* A count of the layers needs no room for them. */
+    CHECK_EQ_INT(moe_layer_list(c, NULL, 0), 0);
+    /* The calls that return nothing, and the accessors. */
+    moe_set_timeout(NULL, 10);
+    moe_set_spin_us(NULL, 10);
+    moe_request_free(c, NULL);
+    moe_disconnect(NULL);
+    CHECK(moe_region_data(NULL) == NULL);
+    CHECK(moe_region_size(NULL) == 0);
+    CHECK(moe_region_id(NULL) == 0);
+    CHECK(moe_tensor_bytes(NULL) == 0);
+    /* The client is none the worse. */
+    CHECK_MSG(moe_hello(c, NULL) == 0, "%s", moe_errmsg());
+    CHECK(moe_region_free(c, &r) == 0);
+    moe_disconnect(&c);
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -517,5 +588,6 @@ int main(int argc, char **argv)
         TEST_CASE(a_region_is_freed_only_by_its_own_client),
         TEST_CASE(a_request_is_waited_for_only_by_its_own_client),
         TEST_CASE(arguments_libmoe_cannot_send_are_refused),
+        TEST_CASE(null_pointers_are_refused),
         {0}});
 }
