@@ -91,6 +91,7 @@ struct moe_client {
     int rfd;              /* the reply socket (OpenSession.reply_socket), or -1 */
     bool want_socket_requests; /* send compute requests on it (MOE_REQUESTS) */
     bool socket_requests; /* ... and this daemon reads them there */
+    uint64_t max_message; /* the largest Request the daemon takes (0: not said) */
     struct moe_region *regions;
     struct pending *pending;
     unsigned generation;  /* connections made so far */
@@ -483,6 +484,7 @@ static int connection_open(moe_client *c, bool unlocked)
     c->token_len = rep->token.len;
     c->session_id = rep->session_id;
     c->socket_requests = c->rfd >= 0 && rep->socket_requests && c->want_socket_requests;
+    c->max_message = rep->max_message_bytes;
     char endpoint[PATH_MAX + 16];
     snprintf(endpoint, sizeof(endpoint), "%s", rep->request_endpoint);
     moe__session_reply__free_unpacked(rep, NULL);
@@ -657,6 +659,11 @@ static int send_request(moe_client *c, Moe__Request *req, bool compute)
     req->token.data = c->token;
     req->token.len = c->token_len;
     size_t n = moe__request__get_packed_size(req);
+    /* ZeroMQ would drop a larger one with the connection, unanswered: the
+     * call would wait out its timeout for nothing. */
+    if (c->max_message && n > c->max_message)
+        return seterr(-EDQUOT, "the request packs to %zu bytes, over the daemon's "
+                      "max_message_bytes (%llu)", n, (unsigned long long)c->max_message);
     if (compute && c->socket_requests && n <= 4096) {
         uint8_t buf[4096];
         moe__request__pack(req, buf);

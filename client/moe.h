@@ -36,7 +36,9 @@
  * NULL: where a call needs a pointer (the client, an argument block, an
  * out pointer, a request), NULL is refused with -EINVAL, unless the call
  * says that it accepts NULL; the calls that return nothing ignore a NULL
- * client, and the region accessors give NULL or 0 for a NULL region.
+ * client, and the region accessors give NULL or 0 for a NULL region. A
+ * request larger than the daemon takes (its max_message_bytes: a long
+ * m_sizes or expert_device, say) is refused with -EDQUOT, nothing sent.
  *
  * Threads: a moe_client may be used from several threads at once; calls on
  * it are serialised where they touch its sockets. moe_request handles belong

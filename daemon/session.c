@@ -643,6 +643,7 @@ static void session_open(struct server *s, struct session *se, const Moe__OpenSe
     rep.session_id = se->id;
     rep.request_endpoint = s->endpoint;
     rep.socket_requests = se->chan != NULL;
+    rep.max_message_bytes = s->cfg->max_message_bytes;
     session_send(s, se, &rep);
     log_debug("session %llu opened by pid %d uid %u (%s)", (unsigned long long)se->id,
               (int)se->pid, (unsigned)se->uid, se->name);

@@ -501,6 +501,24 @@ TEST(arguments_libmoe_cannot_send_are_refused)
     }
     ga.a.ndim = 2;
 
+    /* A request larger than the daemon takes (its ZeroMQ socket would drop
+     * it with the connection, unanswered): said at once, not by a timeout. */
+    size_t many = (1u << 20) / 4;
+    uint64_t *big = malloc(many * sizeof(*big));
+    CHECK(big != NULL);
+    for (size_t i = 0; i < many; i++)
+        big[i] = 1ull << 40; /* 6 bytes each on the wire */
+    moe_gemm_args huge = ga;
+    huge.m_sizes = big;
+    huge.groups = many;
+    moe_set_timeout(c, 5000);
+    uint64_t t0 = now_ms();
+    CHECK_EQ_INT(moe_gemm(c, &huge, NULL), -EDQUOT);
+    CHECK_STR_CONTAINS(moe_errmsg(), "max_message_bytes");
+    CHECK(now_ms() - t0 < 1000);
+    free(big);
+    moe_set_timeout(c, 60000);
+
     /* After all that, the client is served. */
     CHECK_MSG(moe_gemm(c, &ga, NULL) == 0, "%s", moe_errmsg());
     moe_region_free(c, &r);
