@@ -36,6 +36,10 @@ struct moe_region {
     int fd;
     void *base;
     size_t size;
+    /* Its label, cut to what the daemon keeps (63 bytes; a memfd's name may
+     * have 249): for the memfd, and each registration, the first and those
+     * after a daemon restart. */
+    char name[64];
     struct moe_region *next;
 };
 
@@ -408,8 +412,7 @@ static void connection_close(moe_client *c, bool keep_replies)
     }
 }
 
-static int region_register(moe_client *c, struct moe_region *r, const char *name,
-                           bool unlocked);
+static int region_register(moe_client *c, struct moe_region *r, bool unlocked);
 static int session_socket_ready(moe_client *c);
 
 /* Open the session socket, say OpenSession, connect the request socket and
@@ -506,7 +509,7 @@ static int connection_open(moe_client *c, bool unlocked)
     /* The list holds still: its changes (a region's create and free) wait
      * for the claim. */
     for (struct moe_region *r = c->regions; r; r = r->next)
-        if ((rc = region_register(c, r, "moe-region", unlocked)) < 0)
+        if ((rc = region_register(c, r, unlocked)) < 0)
             return rc;
     /* Marks of given-up requests belong to the connection before, whose
      * replies can no longer come; those left while this one was being
@@ -1091,13 +1094,12 @@ int moe_hello(moe_client *c, moe_server_info *info)
 /* ---- regions ----------------------------------------------------------- */
 
 /* Pass the region's memfd to the daemon; sets r->id. Caller holds mu. */
-static int region_register(moe_client *c, struct moe_region *r, const char *name,
-                           bool unlocked)
+static int region_register(moe_client *c, struct moe_region *r, bool unlocked)
 {
     Moe__SessionRequest req = MOE__SESSION_REQUEST__INIT;
     Moe__RegisterRegion reg = MOE__REGISTER_REGION__INIT;
     reg.size = r->size;
-    reg.name = (char *)(name ? name : "");
+    reg.name = r->name;
     req.body_case = MOE__SESSION_REQUEST__BODY_REGISTER_REGION;
     req.register_region = &reg;
     Moe__SessionReply *rep = NULL;
@@ -1121,7 +1123,8 @@ int moe_region_create(moe_client *c, size_t size, const char *name, moe_region *
     moe_region *r = calloc(1, sizeof(*r));
     if (!r)
         return seterr(-ENOMEM, "out of memory");
-    r->fd = memfd_create(name && name[0] ? name : "moe-region", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    snprintf(r->name, sizeof(r->name), "%s", name && name[0] ? name : "moe-region");
+    r->fd = memfd_create(r->name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (r->fd < 0) {
         int e = -errno;
         free(r);
@@ -1148,7 +1151,7 @@ int moe_region_create(moe_client *c, size_t size, const char *name, moe_region *
     if (!rc)
         rc = connection_ensure(c);
     if (!rc)
-        rc = region_register(c, r, name, true);
+        rc = region_register(c, r, true);
     if (!rc) {
         r->next = c->regions;
         c->regions = r;

@@ -189,8 +189,9 @@ int moe_hello(moe_client *c, moe_server_info *info);
 /* ---- regions ----------------------------------------------------------- */
 
 /* Create a shared-memory region of size bytes (a sealed memfd), map it here
- * and register it with the daemon. Caller owns *out; free with
- * moe_region_free(). */
+ * and register it with the daemon. name labels it (in the daemon's logs
+ * and /proc; NULL or "": "moe-region"), cut to 63 bytes. Caller owns *out;
+ * free with moe_region_free(). */
 int moe_region_create(moe_client *c, size_t size, const char *name, moe_region **out);
 /* Unregister, unmap and free; sets *r = NULL. Accepts NULL. A region that
  * is not one of c's (another client's, or freed already through a copy of

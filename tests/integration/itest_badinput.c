@@ -598,6 +598,23 @@ TEST(null_pointers_are_refused)
     itest_daemon_stop(&d);
 }
 
+/* A region's name is a label: one longer than a memfd's name may be is
+ * cut, not refused for a reason the caller cannot see. */
+TEST(a_long_region_name_is_cut)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    moe_client *c = itest_connect(&d, "n");
+    char name[1000];
+    memset(name, 'n', sizeof(name) - 1);
+    name[sizeof(name) - 1] = '\0';
+    moe_region *r = NULL;
+    CHECK_MSG(moe_region_create(c, 4096, name, &r) == 0, "%s", moe_errmsg());
+    CHECK(moe_region_free(c, &r) == 0);
+    moe_disconnect(&c);
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -607,5 +624,6 @@ int main(int argc, char **argv)
         TEST_CASE(a_request_is_waited_for_only_by_its_own_client),
         TEST_CASE(arguments_libmoe_cannot_send_are_refused),
         TEST_CASE(null_pointers_are_refused),
+        TEST_CASE(a_long_region_name_is_cut),
         {0}});
 }
