@@ -588,7 +588,7 @@ int moe_connect(const char *runtime_dir, const char *client_name, moe_client **o
     c->want_socket_requests = !(rq && !strcmp(rq, "zmq"));
     snprintf(c->name, sizeof(c->name), "%s", client_name ? client_name : "");
     int rc = 0;
-    if (runtime_dir)
+    if (runtime_dir && runtime_dir[0])
         snprintf(c->dir, sizeof(c->dir), "%s", runtime_dir);
     else if (default_runtime_dir(c->dir, sizeof(c->dir)) < 0)
         rc = seterr(-ENAMETOOLONG, "runtime directory path too long");

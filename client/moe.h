@@ -124,7 +124,7 @@ const char *moe_errmsg(void);
 /* ---- connection -------------------------------------------------------- */
 
 /*
- * Connect to moed. runtime_dir NULL follows the daemon's rule:
+ * Connect to moed. runtime_dir NULL (or empty) follows the daemon's rule:
  * $MOED_RUNTIME_DIR, else /run/moed for root, else $XDG_RUNTIME_DIR/moed,
  * else /tmp/moed-<uid>.
  * client_name appears in the daemon's logs (may be NULL). Caller owns *out;

@@ -529,6 +529,22 @@ TEST(arguments_libmoe_cannot_send_are_refused)
 
 /* A NULL where a call needs a pointer is refused with -EINVAL (or ignored
  * by the calls that return nothing), never dereferenced. */
+/* An empty runtime directory is as good as none, as an empty
+ * MOED_RUNTIME_DIR is: the default (here the environment's) is used, not a
+ * socket at /moed.sock. */
+TEST(an_empty_runtime_dir_is_the_default)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    setenv("MOED_RUNTIME_DIR", d.dir, 1);
+    moe_client *c = NULL;
+    CHECK_MSG(moe_connect("", "e", &c) == 0, "%s", moe_errmsg());
+    CHECK_MSG(moe_hello(c, NULL) == 0, "%s", moe_errmsg());
+    moe_disconnect(&c);
+    unsetenv("MOED_RUNTIME_DIR");
+    itest_daemon_stop(&d);
+}
+
 TEST(null_pointers_are_refused)
 {
     struct itest_daemon d;
@@ -623,6 +639,7 @@ int main(int argc, char **argv)
         TEST_CASE(a_region_is_freed_only_by_its_own_client),
         TEST_CASE(a_request_is_waited_for_only_by_its_own_client),
         TEST_CASE(arguments_libmoe_cannot_send_are_refused),
+        TEST_CASE(an_empty_runtime_dir_is_the_default),
         TEST_CASE(null_pointers_are_refused),
         TEST_CASE(a_long_region_name_is_cut),
         {0}});
