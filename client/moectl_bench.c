@@ -135,6 +135,10 @@ static void bench_child(const char *rt, const moe_layer_info *li, uint64_t token
         if (rc) {
             sl->errors++;
             snprintf(sl->error, sizeof(sl->error), "%s", moe_errmsg());
+            /* No daemon to reconnect to: the figures end here, rather than
+             * in calls refused at full speed for the rest of the run. */
+            if (rc == -ECONNREFUSED)
+                break;
             continue;
         }
         sl->requests++;

@@ -422,6 +422,39 @@ TEST(cli_bench_clients_die_with_moectl)
     itest_daemon_stop(&d);
 }
 
+/* A bench whose daemon goes away (here killed) stops once its clients
+ * find it gone, with exit status 1 and the reason, rather than retrying
+ * at full speed for the rest of --seconds (here 30). */
+TEST(cli_bench_stops_when_the_daemon_is_gone)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--demo", NULL);
+    char log[300];
+    snprintf(log, sizeof(log), "%s/bench.out", d.dir);
+    const char *args[] = {"--clients", "2", "--seconds", "30", NULL};
+    pid_t pid = spawn_bench(d.dir, log, args), kids[8];
+    int n = 0;
+    uint64_t t0 = now_ms();
+    while ((n = children_of(pid, kids, 8)) < 2 && now_ms() - t0 < 10000)
+        itest_sleep_ms(10);
+    CHECK_EQ_INT(n, 2);
+    itest_sleep_ms(500); /* connected and sending */
+    itest_daemon_kill(&d);
+    int st = wait_exit(pid, 10000);
+    if (st == -1) {
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        print_file(log);
+        FAIL_AT("bench still runs 10 s after its daemon was killed");
+    }
+    print_file(log);
+    CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 1, "bench exit status %d", st);
+    char out[4096];
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "cat %s", log), 0);
+    CHECK_STR_CONTAINS(out, "is moed running?");
+    itest_rmdir(d.dir);
+}
+
 /* zmq-rtt's echo process dies mid-run (killed, or it could not bind): the
  * timing side stops with an error rather than wait for a reply forever. */
 TEST(cli_zmq_rtt_fails_when_its_echo_process_dies)
@@ -671,6 +704,7 @@ int main(int argc, char **argv)
         TEST_CASE(cli_finds_layers_past_the_first_256),
         TEST_CASE(cli_bench_fails_when_a_client_dies_before_it_is_ready),
         TEST_CASE(cli_bench_clients_die_with_moectl),
+        TEST_CASE(cli_bench_stops_when_the_daemon_is_gone),
         TEST_CASE(cli_zmq_rtt_fails_when_its_echo_process_dies),
         TEST_CASE(cli_bench_rates_cover_the_requests_time),
         TEST_CASE(cli_arguments_a_command_does_not_take_are_refused),
