@@ -4,6 +4,7 @@
  */
 #include "daemon/config.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <ini.h>
 #include <limits.h>
@@ -199,11 +200,13 @@ struct parse_ctx {
     char msg[400];
 };
 
+/* Decimal digits only: strtoull would also take leading spaces, a '+', and
+ * a '-' that wraps ("-18446744073709551615" is 1). */
 static int parse_u64(const char *v, uint64_t max, uint64_t *out)
 {
     char *end;
     errno = 0;
-    if (!v[0] || v[0] == '-')
+    if (!isdigit((unsigned char)v[0]))
         return -EINVAL;
     unsigned long long x = strtoull(v, &end, 10);
     if (errno || *end || x > max)
@@ -223,7 +226,8 @@ static int parse_bool(const char *v, bool *out)
     return 0;
 }
 
-/* "0,1,1,2": up to max numbers below 2^16. */
+/* "0,1,1,2": up to max numbers below 2^16, in decimal digits; every comma
+ * is followed by a number ("0," is refused, not read as "0"). */
 static int parse_u32_list(const char *v, size_t max, uint32_t **out, size_t *n)
 {
     uint32_t *list = calloc(max, sizeof(uint32_t));
@@ -231,34 +235,31 @@ static int parse_u32_list(const char *v, size_t max, uint32_t **out, size_t *n)
     if (!list)
         return -ENOMEM;
     const char *p = v;
-    while (*p) {
+    for (;;) {
         char *end;
         while (*p == ' ')
             p++;
+        if (!isdigit((unsigned char)*p) || k == max)
+            goto bad;
         errno = 0;
         unsigned long x = strtoul(p, &end, 10);
-        if (end == p || errno || x > 65535 || k == max) {
-            free(list);
-            return -EINVAL;
-        }
+        if (errno || x > 65535)
+            goto bad;
         list[k++] = (uint32_t)x;
         p = end;
         while (*p == ' ')
             p++;
-        if (*p == ',')
-            p++;
-        else if (*p) {
-            free(list);
-            return -EINVAL;
-        }
-    }
-    if (k == 0) {
-        free(list);
-        return -EINVAL;
+        if (!*p)
+            break;
+        if (*p++ != ',')
+            goto bad;
     }
     *out = list;
     *n = k;
     return 0;
+bad:
+    free(list);
+    return -EINVAL;
 }
 
 static int set_str(char **dst, const char *v)

@@ -412,6 +412,40 @@ TEST(error_bad_numbers)
     CHECK_NO_LEAKS();
 }
 
+/* Numbers are written in decimal digits and nothing else: no sign (strtoull
+ * would take "+5", and "-0" as 0) and no empty item in a list ("0," is a
+ * list cut short, not the list 0). */
+TEST(numbers_are_plain_decimal_digits)
+{
+    static const char *bad[] = {
+        "[limits]\nmax_sessions = +5\n",
+        "[limits]\nmax_region_bytes = +4096\n",
+        "[batch]\nmax_delay_us = -0\n",
+        "[daemon]\ncpu_threads = +2\n",
+        "[daemon]\nio_threads = +2\n",
+        "[daemon]\ndevice = +0\n",
+        "[daemon]\ngpus = +1\n",
+        "[daemon]\ngpus = 0,\n",
+        "[daemon]\ngpus = 0,-0\n",
+        "[daemon]\ngpus = 0, \n",
+        "[layer x]\nexperts = +8\n",
+        "[layer x]\ndevices = 0,+1\n",
+        "[layer x]\nexpert_devices = 0,1,\n",
+    };
+    for (size_t i = 0; i < ARRAY_LEN(bad); i++)
+        expect_error(bad[i], "line 2: bad value", NULL);
+    /* A leading zero is still decimal (nothing here is octal). */
+    struct config c;
+    char err[512] = "";
+    CHECK_EQ_INT(config_init(&c), 0);
+    CHECK_EQ_INT(config_parse_string(&c, "[limits]\nmax_sessions = 010\n[daemon]\ngpus = 0 , 1\n",
+                                     err, sizeof(err)), 0);
+    CHECK_EQ_INT(c.max_sessions, 10);
+    CHECK_EQ_INT(c.n_gpus, 2);
+    config_done(&c);
+    CHECK_NO_LEAKS();
+}
+
 TEST(error_bad_words)
 {
     expect_error("[batch]\nbatching = maybe\n", "line 2: ", "bad value 'maybe' for 'batching' in [batch]");
@@ -821,6 +855,7 @@ int main(int argc, char **argv)
         TEST_CASE(partial_files_layer),
         TEST_CASE(error_unknown_section_and_key),
         TEST_CASE(error_bad_numbers),
+        TEST_CASE(numbers_are_plain_decimal_digits),
         TEST_CASE(error_bad_words),
         TEST_CASE(error_allowed_dirs),
         TEST_CASE(error_layers),
