@@ -5,6 +5,7 @@
  * starts here: it measures token tiles on the device and writes the tile
  * table (tiles.h), without opening any socket.
  */
+#include <ctype.h>
 #include <errno.h>
 #include <getopt.h>
 #include <limits.h>
@@ -108,12 +109,16 @@ static void usage(FILE *f)
             "  -V, --version            print the version\n");
 }
 
+/* Decimal digits only, as in the file: strtoul would also take leading
+ * spaces, a '+', and a '-' that wraps ("-18446744073709551615" is 1). */
 static int parse_u32_arg(const char *s, uint32_t *out)
 {
     char *end;
     errno = 0;
+    if (!isdigit((unsigned char)s[0]))
+        return -EINVAL;
     unsigned long v = strtoul(s, &end, 10);
-    if (errno || !*s || *end || v > UINT32_MAX)
+    if (errno || *end || v > UINT32_MAX)
         return -EINVAL;
     *out = (uint32_t)v;
     return 0;

@@ -1809,6 +1809,33 @@ TEST(option_numbers_out_of_bounds_are_refused)
     CHECK_MSG(rc == 0, "the bounds themselves: status %d: %s", rc, out);
 }
 
+/* A number on the command line is decimal digits, as in the file: no
+ * leading space or sign (strtoul would read " 5" and "+5" as 5, and wrap
+ * "-18446744073709551615" round to 1). */
+TEST(option_numbers_are_plain_decimal_digits)
+{
+    char bin[PATH_MAX], out[4096];
+    moed_bin(bin, sizeof(bin));
+    const char *bad[][2] = {
+        {"--threads ' 5'", "--threads"},
+        {"--threads +5", "--threads"},
+        {"--threads -18446744073709551615", "--threads"},
+        {"--max-batch-tokens +64", "--max-batch-tokens"},
+        {"--max-delay-us -0", "--max-delay-us"},
+        {"--max-slice-tokens ' 64'", "--max-slice-tokens"},
+        {"--spin-us -18446744073709551615", "--spin-us"},
+        {"--return-wait-us +1", "--return-wait-us"},
+        {"--backend cpu --virtual-devices +2", "--virtual-devices"},
+        {"--io-threads +2", "--io-threads"},
+        {"--gpus +1", "--gpus"},
+    };
+    for (size_t i = 0; i < ARRAY_LEN(bad); i++) {
+        int rc = sh(out, sizeof(out), "%s %s --check-config", bin, bad[i][0]);
+        CHECK_MSG(rc != 0, "%s: accepted: %s", bad[i][0], out);
+        CHECK_MSG(strstr(out, bad[i][1]) != NULL, "%s said: %s", bad[i][0], out);
+    }
+}
+
 /* ---- configuration and logging ------------------------------------------------ */
 
 TEST(check_config_validates_and_exits)
@@ -1926,6 +1953,7 @@ int main(int argc, char **argv)
         TEST_CASE_TIMEOUT(deb_builds_lists_installs_and_removes, 90),
         TEST_CASE_TIMEOUT(check_config_validates_and_exits, 30),
         TEST_CASE(option_numbers_out_of_bounds_are_refused),
+        TEST_CASE(option_numbers_are_plain_decimal_digits),
         TEST_CASE_TIMEOUT(journal_prefixes_and_log_level, 30),
         {0}});
 }
