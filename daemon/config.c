@@ -35,6 +35,11 @@ char *config_default_runtime_dir(void)
     return strdup(buf);
 }
 
+int config_check_runtime_dir(const char *dir)
+{
+    return dir[0] == '/' && strlen(dir) <= CONFIG_MAX_RUNTIME_DIR ? 0 : -EINVAL;
+}
+
 /* An absolute directory from the environment (the first of a
  * colon-separated list when `list`), or NULL. */
 static const char *env_dir(const char *name, bool list, size_t *len)
@@ -276,7 +281,7 @@ int config_set_daemon(struct config *c, const char *k, const char *v)
 {
     uint64_t x = 0;
     if (!strcmp(k, "runtime_dir"))
-        return v[0] == '/' ? set_str(&c->runtime_dir, v) : -EINVAL;
+        return config_check_runtime_dir(v) ? -EINVAL : set_str(&c->runtime_dir, v);
     if (!strcmp(k, "allowed_dirs")) {
         char *copy = strdup(v), *save = NULL;
         if (!copy)
@@ -535,6 +540,9 @@ static int on_ini(void *user, const char *section, const char *key, const char *
     }
     if (rc == -ENOENT)
         snprintf(p->msg, sizeof(p->msg), "unknown key '%s' in [%s]", key, section);
+    else if (rc && !strcmp(section, "daemon") && !strcmp(key, "runtime_dir"))
+        snprintf(p->msg, sizeof(p->msg), "bad value '%s' for '%s' in [%s] (an absolute path of "
+                 "at most %d characters)", value, key, section, CONFIG_MAX_RUNTIME_DIR);
     else if (rc)
         snprintf(p->msg, sizeof(p->msg), "bad value '%s' for '%s' in [%s]%s", value, key, section,
                  !strcmp(key, "allowed_dirs") ? " (each directory must exist)" : "");

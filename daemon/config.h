@@ -3,7 +3,7 @@
  * parsed with inih) and the command line, in that order of precedence.
  *
  *   [daemon]
- *   runtime_dir = /run/moed
+ *   runtime_dir = /run/moed   ; absolute, at most CONFIG_MAX_RUNTIME_DIR characters
  *   allowed_dirs = /var/lib/moed/weights:/srv/models
  *   backend = auto            ; auto | cpu | cuda
  *   cpu_threads = 0           ; 0: one per CPU
@@ -151,6 +151,13 @@ int config_set_daemon(struct config *c, const char *key, const char *value);
  * effect at the next start). */
 void config_take_numbers(struct config *c, const struct config *n,
                          void (*at_start)(const char *key));
+
+/* The longest runtime directory: its sockets' names (dir/moed.sock, the
+ * longer) must fit a sockaddr_un's sun_path of 108 bytes. */
+#define CONFIG_MAX_RUNTIME_DIR 97
+/* 0 when dir can be the runtime directory: an absolute path of at most
+ * CONFIG_MAX_RUNTIME_DIR characters; else -EINVAL. */
+int config_check_runtime_dir(const char *dir);
 
 /* The runtime directory rule shared with libmoe: $MOED_RUNTIME_DIR, else
  * /run/moed for root, else $XDG_RUNTIME_DIR/moed, else /tmp/moed-<uid>.

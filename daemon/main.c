@@ -127,10 +127,21 @@ static int parse_u32_arg(const char *s, uint32_t *out)
 static int cli_apply(const struct cli *o, struct config *c, char *err, size_t errlen)
 {
     int rc;
-    if (o->runtime_dir) {
-        free(c->runtime_dir);
-        if (!(c->runtime_dir = strdup(o->runtime_dir)))
-            return -ENOMEM;
+    if (o->runtime_dir && (rc = config_set_daemon(c, "runtime_dir", o->runtime_dir)) < 0) {
+        if (rc == -ENOMEM)
+            snprintf(err, errlen, "--runtime-dir %s: out of memory", o->runtime_dir);
+        else
+            snprintf(err, errlen, "--runtime-dir %s: not an absolute path of at most %d "
+                     "characters (its sockets' names must fit 108 bytes)", o->runtime_dir,
+                     CONFIG_MAX_RUNTIME_DIR);
+        return rc;
+    }
+    /* Nor from the environment (MOED_RUNTIME_DIR, XDG_RUNTIME_DIR): found
+     * out here, not when the socket will not bind. */
+    if (config_check_runtime_dir(c->runtime_dir) < 0) {
+        snprintf(err, errlen, "the runtime directory %s (from the environment): not an absolute "
+                 "path of at most %d characters", c->runtime_dir, CONFIG_MAX_RUNTIME_DIR);
+        return -EINVAL;
     }
     for (int i = 0; i < o->n_allow; i++)
         if ((rc = config_add_allowed_dir(c, o->allow[i])) < 0) {
@@ -141,10 +152,10 @@ static int cli_apply(const struct cli *o, struct config *c, char *err, size_t er
         snprintf(err, errlen, "--demo's %s: %s", o->demo_dir, strerror(-rc));
         return rc;
     }
-    if (o->backend) {
-        free(c->backend);
-        if (!(c->backend = strdup(o->backend)))
-            return -ENOMEM;
+    if (o->backend && (rc = config_set_daemon(c, "backend", o->backend)) < 0) {
+        snprintf(err, errlen, "--backend %s: %s", o->backend,
+                 rc == -ENOMEM ? "out of memory" : "not auto, cpu or cuda");
+        return rc;
     }
     if (o->threads >= 0)
         c->cpu_threads = o->threads;
@@ -644,6 +655,12 @@ int main(int argc, char **argv)
         return 1;
     }
     log_set_level((enum log_level)d.cfg.log_level);
+    /* Before --check-config answers: it would fail the start. */
+    if (d.cli.vdev > 1 && strcmp(d.cfg.backend, "cpu") != 0) {
+        log_err("--virtual-devices needs --backend cpu");
+        config_done(&d.cfg);
+        return 2;
+    }
     if (check_only) {
         unsigned n = 0;
         for (struct layer_conf *lc = d.cfg.layers; lc; lc = lc->next)

@@ -1836,6 +1836,50 @@ TEST(option_numbers_are_plain_decimal_digits)
     }
 }
 
+/* What the configuration file refuses, the command line refuses too, and
+ * --check-config says so (status 1, naming the option) instead of passing
+ * a configuration the daemon cannot start with: an unknown backend, a
+ * runtime directory that is relative, empty, or too long for its sockets'
+ * names (however it was given). --virtual-devices without the CPU backend
+ * is a bad command line (status 2) for the check too. */
+TEST(check_config_refuses_what_the_start_would)
+{
+    char bin[PATH_MAX], out[4096], wdir[] = "/tmp/moed-sdw.XXXXXX", conf[64], longdir[160];
+    CHECK(mkdtemp(wdir) != NULL);
+    moed_bin(bin, sizeof(bin));
+    snprintf(conf, sizeof(conf), "%s/c.conf", wdir);
+    /* 98 characters: its moed.sock would need 109 bytes of a sun_path's 108 */
+    snprintf(longdir, sizeof(longdir), "/tmp/%093d", 0);
+    CHECK_EQ_INT(strlen(longdir), 98);
+    struct {
+        const char *env, *args;
+        int rc;
+        const char *says;
+    } cases[] = {
+        {"", "--backend gpu", 1, "--backend gpu"},
+        {"", "--backend ''", 1, "--backend"},
+        {"", "--runtime-dir relative/run", 1, "--runtime-dir relative/run"},
+        {"", "--runtime-dir ''", 1, "--runtime-dir"},
+        {"", "--runtime-dir $LONGDIR", 1, "--runtime-dir /tmp/0000"},
+        {"MOED_RUNTIME_DIR=$LONGDIR", "", 1, "/tmp/0000"},
+        {"MOED_RUNTIME_DIR=relative/run", "", 1, "relative/run"},
+        {"", "--config $CONF", 1, "line 2: bad value"},
+        {"", "--backend cuda --virtual-devices 2", 2, "--virtual-devices"},
+    };
+    write_file(conf, "[daemon]\nruntime_dir = %s\n", longdir);
+    for (size_t i = 0; i < ARRAY_LEN(cases); i++) {
+        int rc = sh(out, sizeof(out), "LONGDIR=%s CONF=%s; env %s %s %s --check-config", longdir,
+                conf, cases[i].env, bin, cases[i].args);
+        CHECK_MSG(rc == cases[i].rc, "%s %s: status %d: %s", cases[i].env, cases[i].args, rc, out);
+        CHECK_MSG(strstr(out, cases[i].says), "%s %s said: %s", cases[i].env, cases[i].args, out);
+    }
+    /* The longest that fits is taken. */
+    longdir[97] = '\0';
+    int rc = sh(out, sizeof(out), "%s --runtime-dir %s --backend cpu --check-config", bin, longdir);
+    CHECK_MSG(rc == 0, "97 characters: status %d: %s", rc, out);
+    itest_rmdir(wdir);
+}
+
 /* ---- configuration and logging ------------------------------------------------ */
 
 TEST(check_config_validates_and_exits)
@@ -1954,6 +1998,7 @@ int main(int argc, char **argv)
         TEST_CASE_TIMEOUT(check_config_validates_and_exits, 30),
         TEST_CASE(option_numbers_out_of_bounds_are_refused),
         TEST_CASE(option_numbers_are_plain_decimal_digits),
+        TEST_CASE(check_config_refuses_what_the_start_would),
         TEST_CASE_TIMEOUT(journal_prefixes_and_log_level, 30),
         {0}});
 }
