@@ -577,8 +577,21 @@ static int config_check(struct config *c, char *err, size_t errlen)
     return 0;
 }
 
-static int config_parse_with(struct config *c, int rc_ini, struct parse_ctx *p)
+static int on_ini_nothing(void *user, const char *section, const char *key, const char *value)
 {
+    (void)user, (void)section, (void)key, (void)value;
+    return 1;
+}
+
+static int config_parse_with(struct config *c, const char *text, int rc_ini, struct parse_ctx *p)
+{
+    /* inih keeps the line of the first error, a handler's or its own
+     * syntax error's; p->msg is the handler's. A syntax error on that line
+     * came first. */
+    if (p->rc && rc_ini > 0 && ini_parse_string(text, on_ini_nothing, NULL) == rc_ini) {
+        snprintf(p->err, p->errlen, "line %d: syntax error", rc_ini);
+        return -EINVAL;
+    }
     if (p->rc) {
         snprintf(p->err, p->errlen, "line %d: %s", rc_ini, p->msg);
         return p->rc;
@@ -661,5 +674,5 @@ int config_parse_string(struct config *c, const char *text, char *err, size_t er
     if (rc)
         return rc;
     rc = ini_parse_string(text, on_ini, &p);
-    return config_parse_with(c, rc, &p);
+    return config_parse_with(c, text, rc, &p);
 }

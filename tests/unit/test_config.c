@@ -364,6 +364,11 @@ TEST(error_unknown_section_and_key)
     expect_error("[daemon]\nBackend = cpu\n", "line 2: ", "unknown key 'Backend'");
     /* The first error is the one reported. */
     expect_error("[daemon]\nnope = 1\nbackend = cpu\nmore = 2\n", "line 2: ", "'nope'");
+    /* The first error is reported with its own line, whichever kind comes
+     * first (inih keeps the line of the first, the message was the bad
+     * value's). */
+    expect_error("[daemon]\nno equals sign\n[limits]\nmax_sessions = 0\n", "line 2: ", "syntax error");
+    expect_error("[limits]\nmax_sessions = 0\nno equals sign\n", "line 2: ", "'max_sessions'");
     /* Not INI at all. */
     expect_error("[daemon]\nbackend = cpu\nthis line has no equals sign\n", "line 3: ", "syntax error");
     expect_error("[daemon]\nbackend = cpu\n[limits\n", "line 3: ", "syntax error");
