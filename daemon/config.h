@@ -135,8 +135,9 @@ void config_done(struct config *c);
 struct layer_conf *layer_conf_copy(const struct layer_conf *l);
 void layer_conf_free(struct layer_conf *l);
 
-/* Read an INI file over c. 0, -errno for an unreadable file, or -EINVAL with
- * err naming the line and the problem. */
+/* Read an INI file over c. 0, or -errno for an unreadable file (-EISDIR for
+ * a directory), or -EINVAL; err names the file, and the line and the
+ * problem. */
 int config_load(struct config *c, const char *path, char *err, size_t errlen);
 /* Parse INI text (for tests and fuzzing); same contract as config_load. */
 int config_parse_string(struct config *c, const char *text, char *err, size_t errlen);

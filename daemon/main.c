@@ -208,7 +208,7 @@ static int read_config(void *data, struct config *out, char *err, size_t errlen)
         return rc;
     }
     if (d->config_path && (rc = config_load(out, d->config_path, why, sizeof(why))) < 0) {
-        snprintf(err, errlen, "%s: %s", d->config_path, why);
+        snprintf(err, errlen, "%s", why); /* it names the file */
         return rc;
     }
     if ((rc = cli_apply(&d->cli, out, err, errlen)) == -ENOMEM)

@@ -611,6 +611,41 @@ TEST(load_missing_file)
     CHECK_NO_LEAKS();
 }
 
+/* A file that is not a text file, or not a file, is refused naming the file
+ * (and the line): a NUL byte ended the text that inih saw, so whatever
+ * followed it was dropped without a word; a directory was a "read error". */
+TEST(load_odd_files)
+{
+    const char *dir = tmp_dir();
+    char path[256], err[512] = "";
+    struct config c;
+    CHECK_EQ_INT(config_init(&c), 0);
+    snprintf(path, sizeof(path), "%s/nul.conf", dir);
+    FILE *fp = fopen(path, "w");
+    CHECK(fp != NULL);
+    static const char text[] = "[limits]\nmax_sessions = 5\nmax_regions = 4\0\nnosuch = 1\n";
+    CHECK(fwrite(text, 1, sizeof(text) - 1, fp) == sizeof(text) - 1);
+    CHECK(fclose(fp) == 0);
+    CHECK_EQ_INT(config_load(&c, path, err, sizeof(err)), -EINVAL);
+    CHECK_STR_CONTAINS(err, path);
+    CHECK_STR_CONTAINS(err, "line 3: ");
+    CHECK_STR_CONTAINS(err, "NUL");
+
+    err[0] = '\0';
+    CHECK(config_load(&c, dir, err, sizeof(err)) < 0);
+    CHECK_STR_CONTAINS(err, dir);
+    CHECK_STR_CONTAINS(err, "directory");
+
+    /* An empty file is a valid one that sets nothing. */
+    snprintf(path, sizeof(path), "%s/empty.conf", dir);
+    write_text(path, "");
+    CHECK_EQ_INT(config_load(&c, path, err, sizeof(err)), 0);
+    CHECK_EQ_INT(c.max_sessions, 256);
+    config_done(&c);
+    tmp_cleanup();
+    CHECK_NO_LEAKS();
+}
+
 /* ---- the runtime directory rule --------------------------------------------- */
 
 TEST(runtime_dir_rule)
@@ -866,6 +901,7 @@ int main(int argc, char **argv)
         TEST_CASE(error_layers),
         TEST_CASE(long_names_and_lines),
         TEST_CASE(load_missing_file),
+        TEST_CASE(load_odd_files),
         TEST_CASE(runtime_dir_rule),
         TEST_CASE(tile_table),
         TEST_CASE(layer_sections_compare),
