@@ -154,9 +154,16 @@ void config_done(struct config *c)
 
 int config_add_allowed_dir(struct config *c, const char *dir)
 {
+    struct stat st;
     char *canon = realpath(dir, NULL);
     if (!canon)
         return -errno;
+    /* A file would be taken and allow nothing under it. */
+    int e = stat(canon, &st) < 0 ? -errno : S_ISDIR(st.st_mode) ? 0 : -ENOTDIR;
+    if (e) {
+        free(canon);
+        return e;
+    }
     char **n = realloc(c->allowed_dirs, (c->n_allowed_dirs + 1) * sizeof(*n));
     if (!n) {
         free(canon);
@@ -288,8 +295,11 @@ int config_set_daemon(struct config *c, const char *k, const char *v)
         if (!copy)
             return -ENOMEM;
         int rc = 0;
+        /* Absolute, as runtime_dir and tile_table are: a relative one would
+         * be resolved against the directory the daemon happened to start
+         * in. */
         for (char *d = strtok_r(copy, ":", &save); d && !rc; d = strtok_r(NULL, ":", &save))
-            rc = config_add_allowed_dir(c, d);
+            rc = d[0] == '/' ? config_add_allowed_dir(c, d) : -EINVAL;
         free(copy);
         return rc == -ENOENT ? -EINVAL : rc; /* -ENOENT means "unknown key" here */
     }

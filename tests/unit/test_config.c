@@ -505,6 +505,35 @@ TEST(error_allowed_dirs)
     CHECK_NO_LEAKS();
 }
 
+/* An allowed directory is a directory, named by an absolute path in the
+ * file: a regular file was taken (and allowed nothing), and a relative name
+ * was resolved against whatever directory the daemon started in. */
+TEST(allowed_dirs_are_absolute_directories)
+{
+    const char *dir = tmp_dir();
+    char text[512], file[256];
+    snprintf(file, sizeof(file), "%s/file", dir);
+    write_text(file, "x");
+    snprintf(text, sizeof(text), "[daemon]\nallowed_dirs = %s\n", file);
+    expect_error(text, "line 2: bad value", "allowed_dirs");
+    CHECK(chdir(dir) == 0);
+    CHECK(mkdir("sub", 0700) == 0);
+    expect_error("[daemon]\nallowed_dirs = sub\n", "line 2: bad value", "allowed_dirs");
+    snprintf(text, sizeof(text), "[daemon]\nallowed_dirs = %s/sub:.\n", dir);
+    expect_error(text, "line 2: bad value", "allowed_dirs");
+    snprintf(text, sizeof(text), "[daemon]\nallowed_dirs = %s/sub\n", dir);
+    expect_ok(text);
+
+    struct config c;
+    CHECK_EQ_INT(config_init(&c), 0);
+    CHECK_EQ_INT(config_add_allowed_dir(&c, file), -ENOTDIR);
+    CHECK_EQ_INT(c.n_allowed_dirs, 0);
+    config_done(&c);
+    CHECK(chdir("/") == 0);
+    tmp_cleanup();
+    CHECK_NO_LEAKS();
+}
+
 TEST(error_layers)
 {
     /* Names: 1-64 of [A-Za-z0-9._-]. These errors come after parsing, so
@@ -898,6 +927,7 @@ int main(int argc, char **argv)
         TEST_CASE(numbers_are_plain_decimal_digits),
         TEST_CASE(error_bad_words),
         TEST_CASE(error_allowed_dirs),
+        TEST_CASE(allowed_dirs_are_absolute_directories),
         TEST_CASE(error_layers),
         TEST_CASE(long_names_and_lines),
         TEST_CASE(load_missing_file),
