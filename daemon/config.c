@@ -211,7 +211,30 @@ struct parse_ctx {
     size_t errlen;
     int rc;
     char msg[400];
+    char **seen;     /* "section\nkey" of each key set so far */
+    size_t n_seen;
 };
+
+/* 0 the first time a section's key is set, -EEXIST after, -ENOMEM. */
+static int key_first_time(struct parse_ctx *p, const char *section, const char *key)
+{
+    char *sk;
+    if (asprintf(&sk, "%s\n%s", section, key) < 0)
+        return -ENOMEM;
+    for (size_t i = 0; i < p->n_seen; i++)
+        if (!strcmp(p->seen[i], sk)) {
+            free(sk);
+            return -EEXIST;
+        }
+    char **n = realloc(p->seen, (p->n_seen + 1) * sizeof(*n));
+    if (!n) {
+        free(sk);
+        return -ENOMEM;
+    }
+    p->seen = n;
+    p->seen[p->n_seen++] = sk;
+    return 0;
+}
 
 /* Decimal digits only: strtoull would also take leading spaces, a '+', and
  * a '-' that wraps ("-18446744073709551615" is 1). */
@@ -525,6 +548,31 @@ static int on_ini(void *user, const char *section, const char *key, const char *
     int rc;
     if (p->rc)
         return 1;
+    /* The second value of a key would replace the first (or, for
+     * allowed_dirs, add to it) without a word; inih also hands an indented
+     * line after a key over as the key again (a continuation). A layer's
+     * section may come again, with other keys. */
+    if (!strcmp(section, "daemon") || !strcmp(section, "batch") || !strcmp(section, "limits") ||
+        !strncmp(section, "layer ", 6)) {
+        char sec[96];
+        if (!strncmp(section, "layer ", 6)) {
+            const char *name = section + 6;
+            while (*name == ' ' || *name == '"')
+                name++;
+            int n = snprintf(sec, sizeof(sec), "layer %s", name);
+            while (n > 6 && (sec[n - 1] == '"' || sec[n - 1] == ' '))
+                sec[--n] = '\0';
+        } else {
+            snprintf(sec, sizeof(sec), "%s", section);
+        }
+        if ((rc = key_first_time(p, sec, key)) == -EEXIST)
+            snprintf(p->msg, sizeof(p->msg), "'%s' in [%s] is set twice (an indented line "
+                     "continues the key above it)", key, sec);
+        if (rc) {
+            p->rc = rc == -ENOMEM ? rc : -EINVAL;
+            return 0;
+        }
+    }
     if (!strcmp(section, "daemon"))
         rc = config_set_daemon(p->c, key, value);
     else if (!strcmp(section, "batch") && !strcmp(key, "batching"))
@@ -703,10 +751,14 @@ int config_load(struct config *c, const char *path, char *err, size_t errlen)
 
 int config_parse_string(struct config *c, const char *text, char *err, size_t errlen)
 {
-    struct parse_ctx p = {c, err, errlen, 0, ""};
+    struct parse_ctx p = {c, err, errlen, 0, "", NULL, 0};
     int rc = config_scan(text, err, errlen);
     if (rc)
         return rc;
     rc = ini_parse_string(text, on_ini, &p);
-    return config_parse_with(c, text, rc, &p);
+    rc = config_parse_with(c, text, rc, &p);
+    for (size_t i = 0; i < p.n_seen; i++)
+        free(p.seen[i]);
+    free(p.seen);
+    return rc;
 }

@@ -451,6 +451,26 @@ TEST(numbers_are_plain_decimal_digits)
     CHECK_NO_LEAKS();
 }
 
+/* A key set twice in a section is refused at its second line: the first
+ * value was dropped without a word. inih reads an indented line after a
+ * key as more of its value and hands it over as the key again, so that one
+ * (which would replace the value) is refused too. A layer's section may
+ * come again, with other keys. */
+TEST(keys_set_twice_are_refused)
+{
+    expect_error("[limits]\nmax_sessions = 5\nmax_regions = 4\nmax_sessions = 6\n", "line 4: ",
+                 "'max_sessions' in [limits] is set twice");
+    expect_error("[limits]\nmax_sessions = 5\n  6\n", "line 3: ", "'max_sessions'");
+    expect_error("[daemon]\nbackend = cpu\n[limits]\n[daemon]\nbackend = cuda\n", "line 5: ",
+                 "'backend' in [daemon]");
+    expect_error("[layer a]\nfile = /x\ntopk = 2\n   /y\n", "line 4: ", "'topk' in [layer a]");
+    expect_error("[layer a]\nfile = /x\ntopk = 2\n[layer b]\nfile = /y\ntopk = 2\n[layer a]\n"
+                 "file = /z\n", "line 8: ", "'file' in [layer a]");
+    expect_ok("[layer a]\nfile = /x\n[layer b]\nfile = /y\ntopk = 1\n[layer a]\ntopk = 2\n");
+    expect_ok("[limits]\nmax_sessions = 5\n[batch]\nmax_delay_us = 5\n");
+    CHECK_NO_LEAKS();
+}
+
 TEST(error_bad_words)
 {
     expect_error("[batch]\nbatching = maybe\n", "line 2: ", "bad value 'maybe' for 'batching' in [batch]");
@@ -925,6 +945,7 @@ int main(int argc, char **argv)
         TEST_CASE(error_unknown_section_and_key),
         TEST_CASE(error_bad_numbers),
         TEST_CASE(numbers_are_plain_decimal_digits),
+        TEST_CASE(keys_set_twice_are_refused),
         TEST_CASE(error_bad_words),
         TEST_CASE(error_allowed_dirs),
         TEST_CASE(allowed_dirs_are_absolute_directories),
