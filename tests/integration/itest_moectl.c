@@ -390,22 +390,33 @@ TEST(cli_bench_fails_when_a_client_dies_before_it_is_ready)
     itest_daemon_stop(&d);
 }
 
+/* A daemon on its demo layers (*d) and a bench of two clients on it that
+ * would run 30 s, its output in log (300 bytes): the bench's pid, once both
+ * clients (kids) are connected and sending. */
+static pid_t start_long_bench(struct itest_daemon *d, char *log, pid_t *kids)
+{
+    itest_daemon_start(d, "--demo", NULL);
+    snprintf(log, 300, "%s/bench.out", d->dir);
+    const char *args[] = {"--clients", "2", "--seconds", "30", NULL};
+    pid_t pid = spawn_bench(d->dir, log, args), all[8];
+    int n = 0;
+    uint64_t t0 = now_ms();
+    while ((n = children_of(pid, all, 8)) < 2 && now_ms() - t0 < 10000)
+        itest_sleep_ms(10);
+    CHECK_EQ_INT(n, 2);
+    kids[0] = all[0];
+    kids[1] = all[1];
+    itest_sleep_ms(500); /* connected and sending */
+    return pid;
+}
+
 /* The clients of a bench whose moectl is killed die with it rather than
  * go on (here they would run 30 s). */
 TEST(cli_bench_clients_die_with_moectl)
 {
     struct itest_daemon d;
-    itest_daemon_start(&d, "--demo", NULL);
     char log[300];
-    snprintf(log, sizeof(log), "%s/bench.out", d.dir);
-    const char *args[] = {"--clients", "2", "--seconds", "30", NULL};
-    pid_t pid = spawn_bench(d.dir, log, args), kids[8];
-    int n = 0;
-    uint64_t t0 = now_ms();
-    while ((n = children_of(pid, kids, 8)) < 2 && now_ms() - t0 < 10000)
-        itest_sleep_ms(10);
-    CHECK_EQ_INT(n, 2);
-    itest_sleep_ms(500); /* connected and sending */
+    pid_t kids[2], pid = start_long_bench(&d, log, kids);
     CHECK(kill(pid, SIGKILL) == 0);
     waitpid(pid, NULL, 0);
     bool gone = false;
@@ -428,17 +439,8 @@ TEST(cli_bench_clients_die_with_moectl)
 TEST(cli_bench_stops_when_the_daemon_is_gone)
 {
     struct itest_daemon d;
-    itest_daemon_start(&d, "--demo", NULL);
     char log[300];
-    snprintf(log, sizeof(log), "%s/bench.out", d.dir);
-    const char *args[] = {"--clients", "2", "--seconds", "30", NULL};
-    pid_t pid = spawn_bench(d.dir, log, args), kids[8];
-    int n = 0;
-    uint64_t t0 = now_ms();
-    while ((n = children_of(pid, kids, 8)) < 2 && now_ms() - t0 < 10000)
-        itest_sleep_ms(10);
-    CHECK_EQ_INT(n, 2);
-    itest_sleep_ms(500); /* connected and sending */
+    pid_t kids[2], pid = start_long_bench(&d, log, kids);
     itest_daemon_kill(&d);
     int st = wait_exit(pid, 10000);
     if (st == -1) {

@@ -226,16 +226,17 @@ static bool wait_for(atomic_int *n, int want, int ms)
     return atomic_load(n) >= want;
 }
 
-struct creator {
+/* A call on a thread of its own: its result and how long it took. */
+struct client_call {
     moe_client *c;
-    moe_region *r;
+    moe_region *r; /* create_region's */
     int rc;
     uint64_t took_ms;
 };
 
 static void *create_region(void *arg)
 {
-    struct creator *cr = arg;
+    struct client_call *cr = arg;
     uint64_t t0 = ms_now();
     cr->rc = moe_region_create(cr->c, 1 << 20, "pinned", &cr->r);
     cr->took_ms = ms_now() - t0;
@@ -253,7 +254,7 @@ TEST(a_pin_does_not_hold_up_other_clients)
     moe_client *a = NULL, *b = NULL;
     CHECK_MSG(moe_connect(d.cfg.runtime_dir, "a", &a) == 0, "%s", moe_errmsg());
     CHECK_MSG(moe_connect(d.cfg.runtime_dir, "b", &b) == 0, "%s", moe_errmsg());
-    struct creator cr = {.c = a};
+    struct client_call cr = {.c = a};
     pthread_t t;
     CHECK_EQ_INT(pthread_create(&t, NULL, create_region, &cr), 0);
     usleep(50 * 1000);
@@ -489,7 +490,7 @@ TEST(a_pin_stuck_past_the_watchdog_interval_stops_the_pings)
     moe_client *a = NULL;
     CHECK_MSG(moe_connect(rt, "a", &a) == 0, "%s", moe_errmsg());
     atomic_store(&tick_notifies, true);
-    struct creator cr = {.c = a};
+    struct client_call cr = {.c = a};
     pthread_t t;
     uint64_t t0 = ms_now();
     CHECK_EQ_INT(pthread_create(&t, NULL, create_region, &cr), 0);
@@ -560,19 +561,24 @@ TEST(a_region_create_timed_out_during_its_pin_leaves_the_client_usable)
     CHECK_NO_LEAKS();
 }
 
-struct hello_call {
-    moe_client *c;
-    int rc;
-    uint64_t took_ms;
-};
-
 static void *call_hello(void *arg)
 {
-    struct hello_call *h = arg;
+    struct client_call *h = arg;
     uint64_t t0 = ms_now();
     h->rc = moe_hello(h->c, NULL);
     h->took_ms = ms_now() - t0;
     return NULL;
+}
+
+/* A daemon (*d) and a client of it; dir (PATH_MAX bytes) gets the runtime
+ * directory, which outlives the daemon for a restart in it. */
+static moe_client *daemon_start_connected(struct daemon_here *d, char *dir)
+{
+    daemon_start(d);
+    snprintf(dir, PATH_MAX, "%s", d->cfg.runtime_dir);
+    moe_client *c = NULL;
+    CHECK_MSG(moe_connect(dir, "c", &c) == 0, "%s", moe_errmsg());
+    return c;
 }
 
 /* After a daemon restart the next call reconnects and registers the
@@ -589,11 +595,8 @@ TEST(a_reconnection_does_not_hold_up_the_clients_other_threads)
     atomic_store(&unpin_unwritten, true);
     atomic_store(&pin_ms, 0);
     struct daemon_here d;
-    daemon_start(&d);
     char dir[PATH_MAX];
-    snprintf(dir, sizeof(dir), "%s", d.cfg.runtime_dir);
-    moe_client *c = NULL;
-    CHECK_MSG(moe_connect(dir, "c", &c) == 0, "%s", moe_errmsg());
+    moe_client *c = daemon_start_connected(&d, dir);
     moe_region *r[4] = {NULL};
     for (int i = 0; i < 4; i++)
         CHECK_MSG(moe_region_create(c, 1 << 16, "r", &r[i]) == 0, "%s", moe_errmsg());
@@ -604,7 +607,7 @@ TEST(a_reconnection_does_not_hold_up_the_clients_other_threads)
      * reconnection ends 1.5 pins before it does, and a second one's 1 pin
      * after it. */
     moe_set_timeout(c, 5 * RECONNECT_PIN_MS / 2);
-    struct hello_call a = {.c = c}, b = {.c = c};
+    struct client_call a = {.c = c}, b = {.c = c};
     pthread_t t;
     CHECK_EQ_INT(pthread_create(&t, NULL, call_hello, &a), 0);
     /* Its first region is being pinned again: the reconnection is under
@@ -651,11 +654,8 @@ TEST(a_reconnection_does_not_hold_up_the_clients_other_threads)
 TEST(a_reconnection_into_a_full_backlog_does_not_hold_up_the_clients_other_threads)
 {
     struct daemon_here d;
-    daemon_start(&d);
     char dir[PATH_MAX];
-    snprintf(dir, sizeof(dir), "%s", d.cfg.runtime_dir);
-    moe_client *c = NULL;
-    CHECK_MSG(moe_connect(dir, "c", &c) == 0, "%s", moe_errmsg());
+    moe_client *c = daemon_start_connected(&d, dir);
     moe_set_timeout(c, 1500);
     daemon_stop(&d);
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
@@ -676,7 +676,7 @@ TEST(a_reconnection_into_a_full_backlog_does_not_hold_up_the_clients_other_threa
         CHECK(n_queued < (int)ARRAY_LEN(queued));
         queued[n_queued++] = fd;
     }
-    struct hello_call a = {.c = c};
+    struct client_call a = {.c = c};
     pthread_t t;
     CHECK_EQ_INT(pthread_create(&t, NULL, call_hello, &a), 0);
     sleep_ms(400); /* its connect is tried again and again */
