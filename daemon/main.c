@@ -539,7 +539,13 @@ int main(int argc, char **argv)
     }
     while ((c = getopt_long(argc, argv, "c:r:a:b:t:l:hV", opts, NULL)) != -1) {
         switch (c) {
-        case 'c': d.config_path = optarg; break;
+        case 'c':
+            if (!optarg[0]) { /* else "cannot open : No such file or directory" */
+                log_err("--config needs a file name");
+                return 2;
+            }
+            d.config_path = optarg;
+            break;
         case OPT_CHECK: check_only = true; break;
         case 'r': o->runtime_dir = optarg; break;
         case 'a':

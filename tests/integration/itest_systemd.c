@@ -1864,6 +1864,7 @@ TEST(check_config_refuses_what_the_start_would)
         {"MOED_RUNTIME_DIR=$LONGDIR", "", 1, "/tmp/0000"},
         {"MOED_RUNTIME_DIR=relative/run", "", 1, "relative/run"},
         {"", "--config $CONF", 1, "line 2: bad value"},
+        {"", "--config ''", 2, "--config needs a file name"},
         {"", "--backend cuda --virtual-devices 2", 2, "--virtual-devices"},
     };
     write_file(conf, "[daemon]\nruntime_dir = %s\n", longdir);
