@@ -542,6 +542,19 @@ static int layer_key(struct layer_conf *l, const char *k, const char *v)
 
 /* inih reports the line of the first handler that returns 0; the message
  * is written here and the line added by the caller. */
+/* The name of a "[layer NAME]" section (quotes and spaces around it
+ * dropped), into out. */
+static void layer_section_name(const char *section, char *out, size_t len)
+{
+    const char *name = section + 6;
+    while (*name == ' ' || *name == '"')
+        name++;
+    snprintf(out, len, "%s", name);
+    size_t n = strlen(out);
+    while (n && (out[n - 1] == '"' || out[n - 1] == ' '))
+        out[--n] = '\0';
+}
+
 static int on_ini(void *user, const char *section, const char *key, const char *value)
 {
     struct parse_ctx *p = user;
@@ -552,19 +565,13 @@ static int on_ini(void *user, const char *section, const char *key, const char *
      * allowed_dirs, add to it) without a word; inih also hands an indented
      * line after a key over as the key again (a continuation). A layer's
      * section may come again, with other keys. */
+    bool layer = !strncmp(section, "layer ", 6);
+    char nm[80] = "", sec[96];
+    if (layer)
+        layer_section_name(section, nm, sizeof(nm));
     if (!strcmp(section, "daemon") || !strcmp(section, "batch") || !strcmp(section, "limits") ||
-        !strncmp(section, "layer ", 6)) {
-        char sec[96];
-        if (!strncmp(section, "layer ", 6)) {
-            const char *name = section + 6;
-            while (*name == ' ' || *name == '"')
-                name++;
-            int n = snprintf(sec, sizeof(sec), "layer %s", name);
-            while (n > 6 && (sec[n - 1] == '"' || sec[n - 1] == ' '))
-                sec[--n] = '\0';
-        } else {
-            snprintf(sec, sizeof(sec), "%s", section);
-        }
+        layer) {
+        snprintf(sec, sizeof(sec), layer ? "layer %s" : "%s", layer ? nm : section);
         if ((rc = key_first_time(p, sec, key)) == -EEXIST)
             snprintf(p->msg, sizeof(p->msg), "'%s' in [%s] is set twice (an indented line "
                      "continues the key above it)", key, sec);
@@ -581,15 +588,7 @@ static int on_ini(void *user, const char *section, const char *key, const char *
         rc = (p->c->spin_us = CONFIG_SPIN_AUTO, 0);
     else if (!strcmp(section, "batch") || !strcmp(section, "limits"))
         rc = num_key(p->c, section, key, value);
-    else if (!strncmp(section, "layer ", 6)) {
-        const char *name = section + 6;
-        while (*name == ' ' || *name == '"')
-            name++;
-        char nm[80];
-        snprintf(nm, sizeof(nm), "%s", name);
-        size_t n = strlen(nm);
-        while (n && (nm[n - 1] == '"' || nm[n - 1] == ' '))
-            nm[--n] = '\0';
+    else if (layer) {
         struct layer_conf *l = layer_for(p->c, nm);
         rc = l ? layer_key(l, key, value) : -ENOMEM;
     } else {
