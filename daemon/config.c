@@ -698,50 +698,16 @@ static int config_scan(const char *text, char *err, size_t errlen)
     return 0;
 }
 
-#define CONFIG_MAX_BYTES (1u << 20)
-
 int config_load(struct config *c, const char *path, char *err, size_t errlen)
 {
-    struct stat st;
-    FILE *fp = fopen(path, "re");
-    if (!fp) {
-        int e = -errno;
-        snprintf(err, errlen, "cannot open %s: %s", path, strerror(-e));
-        return e;
-    }
-    /* fopen opens a directory; reading it fails with EISDIR, which said
-     * no more than "read error". */
-    if (fstat(fileno(fp), &st) == 0 && S_ISDIR(st.st_mode)) {
-        fclose(fp);
-        snprintf(err, errlen, "%s: %s", path, strerror(EISDIR));
-        return -EISDIR;
-    }
-    char *text = malloc(CONFIG_MAX_BYTES + 1);
-    errno = 0;
-    size_t n = text ? fread(text, 1, CONFIG_MAX_BYTES + 1, fp) : 0;
-    int bad = ferror(fp) ? (errno ? errno : EIO) : 0;
-    fclose(fp);
-    if (!text)
-        return -ENOMEM;
-    if (bad || n > CONFIG_MAX_BYTES) {
-        free(text);
-        snprintf(err, errlen, "%s: %s", path, bad ? strerror(bad) : "larger than 1 MiB");
-        return bad ? -bad : -EINVAL;
-    }
-    /* inih reads up to the first NUL: the rest of the file would be
-     * dropped without a word. */
-    const char *nul = memchr(text, '\0', n);
-    if (nul) {
-        int line = 1;
-        for (const char *q = text; q < nul; q++)
-            line += *q == '\n';
-        free(text);
-        snprintf(err, errlen, "%s: line %d: a NUL byte (not a text file)", path, line);
-        return -EINVAL;
-    }
-    text[n] = '\0';
+    char *text;
+    int rc = read_text_file(path, &text, err, errlen);
+    if (rc)
+        return rc;
+    /* inih would read up to the first NUL (refused above): the rest of the
+     * file would be dropped without a word. */
     char why[480] = "";
-    int rc = config_parse_string(c, text, why, sizeof(why));
+    rc = config_parse_string(c, text, why, sizeof(why));
     free(text);
     if (rc)
         snprintf(err, errlen, "%s: %s", path, why);

@@ -17,7 +17,6 @@
 
 #include "daemon/util.h"
 
-#define TILES_MAX_BYTES (1u << 20)
 #define TILES_MAX_ENTRIES 4096
 #define TILES_MAX_DIM (1 << 20)
 #define TILES_MAX_EXPERTS 4096
@@ -315,28 +314,11 @@ int tiles_parse(struct tile_table *t, const char *text, const char *name, char *
 
 int tiles_read(struct tile_table *t, const char *path, char *err, size_t errlen)
 {
-    FILE *fp = fopen(path, "re");
-    if (!fp) {
-        int e = -errno;
-        return errf(err, errlen, e, "cannot open %s: %s", path, strerror(-e));
-    }
-    char *text = malloc(TILES_MAX_BYTES + 1);
-    size_t n = text ? fread(text, 1, TILES_MAX_BYTES + 1, fp) : 0;
-    int bad = ferror(fp);
-    fclose(fp);
-    if (!text)
-        return errf(err, errlen, -ENOMEM, "%s: out of memory", path);
-    int rc = 0;
-    if (bad)
-        rc = errf(err, errlen, -EIO, "%s: read error", path);
-    else if (n > TILES_MAX_BYTES)
-        rc = errf(err, errlen, -EINVAL, "%s: larger than 1 MiB", path);
-    else if (memchr(text, '\0', n))
-        rc = errf(err, errlen, -EINVAL, "%s: holds a NUL byte (not a text file)", path);
-    if (!rc) {
-        text[n] = '\0';
-        rc = tiles_parse(t, text, path, err, errlen);
-    }
+    char *text;
+    int rc = read_text_file(path, &text, err, errlen);
+    if (rc)
+        return rc;
+    rc = tiles_parse(t, text, path, err, errlen);
     free(text);
     return rc;
 }

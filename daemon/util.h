@@ -1,6 +1,7 @@
 /*
  * util.h: small helpers every daemon module uses: clocks, overflow-checked
- * arithmetic, and the cleanup of file descriptors.
+ * arithmetic, the cleanup of file descriptors, and reading a small text
+ * file whole.
  */
 #ifndef MOED_UTIL_H
 #define MOED_UTIL_H
@@ -61,5 +62,12 @@ bool name_valid(const char *name);
  * report why they failed in a caller's buffer. */
 int errf(char *err, size_t errlen, int rc, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
+
+/* Read the text file at path, of at most 1 MiB, into *text (malloc'd,
+ * NUL-terminated; the caller frees it). A directory, a larger file, a NUL
+ * byte (named by its line) and a read error are refused with a message in
+ * err that begins with path. 0 or -errno. */
+#define TEXT_FILE_MAX_BYTES (1u << 20)
+int read_text_file(const char *path, char **text, char *err, size_t errlen);
 
 #endif

@@ -202,7 +202,19 @@ TEST(read_missing_and_malformed_files)
     FILE *fp = fopen(path, "w");
     CHECK(fp && fwrite("a\0b\n", 1, 4, fp) == 4 && fclose(fp) == 0);
     CHECK_EQ_INT(tiles_read(&t, path, err, sizeof(err)), -EINVAL);
-    CHECK_STR_CONTAINS(err, "NUL");
+    CHECK_STR_CONTAINS(err, "line 1: a NUL byte");
+    /* A directory is named as one, not as a "read error". */
+    CHECK_EQ_INT(tiles_read(&t, dir, err, sizeof(err)), -EISDIR);
+    snprintf(want, sizeof(want), "%s: Is a directory", dir);
+    CHECK_STR_EQ(err, want);
+    /* More than 1 MiB is refused. */
+    fp = fopen(path, "w");
+    CHECK(fp);
+    for (int i = 0; i < (1 << 16) + 1; i++)
+        fputs("# 16 bytes line\n", fp);
+    CHECK(fclose(fp) == 0);
+    CHECK_EQ_INT(tiles_read(&t, path, err, sizeof(err)), -EINVAL);
+    CHECK_STR_CONTAINS(err, "larger than 1 MiB");
     tiles_done(&t);
     tmp_cleanup();
     CHECK_NO_LEAKS();
