@@ -667,6 +667,10 @@ int main(int argc, char **argv)
         config_done(&d.cfg);
         return 2;
     }
+    /* The CPU backend owns no GPU: a gpus list (say, in a configuration
+     * file that --backend cpu overrides) is said to be ignored. */
+    if (!strcmp(d.cfg.backend, "cpu") && (d.cfg.gpus_all || d.cfg.n_gpus > 0))
+        log_warn("gpus is ignored: the CPU backend owns no GPU");
     if (check_only) {
         unsigned n = 0;
         for (struct layer_conf *lc = d.cfg.layers; lc; lc = lc->next)

@@ -1878,6 +1878,12 @@ TEST(check_config_refuses_what_the_start_would)
     longdir[97] = '\0';
     int rc = sh(out, sizeof(out), "%s --runtime-dir %s --backend cpu --check-config", bin, longdir);
     CHECK_MSG(rc == 0, "97 characters: status %d: %s", rc, out);
+    /* A gpus list the CPU backend cannot honour is said to be ignored. */
+    rc = sh(out, sizeof(out), "%s --backend cpu --gpus 0 --check-config", bin);
+    CHECK_MSG(rc == 0 && strstr(out, "gpus is ignored"), "--gpus with the CPU backend: "
+              "status %d: %s", rc, out);
+    rc = sh(out, sizeof(out), "%s --backend cpu --check-config", bin);
+    CHECK_MSG(rc == 0 && !strstr(out, "gpus"), "the CPU backend alone: status %d: %s", rc, out);
     itest_rmdir(wdir);
 }
 
