@@ -1120,6 +1120,9 @@ int moe_region_create(moe_client *c, size_t size, const char *name, moe_region *
         return null_arg("the client");
     if (size == 0)
         return seterr(-EINVAL, "a region needs at least one byte");
+    /* ftruncate takes a signed size: SIZE_MAX would be -1, "Invalid argument". */
+    if (size > (size_t)INT64_MAX)
+        return seterr(-EFBIG, "a region of %zu bytes is larger than a file can be", size);
     moe_region *r = calloc(1, sizeof(*r));
     if (!r)
         return seterr(-ENOMEM, "out of memory");
@@ -1133,14 +1136,15 @@ int moe_region_create(moe_client *c, size_t size, const char *name, moe_region *
     int rc = 0;
     if (ftruncate(r->fd, (off_t)size) < 0 ||
         fcntl(r->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) < 0) {
-        rc = seterr(-errno, "cannot size and seal the region: %s", strerror(errno));
+        rc = seterr(-errno, "cannot size and seal a region of %zu bytes: %s", size,
+                    strerror(errno));
         close(r->fd);
         free(r);
         return rc;
     }
     r->base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, r->fd, 0);
     if (r->base == MAP_FAILED) {
-        rc = seterr(-errno, "mmap: %s", strerror(errno));
+        rc = seterr(-errno, "cannot map a region of %zu bytes: %s", size, strerror(errno));
         close(r->fd);
         free(r);
         return rc;

@@ -191,7 +191,9 @@ int moe_hello(moe_client *c, moe_server_info *info);
 /* Create a shared-memory region of size bytes (a sealed memfd), map it here
  * and register it with the daemon. name labels it (in the daemon's logs
  * and /proc; NULL or "": "moe-region"), cut to 63 bytes. Caller owns *out;
- * free with moe_region_free(). */
+ * free with moe_region_free(). -EINVAL for size 0, -EFBIG for a size above
+ * INT64_MAX, -ENOMEM where it cannot be mapped, -EDQUOT over the daemon's
+ * max_region_bytes or max_regions. */
 int moe_region_create(moe_client *c, size_t size, const char *name, moe_region **out);
 /* Unregister, unmap and free; sets *r = NULL. Accepts NULL. A region that
  * is not one of c's (another client's, or freed already through a copy of

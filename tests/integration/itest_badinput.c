@@ -527,8 +527,6 @@ TEST(arguments_libmoe_cannot_send_are_refused)
     itest_daemon_stop(&d);
 }
 
-/* A NULL where a call needs a pointer is refused with -EINVAL (or ignored
- * by the calls that return nothing), never dereferenced. */
 /* An empty runtime directory is as good as none, as an empty
  * MOED_RUNTIME_DIR is: the default (here the environment's) is used, not a
  * socket at /moed.sock. */
@@ -545,6 +543,8 @@ TEST(an_empty_runtime_dir_is_the_default)
     itest_daemon_stop(&d);
 }
 
+/* A NULL where a call needs a pointer is refused with -EINVAL (or ignored
+ * by the calls that return nothing), never dereferenced. */
 TEST(null_pointers_are_refused)
 {
     struct itest_daemon d;
@@ -631,6 +631,28 @@ TEST(a_long_region_name_is_cut)
     itest_daemon_stop(&d);
 }
 
+/* A region no file or address space can hold is refused with its size
+ * named; the client goes on. */
+TEST(an_impossible_region_size_is_said)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    moe_client *c = itest_connect(&d, "z");
+    moe_region *r = (moe_region *)&d; /* not left as it was */
+    CHECK_EQ_INT(moe_region_create(c, SIZE_MAX, "r", &r), -EFBIG);
+    CHECK(r == NULL);
+    CHECK_STR_CONTAINS(moe_errmsg(), "larger than a file can be");
+    char want[64];
+    snprintf(want, sizeof(want), "%zu bytes", (size_t)1 << 62);
+    int rc = moe_region_create(c, (size_t)1 << 62, "r", &r);
+    CHECK_MSG(rc < 0 && r == NULL, "2^62 bytes: %d", rc);
+    CHECK_STR_CONTAINS(moe_errmsg(), want);
+    CHECK_MSG(moe_region_create(c, 4096, "r", &r) == 0, "%s", moe_errmsg());
+    CHECK(moe_region_free(c, &r) == 0);
+    moe_disconnect(&c);
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -642,5 +664,6 @@ int main(int argc, char **argv)
         TEST_CASE(an_empty_runtime_dir_is_the_default),
         TEST_CASE(null_pointers_are_refused),
         TEST_CASE(a_long_region_name_is_cut),
+        TEST_CASE(an_impossible_region_size_is_said),
         {0}});
 }
