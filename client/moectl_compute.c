@@ -248,7 +248,7 @@ int cmd_forward(const char *rt, int argc, char **argv)
     };
     const char *layer = NULL, *input = NULL, *output = NULL;
     uint64_t tokens = 0, seed = 0, repeat = 1;
-    int check = 0, c;
+    int check = 0, c, rc;
     while ((c = getopt_long(argc, argv, "", o, NULL)) != -1) {
         switch (c) {
         case 'l': layer = optarg; break;
@@ -267,6 +267,17 @@ int cmd_forward(const char *rt, int argc, char **argv)
         fprintf(stderr, "usage: moectl forward --layer L (--tokens T | --input FILE) [--check]\n");
         return 2;
     }
+    if ((input && !input[0]) || (output && !output[0])) {
+        fprintf(stderr, "moectl forward: --%s needs a file name\n",
+                input && !input[0] ? "input" : "output");
+        return 2;
+    }
+    /* Before the daemon computes what could not be kept. */
+    if (output && (rc = st_write_check(output)) < 0) {
+        fprintf(stderr, "moectl: cannot write %s: %s\n", output,
+                rc == -EINVAL ? "not a regular file" : strerror(-rc));
+        return 1;
+    }
     if (!seed)
         seed = moectl_now_us() | 1;
     moe_client *cl = moectl_connect(rt, "moectl forward");
@@ -275,7 +286,7 @@ int cmd_forward(const char *rt, int argc, char **argv)
     moe_layer_info li;
     struct st_file *in = NULL;
     moe_region *r = NULL;
-    int status = 1, rc;
+    int status = 1;
     if (moectl_layer(cl, layer, &li))
         goto out;
     if (li.kind != MOE_LAYER_MOE) {
@@ -397,7 +408,8 @@ int cmd_forward(const char *rt, int argc, char **argv)
         struct st_out so = {.name = "out", .dtype = (enum st_dtype)st_of(li.dtype), .ndim = 2,
                             .shape = {T, H}, .data = base + o_off};
         if ((rc = st_write(output, &so, 1)) < 0) {
-            fprintf(stderr, "moectl: cannot write %s: %s\n", output, strerror(-rc));
+            fprintf(stderr, "moectl: cannot write %s: %s\n", output,
+                    rc == -EINVAL ? "not a regular file" : strerror(-rc));
             status = 1;
         }
     }

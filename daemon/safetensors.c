@@ -329,11 +329,46 @@ int st_read(const struct st_file *f, const struct st_tensor *t, void *dst)
     return pread_full(f->fd, dst, t->nbytes, t->offset);
 }
 
+int st_write_check(const char *path)
+{
+    struct stat st;
+    size_t len = strlen(path);
+    if (len == 0)
+        return -ENOENT;
+    if (path[len - 1] == '/')
+        return -EISDIR; /* names a directory, whether one is there or not */
+    if (stat(path, &st) == 0)
+        return S_ISDIR(st.st_mode) ? -EISDIR : S_ISREG(st.st_mode) ? 0 : -EINVAL;
+    if (errno != ENOENT)
+        return -errno;
+    /* Not there yet: the temp file and the rename go in its directory. */
+    char dir[4096];
+    const char *slash = strrchr(path, '/');
+    if (!slash) {
+        strcpy(dir, ".");
+    } else if (slash == path) {
+        strcpy(dir, "/");
+    } else {
+        size_t n = (size_t)(slash - path);
+        if (n >= sizeof(dir))
+            return -ENAMETOOLONG;
+        memcpy(dir, path, n);
+        dir[n] = '\0';
+    }
+    if (stat(dir, &st) < 0)
+        return -errno;
+    if (!S_ISDIR(st.st_mode))
+        return -ENOTDIR;
+    return access(dir, W_OK | X_OK) < 0 ? -errno : 0;
+}
+
 int st_write(const char *path, const struct st_out *tensors, size_t count)
 {
+    int rc = st_write_check(path);
+    if (rc)
+        return rc;
     cJSON *root = cJSON_CreateObject();
     uint64_t off = 0;
-    int rc = 0;
     if (!root)
         return -ENOMEM;
     for (size_t i = 0; i < count && rc == 0; i++) {

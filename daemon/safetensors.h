@@ -73,7 +73,14 @@ struct st_out {
     const void *data;
 };
 
-/* Write a safetensors file (replaced atomically: temp file, then rename). */
+/* Whether st_write() could write path: 0, or -EISDIR (a directory),
+ * -EINVAL (something other than a regular file: the rename would put a
+ * file in its place), or -errno of the directory it would go in (ENOENT,
+ * EACCES, ENOTDIR, ENAMETOOLONG). */
+int st_write_check(const char *path);
+
+/* Write a safetensors file (replaced atomically: temp file, then rename);
+ * what st_write_check() refuses is refused first, with its code. */
 int st_write(const char *path, const struct st_out *tensors, size_t count);
 
 #endif

@@ -6,6 +6,7 @@
  * and bench's processes when one of them dies.
  */
 #include <cjson/cJSON.h>
+#include <sys/stat.h>
 
 #include "daemon/safetensors.h"
 #include "tests/integration/itest.h"
@@ -602,6 +603,59 @@ TEST(cli_forward_input_without_rows_is_refused)
     itest_daemon_stop(&d);
 }
 
+/* forward --output that cannot be written is refused before the daemon
+ * computes anything (it was said only after the forward, its result lost),
+ * and a device or other non-regular file is never replaced by the rename. */
+TEST(cli_forward_output_that_cannot_be_written_is_refused_first)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--demo", NULL);
+    const char *b = itest_build();
+    char out[8192], file[300], path[400];
+    snprintf(file, sizeof(file), "%s/afile", d.dir);
+    FILE *fp = fopen(file, "w");
+    CHECK(fp && fclose(fp) == 0);
+    const struct {
+        const char *path, *msg;
+    } bad[] = {
+        {"%s", "Is a directory"},
+        {"%s/nowhere/o.st", "No such file or directory"},
+        {"%s/afile/o.st", "Not a directory"},
+        {"%s/new/", "Is a directory"},
+        {"/dev/null", "not a regular file"},
+    };
+    for (size_t i = 0; i < ARRAY_LEN(bad); i++) {
+        snprintf(path, sizeof(path), bad[i].path, d.dir);
+        CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out),
+                                   "%s/moectl -r %s forward --layer demo --tokens 2 --output '%s'",
+                                   b, d.dir, path), 1);
+        CHECK_STR_CONTAINS(out, bad[i].msg);
+        CHECK_MSG(!strstr(out, "forward: layer"), "%s: the forward ran: %s", path, out);
+    }
+    struct stat st;
+    CHECK(stat("/dev/null", &st) == 0 && S_ISCHR(st.st_mode));
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out),
+                               "%s/moectl -r %s forward --layer demo --tokens 2 --output ''", b,
+                               d.dir), 2);
+    CHECK_STR_CONTAINS(out, "--output needs a file name");
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out),
+                               "%s/moectl -r %s forward --layer demo --input ''", b, d.dir), 2);
+    CHECK_STR_CONTAINS(out, "--input needs a file name");
+    /* A regular file, there already or not, is written. */
+    snprintf(path, sizeof(path), "%s/o.st", d.dir);
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out),
+                               "%s/moectl -r %s forward --layer demo --tokens 2 --output %s && "
+                               "%s/moectl -r %s forward --layer demo --tokens 3 --output %s",
+                               b, d.dir, path, b, d.dir, path), 0);
+    struct st_file *f = NULL;
+    char err[256] = "";
+    CHECK_MSG(st_open(path, &f, err, sizeof(err)) == 0, "%s", err);
+    const struct st_tensor *t = st_find(f, "out");
+    CHECK(t && t->shape[0] == 3 && t->shape[1] == 256);
+    st_close(&f);
+    itest_daemon_stop(&d);
+}
+
 /* Numbers are decimal (or hexadecimal after 0x), whatever zeros lead them:
  * "010" was read as octal 8 and "08" refused. */
 TEST(cli_numbers_with_leading_zeros_are_decimal)
@@ -712,6 +766,7 @@ int main(int argc, char **argv)
         TEST_CASE(cli_arguments_a_command_does_not_take_are_refused),
         TEST_CASE(cli_usage_errors_name_what_is_wrong),
         TEST_CASE(cli_forward_input_without_rows_is_refused),
+        TEST_CASE(cli_forward_output_that_cannot_be_written_is_refused_first),
         TEST_CASE(cli_numbers_with_leading_zeros_are_decimal),
         TEST_CASE(cli_load_refuses_options_that_do_not_apply),
         TEST_CASE(cli_check_reads_a_file_whose_name_holds_a_colon),

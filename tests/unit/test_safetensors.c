@@ -599,6 +599,36 @@ TEST(read_after_truncation)
     CHECK_NO_LEAKS();
 }
 
+/* st_write() writes only where a regular file is, or can be made: never
+ * over a directory or a device (its rename would put a file in the
+ * device's place), never into a directory that is not there. */
+TEST(write_only_where_a_regular_file_can_be)
+{
+    const char *dir = tmp_dir();
+    char path[300];
+    float a[4] = {1, 2, 3, 4};
+    struct st_out t = {.name = "a", .dtype = ST_F32, .ndim = 1, .shape = {4}, .data = a};
+    CHECK_EQ_INT(st_write_check(dir), -EISDIR);
+    CHECK_EQ_INT(st_write(dir, &t, 1), -EISDIR);
+    CHECK_EQ_INT(st_write_check("/dev/null"), -EINVAL);
+    CHECK_EQ_INT(st_write("/dev/null", &t, 1), -EINVAL);
+    struct stat st;
+    CHECK(stat("/dev/null", &st) == 0 && S_ISCHR(st.st_mode));
+    CHECK_EQ_INT(st_write_check(""), -ENOENT);
+    snprintf(path, sizeof(path), "%s/none/t.st", dir);
+    CHECK_EQ_INT(st_write(path, &t, 1), -ENOENT);
+    snprintf(path, sizeof(path), "%s/t.st/", dir);
+    CHECK_EQ_INT(st_write_check(path), -EISDIR);
+    snprintf(path, sizeof(path), "%s/t.st", dir);
+    CHECK_EQ_INT(st_write_check(path), 0);
+    CHECK_EQ_INT(st_write(path, &t, 1), 0);
+    CHECK_EQ_INT(st_write_check(path), 0); /* there now, and regular */
+    snprintf(path, sizeof(path), "%s/t.st/x", dir);
+    CHECK_EQ_INT(st_write_check(path), -ENOTDIR);
+    tmp_cleanup();
+    CHECK_NO_LEAKS();
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -619,5 +649,6 @@ int main(int argc, char **argv)
         TEST_CASE(open_rejects_crafted_files),
         TEST_CASE(open_fd_closes_on_error),
         TEST_CASE(read_after_truncation),
+        TEST_CASE(write_only_where_a_regular_file_can_be),
         {0}});
 }
