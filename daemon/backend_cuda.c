@@ -98,6 +98,7 @@ struct ep_group {
     int n;
     int devices[16];
     moek_cuda_ep *ep;
+    uint64_t used; /* the home's ep_clock when last used */
 };
 
 static moek_cuda_ep_transport g_transport = MOEK_CUDA_EP_AUTO;
@@ -119,6 +120,7 @@ struct cuda_backend {
     char model[TILES_DEVICE_MAX]; /* the card's name, the tile table's key */
     bool rows_kernel;   /* small batches' rows by kernel (cuda_copy_rows) */
     struct ep_group eps[EP_GROUPS]; /* as the home device of spread layers */
+    uint64_t ep_clock;              /* counts cuda_ep_get's calls */
     /* The tile table's entries for this card (set_tiles from the loop
      * thread, read by cuda_moe_new on the loader thread). */
     pthread_mutex_t tiles_lock;
@@ -413,18 +415,22 @@ static int cuda_moe_run(struct backend *b, void *handle, const struct backend_mo
 /* The group of these devices, made on first use (NCCL set-up is slow). */
 static int cuda_ep_get(struct cuda_backend *home, const int *devices, int n, moek_cuda_ep **out)
 {
-    struct ep_group *free_slot = NULL;
+    struct ep_group *free_slot = NULL, *lru = &home->eps[0];
+    uint64_t now = ++home->ep_clock;
     for (int i = 0; i < EP_GROUPS; i++) {
         struct ep_group *g = &home->eps[i];
         if (g->ep && g->n == n && !memcmp(g->devices, devices, (size_t)n * sizeof(int))) {
+            g->used = now;
             *out = g->ep;
             return 0;
         }
         if (!g->ep && !free_slot)
             free_slot = g;
+        if (g->used < lru->used)
+            lru = g;
     }
-    if (!free_slot) { /* more device sets than slots: drop the first */
-        free_slot = &home->eps[0];
+    if (!free_slot) { /* more device sets than slots: drop the least recently used */
+        free_slot = lru;
         moek_cuda_ep_free(free_slot->ep);
         free_slot->ep = NULL;
     }
@@ -432,6 +438,7 @@ static int cuda_ep_get(struct cuda_backend *home, const int *devices, int n, moe
     if (rc)
         return rc;
     free_slot->n = n;
+    free_slot->used = now;
     memcpy(free_slot->devices, devices, (size_t)n * sizeof(int));
     *out = free_slot->ep;
     return 0;
