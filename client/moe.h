@@ -25,7 +25,8 @@
  * Errors: every function that can fail returns 0 (or a count) on success and
  * a negative errno value on failure: -EINVAL invalid argument, -ENOENT no such
  * layer or region, -EEXIST layer exists, -EACCES permission denied, -EDQUOT a
- * quota or limit, -EBUSY daemon queue full (retry), -ETIME deadline passed,
+ * quota or limit, -EBUSY daemon queue full, or the layer still loading or
+ * unloading (retry), -ETIME deadline passed,
  * -ECANCELED cancelled, -ENOTSUP unsupported, -EPROTO protocol error,
  * -EIO unreadable weight file, -ENOMEM out of memory, -ENOTRECOVERABLE
  * daemon fault, -ETIMEDOUT no answer in time, -ECONNREFUSED daemon not
@@ -193,7 +194,7 @@ int moe_hello(moe_client *c, moe_server_info *info);
  * and /proc; NULL or "": "moe-region"), cut to 63 bytes. Caller owns *out;
  * free with moe_region_free(). -EINVAL for size 0, -EFBIG for a size above
  * INT64_MAX, -ENOMEM where it cannot be mapped, -EDQUOT over the daemon's
- * max_region_bytes or max_regions. */
+ * max_region_bytes, max_regions or max_session_bytes. */
 int moe_region_create(moe_client *c, size_t size, const char *name, moe_region **out);
 /* Unregister, unmap and free; sets *r = NULL. Accepts NULL. A region that
  * is not one of c's (another client's, or freed already through a copy of

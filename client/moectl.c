@@ -37,7 +37,7 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: moectl [-r RUNTIME_DIR] COMMAND [options]\n\n"
             "commands:\n"
-            "  ping [--count N] [--interval-us U]\n"
+            "  ping [-n|--count N] [--interval-us U]\n"
             "                               round trips to the daemon (U us apart), p50/p99 latency\n"
             "  info                         daemon version, backend, devices, capabilities\n"
             "  layers                       the loaded layers\n"
@@ -57,7 +57,7 @@ static void usage(FILE *f)
             "  bench [--layer L] [--clients N] [--tokens T] [--seconds S] [--json] [--no-batch]\n"
             "        [--client-spin-us U]   N client processes sending requests back to back\n"
             "                               (each busy-polls up to U us for its reply)\n"
-            "  zmq-rtt [--count N]          bare ZeroMQ round trips between two processes, no daemon\n\n"
+            "  zmq-rtt [-n|--count N]       bare ZeroMQ round trips between two processes, no daemon\n\n"
             "The runtime directory defaults to $MOED_RUNTIME_DIR, /run/moed as root,\n"
             "else $XDG_RUNTIME_DIR/moed, else /tmp/moed-UID.\n");
 }

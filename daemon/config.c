@@ -16,6 +16,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "daemon/log.h"
 #include "daemon/util.h"
 #include "moe.pb-c.h"
 
@@ -379,13 +380,11 @@ int config_set_daemon(struct config *c, const char *k, const char *v)
         return rc;
     }
     if (!strcmp(k, "log_level")) {
-        static const char *lv[] = {"err", "warning", "notice", "info", "debug"};
-        for (int i = 0; i < 5; i++)
-            if (!strcmp(v, lv[i])) {
-                c->log_level = 3 + i;
-                return 0;
-            }
-        return -EINVAL;
+        int lv = log_level_parse(v); /* the names --log-level takes */
+        if (lv < 0)
+            return -EINVAL;
+        c->log_level = lv;
+        return 0;
     }
     return -ENOENT;
 }

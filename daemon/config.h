@@ -51,6 +51,7 @@
  *   prefix = model.layers.0.block_sparse_moe.
  *   experts = 8  topk = 2  hidden = 4096  intermediate = 14336 (one per line)
  *   dtype = bf16  routing = softmax  renormalize = true
+ *   groups = 8  n = 512  k = 256 (kind = gemm: the weight's [groups, n, k], one per line)
  *   devices = 0,1             ; spread the experts over these devices (default: 0)
  *   expert_devices = 0,0,1,1  ; optional: the device of each expert
  */

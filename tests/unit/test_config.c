@@ -479,6 +479,22 @@ TEST(error_bad_words)
     expect_error("[layer a]\nfile = /x\nrenormalize = yess\n", "line 3: ", "'renormalize'");
     expect_error("[daemon]\nbackend = gpu\n", "line 2: ", "bad value 'gpu' for 'backend'");
     expect_error("[daemon]\nlog_level = verbose\n", "line 2: ", "'log_level'");
+    expect_error("[daemon]\nlog_level = 8\n", "line 2: ", "'log_level'");
+    /* The file takes the names the command line does (log_level_parse). */
+    static const struct {
+        const char *v;
+        int level;
+    } lv[] = {{"err", 3}, {"error", 3}, {"warning", 4}, {"warn", 4}, {"notice", 5},
+              {"info", 6}, {"debug", 7}, {"7", 7}};
+    for (size_t i = 0; i < ARRAY_LEN(lv); i++) {
+        struct config c;
+        char text[64], err[256] = "";
+        snprintf(text, sizeof(text), "[daemon]\nlog_level = %s\n", lv[i].v);
+        CHECK_EQ_INT(config_init(&c), 0);
+        CHECK_MSG(config_parse_string(&c, text, err, sizeof(err)) == 0, "%s: %s", lv[i].v, err);
+        CHECK_EQ_INT(c.log_level, lv[i].level);
+        config_done(&c);
+    }
     expect_error("[daemon]\nruntime_dir = relative/run\n", "line 2: ", "'runtime_dir'");
     expect_error("[layer a]\nfile = /x\nkind = dense\n", "line 3: ", "'kind'");
     expect_error("[layer a]\nfile = /x\ndtype = int8\n", "line 3: ", "'dtype'");
