@@ -266,6 +266,23 @@ static ssize_t session_exchange(int sfd, const struct msghdr *mh, uint8_t *buf, 
     return r < 0 ? -errno : r;
 }
 
+/* A daemon that refuses a session (too many sessions, shutting down) says
+ * why before it closes: that answer beats "reset". Its error (set as the
+ * thread's message), or 0 when no refusal is waiting on sfd. */
+static int refusal(int sfd, uint8_t *buf, size_t len)
+{
+    ssize_t w = recv(sfd, buf, len, MSG_DONTWAIT);
+    Moe__SessionReply *why = w > 0 ? moe__session_reply__unpack(NULL, (size_t)w, buf) : NULL;
+    int err = 0;
+    if (why && why->status != MOE__STATUS__STATUS_OK) {
+        err = status_to_errno(why->status);
+        seterr(err, "%s", why->message && why->message[0] ? why->message : status_strerror(err));
+    }
+    if (why)
+        moe__session_reply__free_unpacked(why, NULL);
+    return err;
+}
+
 /* One session request and its reply. Caller holds mu; unlocked: the
  * caller has claimed the session socket (session_claim), and the wait for
  * the reply releases mu, so that the client's other threads go on. */
@@ -305,18 +322,9 @@ static int session_call(moe_client *c, Moe__SessionRequest *req, int fd, bool un
         bool gone = e == EPIPE || e == ECONNRESET || e == ENOTCONN;
         if (gone)
             (void)session_gone(c); /* an error there ends the session too */
-        /* A daemon that refused the session (too many sessions, shutting
-         * down) said why before it closed: that answer beats "reset". */
-        ssize_t w = gone ? recv(c->sfd, buf, sizeof(buf), MSG_DONTWAIT) : -1;
-        Moe__SessionReply *why = w > 0 ? moe__session_reply__unpack(NULL, (size_t)w, buf) : NULL;
-        if (why && why->status != MOE__STATUS__STATUS_OK) {
-            int err = status_to_errno(why->status);
-            seterr(err, "%s", why->message && why->message[0] ? why->message : status_strerror(err));
-            moe__session_reply__free_unpacked(why, NULL);
-            return err;
-        }
+        int why = gone ? refusal(c->sfd, buf, sizeof(buf)) : 0;
         if (why)
-            moe__session_reply__free_unpacked(why, NULL);
+            return why;
         return seterr(gone ? -ECONNRESET : -e, "cannot reach the daemon: %s", strerror(e));
     }
     /* Session replies carry no id: one that comes late would answer the
@@ -328,6 +336,11 @@ static int session_call(moe_client *c, Moe__SessionRequest *req, int fd, bool un
     }
     if (r < 0) {
         session_over(c, "a session call failed, which ends the session; the request is lost");
+        /* The refusal came, but the daemon closed with the request unread:
+         * the reset is reported first, the answer is still there. */
+        int why = r == -ECONNRESET ? refusal(c->sfd, buf, sizeof(buf)) : 0;
+        if (why)
+            return why;
         return seterr((int)r, "waiting for the daemon: %s", strerror((int)-r));
     }
     if (r == 0) {

@@ -5,6 +5,9 @@
  * tokens per session, queued requests in all, message size, pending messages
  * per connection, layers, and loads in flight.
  */
+#include <pthread.h>
+#include <signal.h>
+
 #include "tests/integration/raw.h"
 
 static const char *write_conf(const char *text)
@@ -85,6 +88,22 @@ static void recv_n(struct raw *r, int n, int *count_by_status, char *last_busy, 
     }
 }
 
+struct late_connect {
+    const char *dir;
+    int rc;
+    char msg[256];
+};
+
+static void *late_connect_main(void *arg)
+{
+    struct late_connect *lc = arg;
+    moe_client *c = NULL;
+    lc->rc = moe_connect(lc->dir, "late", &c);
+    snprintf(lc->msg, sizeof(lc->msg), "%s", moe_errmsg());
+    moe_disconnect(&c);
+    return NULL;
+}
+
 TEST(sessions_are_capped)
 {
     struct itest_daemon d;
@@ -117,8 +136,23 @@ TEST(sessions_are_capped)
     moe__session_reply__free_unpacked(rep, NULL);
     CHECK_EQ_INT(recv(r[3].sfd, buf, sizeof(buf), 0), 0);
     close(r[3].sfd);
+    /* libmoe says the daemon's reason, whether the refusal comes before
+     * its OpenSession is sent or after (a busy daemon accepts late, and
+     * closes with the request unread: the reset is reported first). */
     moe_client *c = NULL;
-    CHECK(moe_connect(d.dir, "fourth", &c) < 0);
+    CHECK_EQ_INT(moe_connect(d.dir, "fourth", &c), -EDQUOT);
+    CHECK_STR_CONTAINS(moe_errmsg(), "too many sessions (limit 3)");
+    for (int i = 0; i < 3; i++) {
+        struct late_connect lc = {.dir = d.dir};
+        pthread_t t;
+        kill(d.pid, SIGSTOP);
+        CHECK(pthread_create(&t, NULL, late_connect_main, &lc) == 0);
+        itest_sleep_ms(100); /* its OpenSession is sent, unaccepted */
+        kill(d.pid, SIGCONT);
+        CHECK(pthread_join(t, NULL) == 0);
+        CHECK_EQ_INT(lc.rc, -EDQUOT);
+        CHECK_STR_CONTAINS(lc.msg, "too many sessions (limit 3)");
+    }
     /* One leaves, one more gets in. */
     close(r[0].sfd);
     int rc = -1;
