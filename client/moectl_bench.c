@@ -49,8 +49,9 @@ static int cmp_u32(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-/* A client that cannot start says why and counts as ready, so the others
- * still run; the parent reports it and fails the bench. */
+/* A client that cannot start says why and counts as ready; the parent
+ * reports it, stops the others before they send and fails the bench (a run
+ * with fewer clients than asked would measure another load). */
 static _Noreturn void child_fail(struct bench_shared *sh, int idx, moe_client *c, const char *why)
 {
     struct bench_slot *sl = &sh->slots[idx];
@@ -117,8 +118,14 @@ static void bench_child(const char *rt, const moe_layer_info *li, uint64_t token
     }
     atomic_store(&sl->ready, 1);
     atomic_fetch_add(&sh->ready, 1);
-    while (!atomic_load(&sh->go))
+    int go;
+    while (!(go = atomic_load(&sh->go)))
         usleep(200);
+    if (go < 0) { /* another client could not start */
+        moe_region_free(c, &r);
+        moe_disconnect(&c);
+        _exit(0);
+    }
     sl->start_us = moectl_now_us();
     uint64_t end = sl->start_us + (uint64_t)(seconds * 1e6);
     for (;;) {
@@ -278,12 +285,26 @@ int cmd_bench(const char *rt, int argc, char **argv)
         munmap(sh, shsize);
         return 1;
     }
-    atomic_store(&sh->go, 1);
+    unsigned long long not_started = 0;
+    for (unsigned long long i = 0; i < clients; i++)
+        not_started += sh->slots[i].failed_start != 0;
+    atomic_store(&sh->go, not_started ? -1 : 1);
     int failed = 0;
     for (unsigned long long i = 0; i < clients; i++) {
         if (pids[i] && waitpid(pids[i], &status[i], 0) < 0)
             status[i] = -1;
         failed += !(WIFEXITED(status[i]) && WEXITSTATUS(status[i]) == 0);
+    }
+    if (not_started) {
+        for (unsigned long long i = 0; i < clients; i++)
+            if (sh->slots[i].failed_start)
+                fprintf(stderr, "moectl: client %llu: %s\n", i, sh->slots[i].error);
+        fprintf(stderr, "moectl: bench: %llu of %llu clients could not start; nothing was "
+                "measured\n", not_started, clients);
+        free(pids);
+        free(status);
+        munmap(sh, shsize);
+        return 1;
     }
     /* The rates are over the time the clients sent for, first start to last
      * reply: each client's last request ends past --seconds, by up to a
@@ -299,7 +320,7 @@ int cmd_bench(const char *rt, int argc, char **argv)
         busy += sh->slots[i].busy;
         bsum += sh->slots[i].batch_requests_sum;
         n += sh->slots[i].n;
-        if (sh->slots[i].error[0] && (sh->slots[i].errors || sh->slots[i].failed_start))
+        if (sh->slots[i].error[0] && sh->slots[i].errors)
             fprintf(stderr, "moectl: client %llu: %s\n", i, sh->slots[i].error);
     }
     uint32_t *all = malloc((n ? n : 1) * sizeof(*all));

@@ -391,6 +391,31 @@ TEST(cli_bench_fails_when_a_client_dies_before_it_is_ready)
     itest_daemon_stop(&d);
 }
 
+/* A bench some of whose clients cannot start (here over max_sessions)
+ * measures nothing: it says why and exits 1, and no client sends (a run
+ * of 3 clients would have been reported as one of 5). */
+TEST(cli_bench_fails_when_a_client_cannot_start)
+{
+    char conf[64], out[8192];
+    snprintf(conf, sizeof(conf), "/tmp/moectl-bench-%d.conf", (int)getpid());
+    FILE *fp = fopen(conf, "w");
+    CHECK(fp && fputs("[limits]\nmax_sessions = 3\n", fp) >= 0 && fclose(fp) == 0);
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--demo", "--config", conf, NULL);
+    const char *b = itest_build();
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out),
+                               "timeout 60 %s/moectl -r %s bench --clients 5 --seconds 1", b, d.dir),
+                 1);
+    CHECK_STR_CONTAINS(out, "too many sessions (limit 3)");
+    /* 2 of 5, or 3 where the start-up probe's session was not gone yet */
+    CHECK_STR_CONTAINS(out, " of 5 clients could not start; nothing was measured");
+    CHECK_MSG(!strstr(out, "requests/s"), "a rate was reported: %s", out);
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moectl -r %s stats", b, d.dir), 0);
+    CHECK_MSG(strstr(out, "requests 0,"), "clients sent: %s", out);
+    itest_daemon_stop(&d);
+    unlink(conf);
+}
+
 /* A daemon on its demo layers (*d) and a bench of two clients on it that
  * would run 30 s, its output in log (300 bytes): the bench's pid, once both
  * clients (kids) are connected and sending. */
@@ -759,6 +784,7 @@ int main(int argc, char **argv)
         TEST_CASE(cli_load_random_refuses_shapes_too_large_to_address),
         TEST_CASE(cli_finds_layers_past_the_first_256),
         TEST_CASE(cli_bench_fails_when_a_client_dies_before_it_is_ready),
+        TEST_CASE(cli_bench_fails_when_a_client_cannot_start),
         TEST_CASE(cli_bench_clients_die_with_moectl),
         TEST_CASE(cli_bench_stops_when_the_daemon_is_gone),
         TEST_CASE(cli_zmq_rtt_fails_when_its_echo_process_dies),
