@@ -415,8 +415,8 @@ static int cuda_moe_run(struct backend *b, void *handle, const struct backend_mo
 /* The group of these devices, made on first use (NCCL set-up is slow). */
 static int cuda_ep_get(struct cuda_backend *home, const int *devices, int n, moek_cuda_ep **out)
 {
-    struct ep_group *free_slot = NULL, *lru = &home->eps[0];
-    uint64_t now = ++home->ep_clock;
+    uint64_t now = ++home->ep_clock, used[EP_GROUPS];
+    bool in_use[EP_GROUPS];
     for (int i = 0; i < EP_GROUPS; i++) {
         struct ep_group *g = &home->eps[i];
         if (g->ep && g->n == n && !memcmp(g->devices, devices, (size_t)n * sizeof(int))) {
@@ -424,13 +424,12 @@ static int cuda_ep_get(struct cuda_backend *home, const int *devices, int n, moe
             *out = g->ep;
             return 0;
         }
-        if (!g->ep && !free_slot)
-            free_slot = g;
-        if (g->used < lru->used)
-            lru = g;
+        in_use[i] = g->ep != NULL;
+        used[i] = g->used;
     }
-    if (!free_slot) { /* more device sets than slots: drop the least recently used */
-        free_slot = lru;
+    /* More device sets than slots: the least recently used goes. */
+    struct ep_group *free_slot = &home->eps[slot_to_fill(in_use, used, EP_GROUPS)];
+    if (free_slot->ep) {
         moek_cuda_ep_free(free_slot->ep);
         free_slot->ep = NULL;
     }

@@ -52,6 +52,20 @@ static inline void close_fd(int *fd)
     }
 }
 
+/* Of n cache slots, the one to fill: the first free one (in_use[i] false),
+ * else the least recently used (smallest used[i]; the first of equals). */
+static inline int slot_to_fill(const bool *in_use, const uint64_t *used, int n)
+{
+    int lru = 0;
+    for (int i = 0; i < n; i++) {
+        if (!in_use[i])
+            return i;
+        if (used[i] < used[lru])
+            lru = i;
+    }
+    return lru;
+}
+
 /* Fill buf with n random bytes from the kernel's CSPRNG. 0 or -errno. */
 int random_bytes(void *buf, size_t n);
 

@@ -500,6 +500,45 @@ TEST(checked_arithmetic)
     CHECK_NO_LEAKS();
 }
 
+/* A cache's slot to fill: the first free one, else the least recently
+ * used, wherever it is (the spread layers' device sets replaced slot 0,
+ * the newest, every time). */
+TEST(slot_to_fill_takes_free_then_least_recently_used)
+{
+    bool in_use[4] = {true, false, true, false};
+    uint64_t used[4] = {5, 0, 2, 0};
+    CHECK_EQ_INT(slot_to_fill(in_use, used, 4), 1);
+    in_use[1] = in_use[3] = true;
+    used[1] = 7;
+    used[3] = 9;
+    CHECK_EQ_INT(slot_to_fill(in_use, used, 4), 2); /* used 2 */
+    used[2] = 10;
+    CHECK_EQ_INT(slot_to_fill(in_use, used, 4), 0); /* used 5 */
+    used[0] = 11;
+    CHECK_EQ_INT(slot_to_fill(in_use, used, 4), 1); /* used 7 */
+    /* The clock as cuda_ep_get keeps it: 12 sets in turn over 4 slots, then
+     * the last four again: each is still there, and none is replaced. */
+    bool busy[4] = {false, false, false, false};
+    uint64_t at[4] = {0}, clock = 0;
+    int set_of[4] = {-1, -1, -1, -1};
+    for (int set = 0; set < 12; set++) {
+        int i = slot_to_fill(busy, at, 4);
+        busy[i] = true;
+        at[i] = ++clock;
+        set_of[i] = set;
+    }
+    for (int set = 8; set < 12; set++) {
+        int hit = -1;
+        for (int i = 0; i < 4; i++)
+            hit = set_of[i] == set ? i : hit;
+        CHECK_MSG(hit >= 0, "set %d was replaced", set);
+        at[hit] = ++clock;
+    }
+    /* The next new set replaces the one used longest ago: set 8. */
+    int i = slot_to_fill(busy, at, 4);
+    CHECK_EQ_INT(set_of[i], 8);
+}
+
 TEST(random_bytes_random)
 {
     uint8_t a[64], b[64], zero[64] = {0};
@@ -676,6 +715,7 @@ int main(int argc, char **argv)
         TEST_CASE(runtime_directories_others_could_write_are_refused),
         TEST_CASE(names),
         TEST_CASE(checked_arithmetic),
+        TEST_CASE(slot_to_fill_takes_free_then_least_recently_used),
         TEST_CASE(random_bytes_random),
         TEST_CASE(unavailable_device_refuses_its_layers),
         TEST_CASE(a_failed_device_other_than_the_first_is_noticed),
