@@ -74,6 +74,7 @@ struct reload {
     struct plan *plan;        /* on the loader thread (WAIT_PLAN) */
     bool orphan;              /* reload_free ran meanwhile: the plan frees it */
     unsigned loaded, unloaded, kept, failed, restored;
+    bool unread;              /* the configuration could not be read: nothing changed */
 };
 
 int reload_new(struct server *s, reload_read_fn read, void *read_data, struct reload **out)
@@ -301,7 +302,9 @@ static void finish(struct reload *r)
     r->n_loading = 0;
     formers_clear(r);
     r->restoring = false;
-    if (r->restored)
+    if (r->unread)
+        log_notice("reload: failed (the configuration could not be read); nothing changed");
+    else if (r->restored)
         log_notice("reload: %u layers loaded, %u unloaded, %u kept, %u failed (%u of them "
                    "serving again from their former sections)",
                    r->loaded, r->unloaded, r->kept, r->failed, r->restored);
@@ -725,6 +728,7 @@ static void reload_begin(struct reload *r)
     char err[512] = "";
     r->again = false;
     r->loaded = r->unloaded = r->kept = r->failed = r->restored = 0;
+    r->unread = false;
     r->phase = WAIT_LOADER; /* running from here on */
     if (r->have_next)
         config_done(n);
@@ -732,6 +736,7 @@ static void reload_begin(struct reload *r)
     if (r->read(r->read_data, n, err, sizeof(err)) < 0) {
         log_err("reload: %s; keeping the running configuration", err);
         r->failed++;
+        r->unread = true;
         finish(r);
         return;
     }
