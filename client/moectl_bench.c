@@ -121,11 +121,8 @@ static void bench_child(const char *rt, const moe_layer_info *li, uint64_t token
     int go;
     while (!(go = atomic_load(&sh->go)))
         usleep(200);
-    if (go < 0) { /* another client could not start */
-        moe_region_free(c, &r);
-        moe_disconnect(&c);
-        _exit(0);
-    }
+    if (go < 0) /* another client could not start; the daemon frees what */
+        _exit(0); /* this one held as its session socket closes */
     sl->start_us = moectl_now_us();
     uint64_t end = sl->start_us + (uint64_t)(seconds * 1e6);
     for (;;) {
@@ -159,6 +156,14 @@ static void bench_child(const char *rt, const moe_layer_info *li, uint64_t token
     _exit(0);
 }
 
+/* Say why each client that could not start did not. */
+static void print_start_failures(const struct bench_shared *sh, unsigned long long clients)
+{
+    for (unsigned long long i = 0; i < clients; i++)
+        if (sh->slots[i].failed_start)
+            fprintf(stderr, "moectl: client %llu: %s\n", i, sh->slots[i].error);
+}
+
 /* Wait until every client is at the barrier. One that exits first and did
  * not report a failure to start (killed, out of memory) never will be: stop
  * the others and fail rather than wait forever. A client reaped here has
@@ -182,6 +187,7 @@ static bool wait_ready(struct bench_shared *sh, pid_t *pids, int *status,
                     kill(pids[j], SIGKILL);
                     waitpid(pids[j], NULL, 0);
                 }
+            print_start_failures(sh, clients);
             return false;
         }
         usleep(1000);
@@ -262,6 +268,7 @@ int cmd_bench(const char *rt, int argc, char **argv)
         return 1;
     }
     pid_t self = getpid();
+    unsigned long long asked = clients;
     fflush(stdout);
     for (unsigned long long i = 0; i < clients; i++) {
         pids[i] = fork();
@@ -273,8 +280,9 @@ int cmd_bench(const char *rt, int argc, char **argv)
                 _exit(1);
             bench_child(rt, &li, tokens, seconds, sh, (int)i, no_batch, spin_us);
         }
-        if (pids[i] < 0) {
-            perror("moectl: fork");
+        if (pids[i] < 0) { /* the clients forked are stopped below */
+            fprintf(stderr, "moectl: bench: cannot start client %llu: fork: %s\n", i,
+                    strerror(errno));
             clients = i;
             break;
         }
@@ -285,7 +293,7 @@ int cmd_bench(const char *rt, int argc, char **argv)
         munmap(sh, shsize);
         return 1;
     }
-    unsigned long long not_started = 0;
+    unsigned long long not_started = asked - clients;
     for (unsigned long long i = 0; i < clients; i++)
         not_started += sh->slots[i].failed_start != 0;
     atomic_store(&sh->go, not_started ? -1 : 1);
@@ -296,11 +304,9 @@ int cmd_bench(const char *rt, int argc, char **argv)
         failed += !(WIFEXITED(status[i]) && WEXITSTATUS(status[i]) == 0);
     }
     if (not_started) {
-        for (unsigned long long i = 0; i < clients; i++)
-            if (sh->slots[i].failed_start)
-                fprintf(stderr, "moectl: client %llu: %s\n", i, sh->slots[i].error);
+        print_start_failures(sh, clients);
         fprintf(stderr, "moectl: bench: %llu of %llu clients could not start; nothing was "
-                "measured\n", not_started, clients);
+                "measured\n", not_started, asked);
         free(pids);
         free(status);
         munmap(sh, shsize);

@@ -297,6 +297,7 @@ static int open_backends(struct daemon *d)
     } else if (strcmp(d->cfg.backend, "cpu") != 0 && (d->cfg.gpus_all || d->cfg.n_gpus > 0)) {
         rc = open_gpus(&d->cfg, d->backends, &d->n_backends);
         if (rc == -ENODEV && !strcmp(d->cfg.backend, "auto")) {
+            log_warn("no usable GPU: gpus is ignored, and the CPU backend serves");
             rc = backend_open("cpu", 0, d->cfg.cpu_threads, &d->backends[0]);
             d->n_backends = rc < 0 ? 0 : 1;
         }
@@ -741,7 +742,8 @@ int main(int argc, char **argv)
          * reload. */
         if ((rc = demo_write(dir, path, sizeof(path))) < 0 ||
             (rc = config_add_allowed_dir(&d.cfg, dir)) < 0) {
-            log_err("cannot write the demo layer in %s: %s", dir, strerror(-rc));
+            log_err("cannot write the demo layer in %s: %s", dir,
+                    rc == -EINVAL ? "demo.safetensors there is not a regular file" : strerror(-rc));
             return 1;
         }
         struct layer_conf gemm = {.name = "demo-gemm", .kind = MOE__LAYER_KIND__LAYER_GEMM,

@@ -335,13 +335,19 @@ int st_write_check(const char *path)
     size_t len = strlen(path);
     if (len == 0)
         return -ENOENT;
-    if (path[len - 1] == '/')
-        return -EISDIR; /* names a directory, whether one is there or not */
-    if (stat(path, &st) == 0)
-        return S_ISDIR(st.st_mode) ? -EISDIR : S_ISREG(st.st_mode) ? 0 : -EINVAL;
-    if (errno != ENOENT)
-        return -errno;
-    /* Not there yet: the temp file and the rename go in its directory. */
+    /* lstat: the rename replaces a link, not what it points to. */
+    if (lstat(path, &st) == 0) {
+        if (S_ISDIR(st.st_mode))
+            return -EISDIR;
+        if (!S_ISREG(st.st_mode) && !S_ISLNK(st.st_mode))
+            return -EINVAL;
+    } else if (errno != ENOENT) {
+        return -errno; /* ENOTDIR for "file/", EACCES, ... */
+    } else if (path[len - 1] == '/') {
+        return -EISDIR; /* "new/" names a directory */
+    }
+    /* The temp file and the rename go in the file's directory, there
+     * already or not. */
     char dir[4096];
     const char *slash = strrchr(path, '/');
     if (!slash) {

@@ -73,10 +73,12 @@ struct st_out {
     const void *data;
 };
 
-/* Whether st_write() could write path: 0, or -EISDIR (a directory),
- * -EINVAL (something other than a regular file: the rename would put a
- * file in its place), or -errno of the directory it would go in (ENOENT,
- * EACCES, ENOTDIR, ENAMETOOLONG). */
+/* Whether st_write() could write path: 0 where it is a regular file, a
+ * link (which the rename replaces) or nothing yet, in a directory this
+ * process may write; else -EISDIR (a directory), -EINVAL (a device, a
+ * FIFO, a socket: the rename would put a file in its place), or -errno
+ * of the path or of its directory (ENOENT, EACCES, EROFS, ENOTDIR,
+ * ENAMETOOLONG). */
 int st_write_check(const char *path);
 
 /* Write a safetensors file (replaced atomically: temp file, then rename);

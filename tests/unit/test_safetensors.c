@@ -625,6 +625,25 @@ TEST(write_only_where_a_regular_file_can_be)
     CHECK_EQ_INT(st_write_check(path), 0); /* there now, and regular */
     snprintf(path, sizeof(path), "%s/t.st/x", dir);
     CHECK_EQ_INT(st_write_check(path), -ENOTDIR);
+    snprintf(path, sizeof(path), "%s/t.st/", dir); /* a file named as a directory */
+    CHECK_EQ_INT(st_write_check(path), -ENOTDIR);
+    /* A link is replaced by the rename, not written through: one to a
+     * device is fine, and the device stays. */
+    char link[300];
+    snprintf(link, sizeof(link), "%s/null", dir);
+    CHECK(symlink("/dev/null", link) == 0);
+    CHECK_EQ_INT(st_write_check(link), 0);
+    CHECK_EQ_INT(st_write(link, &t, 1), 0);
+    CHECK(lstat(link, &st) == 0 && S_ISREG(st.st_mode));
+    CHECK(stat("/dev/null", &st) == 0 && S_ISCHR(st.st_mode));
+    /* A file that is there needs its directory writable too (the temp file
+     * and the rename go there); root may write anywhere. */
+    if (geteuid() != 0) {
+        snprintf(path, sizeof(path), "%s/t.st", dir);
+        CHECK(chmod(dir, 0555) == 0);
+        CHECK_EQ_INT(st_write_check(path), -EACCES);
+        CHECK(chmod(dir, 0755) == 0);
+    }
     tmp_cleanup();
     CHECK_NO_LEAKS();
 }
