@@ -15,6 +15,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -104,6 +105,8 @@ struct moe_client {
                            * the daemon did not go away (NULL: it did) */
     char dir[PATH_MAX];
     char name[64];
+    pid_t pid;            /* the process that connected it */
+    unsigned forks;       /* fork_count then (see forked()) */
 };
 
 struct moe_request {
@@ -115,6 +118,30 @@ struct moe_request {
 };
 
 static _Thread_local char moe_err_buf[512];
+
+/* fork(): a child has a copy of every client, but its sockets are the
+ * parent's session (the daemon cannot tell the two processes apart, and
+ * each would take the other's replies), libzmq's threads are not there,
+ * and mu may be held by a thread that is not either. fork_count counts
+ * the forks of this process's ancestry since libmoe's first connect. */
+static atomic_uint fork_count;
+static pthread_once_t fork_watch_once = PTHREAD_ONCE_INIT;
+
+static void on_fork_child(void)
+{
+    atomic_fetch_add(&fork_count, 1);
+}
+
+static void fork_watch(void)
+{
+    pthread_atfork(NULL, NULL, on_fork_child);
+}
+
+/* Whether c was connected by another process (this one is a fork since). */
+static bool forked(const moe_client *c)
+{
+    return c->forks != atomic_load(&fork_count);
+}
 
 const char *moe_errmsg(void)
 {
@@ -137,6 +164,13 @@ static int seterr(int err, const char *fmt, ...)
 }
 
 /* A pointer the call cannot do without is NULL. */
+/* What every call on a client of another process answers. */
+static int refuse_forked(const moe_client *c)
+{
+    return seterr(-EINVAL, "this client was connected by process %d, of which this one is a "
+                  "fork: a child connects anew (moe_connect)", (int)c->pid);
+}
+
 static int null_arg(const char *what)
 {
     return seterr(-EINVAL, "%s is NULL", what);
@@ -380,7 +414,7 @@ static int default_runtime_dir(char *buf, size_t len)
 
 void moe_set_timeout(moe_client *c, int timeout_ms)
 {
-    if (!c)
+    if (!c || forked(c))
         return;
     pthread_mutex_lock(&c->mu);
     c->timeout_ms = timeout_ms;
@@ -389,7 +423,7 @@ void moe_set_timeout(moe_client *c, int timeout_ms)
 
 void moe_set_spin_us(moe_client *c, unsigned spin_us)
 {
-    if (!c)
+    if (!c || forked(c))
         return;
     pthread_mutex_lock(&c->mu);
     c->spin_us = spin_us;
@@ -579,9 +613,12 @@ int moe_connect(const char *runtime_dir, const char *client_name, moe_client **o
     if (!out)
         return null_arg("out");
     *out = NULL;
+    pthread_once(&fork_watch_once, fork_watch);
     moe_client *c = calloc(1, sizeof(*c));
     if (!c)
         return seterr(-ENOMEM, "out of memory");
+    c->pid = getpid();
+    c->forks = atomic_load(&fork_count);
     pthread_mutex_init(&c->mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -627,6 +664,32 @@ static void region_unmap(struct moe_region *r)
     free(r);
 }
 
+/* moe_disconnect() in a fork: this process's copies of the client's
+ * descriptors, mappings and memory go; the parent's session is not told
+ * (the socket stays open in the parent), and libzmq's objects, whose
+ * threads are not in this process, are left as they are. */
+static void release_forked(moe_client *c)
+{
+    close(c->sfd);
+    if (c->rfd >= 0)
+        close(c->rfd);
+    if (c->wake_fd >= 0)
+        close(c->wake_fd);
+    while (c->regions) {
+        struct moe_region *r = c->regions;
+        c->regions = r->next;
+        region_unmap(r);
+    }
+    while (c->pending) {
+        struct pending *p = c->pending;
+        c->pending = p->next;
+        if (p->reply)
+            moe__reply__free_unpacked(p->reply, NULL);
+        free(p);
+    }
+    free(c);
+}
+
 void moe_disconnect(moe_client **cp)
 {
     if (!cp)
@@ -635,6 +698,10 @@ void moe_disconnect(moe_client **cp)
     *cp = NULL;
     if (!c)
         return;
+    if (forked(c)) {
+        release_forked(c);
+        return;
+    }
     connection_close(c, false);
     if (c->zctx)
         while (zmq_ctx_term(c->zctx) < 0 && zmq_errno() == EINTR)
@@ -1038,6 +1105,8 @@ static int call_filled(moe_client *c, Moe__Request *req,
                        int (*fill)(moe_client *, Moe__Request *, const void *), const void *arg,
                        Moe__Reply **out)
 {
+    if (forked(c))
+        return refuse_forked(c);
     pthread_mutex_lock(&c->mu);
     int rc = connection_ensure(c);
     if (!rc && fill)
@@ -1131,6 +1200,8 @@ int moe_region_create(moe_client *c, size_t size, const char *name, moe_region *
     *out = NULL;
     if (!c)
         return null_arg("the client");
+    if (forked(c))
+        return refuse_forked(c);
     if (size == 0)
         return seterr(-EINVAL, "a region needs at least one byte");
     /* ftruncate takes a signed size: SIZE_MAX would be -1, "Invalid argument". */
@@ -1201,6 +1272,17 @@ int moe_region_free(moe_client *c, moe_region **rp)
         return 0;
     if (!c)
         return null_arg("the client");
+    if (forked(c)) { /* this process's mapping only: the parent's stays registered */
+        for (moe_region **pp = &c->regions; *pp; pp = &(*pp)->next)
+            if (*pp == r) {
+                *pp = r->next;
+                *rp = NULL;
+                region_unmap(r);
+                return 0;
+            }
+        return seterr(-EINVAL, "the region is not one of this client's (another client's, or "
+                      "freed already)");
+    }
     Moe__SessionRequest req = MOE__SESSION_REQUEST__INIT;
     Moe__UnregisterRegion un = MOE__UNREGISTER_REGION__INIT;
     req.body_case = MOE__SESSION_REQUEST__BODY_UNREGISTER_REGION;
@@ -1518,6 +1600,8 @@ static int submit(moe_client *c, build_fn *build, const void *args, moe_request 
 {
     if (!c || !args)
         return null_arg(!c ? "the client" : "args");
+    if (forked(c))
+        return refuse_forked(c);
     struct compute_msg cm;
     pthread_mutex_lock(&c->mu);
     int rc = connection_ensure(c);
@@ -1564,6 +1648,8 @@ static int request_wait(moe_client *c, const moe_request *r, int timeout_ms, moe
 {
     Moe__Reply *rep = NULL;
     int rc;
+    if (forked(c))
+        return refuse_forked(c);
     pthread_mutex_lock(&c->mu);
     if (timeout_ms < 0)
         timeout_ms = c->timeout_ms;
@@ -1586,6 +1672,8 @@ int moe_wait(moe_client *c, moe_request **rp, int timeout_ms, moe_timings *timin
         return null_arg("the request");
     if (r->client != c)
         return seterr(-EINVAL, "the request is not this client's");
+    if (forked(c))
+        return refuse_forked(c); /* the handle stays the caller's */
     int rc = request_wait(c, r, timeout_ms, timings);
     if (rc == -ETIMEDOUT)
         return rc; /* still the caller's: wait again or give up */
@@ -1600,6 +1688,8 @@ int moe_poll(moe_client *c, moe_request *r)
         return null_arg(!c ? "the client" : "the request");
     if (r->client != c)
         return seterr(-EINVAL, "the request is not this client's");
+    if (forked(c))
+        return refuse_forked(c);
     pthread_mutex_lock(&c->mu);
     /* A reply that has come is looked for first: it stands even when the
      * connection broke or was replaced since. Else a request of an earlier
@@ -1630,7 +1720,7 @@ void moe_request_free(moe_client *c, moe_request **rp)
         return;
     /* Another client's hands: its requests of the same id are not touched
      * (the owner keeps the reply, when it comes, until it disconnects). */
-    if (c && c == r->client)
+    if (c && c == r->client && !forked(c))
         give_up(c, r->id, r->generation);
     free(r);
 }

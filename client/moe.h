@@ -45,6 +45,14 @@
  * it are serialised where they touch its sockets. moe_request handles belong
  * to the client that made them.
  *
+ * fork(): a client belongs to the process that connected it. In a child of
+ * fork() its calls fail at once with -EINVAL (they never use the parent's
+ * session, whose replies the child would take), moe_set_timeout and
+ * moe_set_spin_us do nothing, moe_request_free frees the handle alone, and
+ * moe_region_free and moe_disconnect release only the child's copies (the
+ * parent's regions stay registered; moe_region_data stays valid, the
+ * memory is shared). A child connects anew with moe_connect.
+ *
  * Signals: the caller's signal handlers may run during any call (with or
  * without SA_RESTART); a call that a signal interrupts goes on where it was,
  * within its timeout, and loses no request or reply.

@@ -653,6 +653,72 @@ TEST(an_impossible_region_size_is_said)
     itest_daemon_stop(&d);
 }
 
+/* fork() copies a client into the child, with the parent's session: the
+ * child's calls are refused at once (they hung, and would have taken the
+ * parent's replies), its region free and disconnect release only its own
+ * copies, and it can connect anew; the parent goes on as if nothing
+ * happened, its request in flight and its region included. */
+TEST(a_forked_child_does_not_use_its_parents_client)
+{
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    moe_client *c = itest_connect(&d, "parent");
+    struct itest_layer L = {.name = "L", .dt = MOE_DTYPE_BF16, .sh = {E, K, H, I},
+                            .routing = MOE_ROUTING_SOFTMAX, .renorm = true};
+    itest_layer_upload(c, &L, &seed);
+    struct itest_fwd f;
+    itest_fwd_make(c, &L, T, &seed, &f);
+    moe_request *req = NULL;
+    CHECK(moe_forward_submit(c, &f.args, &req) == 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        alarm(20); /* a hang is a failure, not a stuck test */
+        moe_server_info info;
+        moe_region *r2 = NULL;
+        moe_client *c2 = NULL;
+        if (moe_hello(c, &info) != -EINVAL || !strstr(moe_errmsg(), "a child connects anew"))
+            _exit(1);
+        if (moe_forward(c, &f.args, NULL) != -EINVAL)
+            _exit(2);
+        if (moe_wait(c, &req, 1000, NULL) != -EINVAL || !req)
+            _exit(3);
+        if (moe_poll(c, req) != -EINVAL)
+            _exit(4);
+        if (moe_region_create(c, 4096, "child", &r2) != -EINVAL || r2)
+            _exit(5);
+        if (moe_region_free(c, &f.r) != 0 || f.r)
+            _exit(6);
+        moe_request_free(c, &req);
+        moe_set_timeout(c, 1);
+        moe_disconnect(&c);
+        if (moe_connect(d.dir, "child", &c2) != 0 || moe_hello(c2, NULL) != 0)
+            _exit(7);
+        moe_disconnect(&c2);
+        _exit(0);
+    }
+    CHECK(pid > 0);
+    int st = 0;
+    CHECK(waitpid(pid, &st, 0) == pid);
+    CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child: %s %d",
+              WIFEXITED(st) ? "exit status" : "signal",
+              WIFEXITED(st) ? WEXITSTATUS(st) : WTERMSIG(st));
+    /* The parent's request, region and session are as they were. */
+    CHECK_MSG(moe_wait(c, &req, 10000, NULL) == 0, "%s", moe_errmsg());
+    CHECK(itest_fwd_error(&L, &f) <= itest_tolerance(L.dt));
+    memset((uint8_t *)moe_region_data(f.r) + f.o_off, 0xff,
+           f.T * (size_t)L.sh.hidden * moe_dtype_size(L.dt));
+    CHECK_MSG(moe_forward(c, &f.args, NULL) == 0, "%s", moe_errmsg());
+    CHECK(itest_fwd_error(&L, &f) <= itest_tolerance(L.dt));
+    moe_stats stats;
+    CHECK(moe_stats_get(c, &stats) == 0);
+    moe_region_free(c, &f.r);
+    moe_disconnect(&c);
+    itest_layer_free(&L);
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -665,5 +731,6 @@ int main(int argc, char **argv)
         TEST_CASE(null_pointers_are_refused),
         TEST_CASE(a_long_region_name_is_cut),
         TEST_CASE(an_impossible_region_size_is_said),
+        TEST_CASE(a_forked_child_does_not_use_its_parents_client),
         {0}});
 }
