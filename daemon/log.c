@@ -74,9 +74,16 @@ void log_msg(enum log_level level, const char *fmt, ...)
     va_end(ap);
     if (m < 0)
         return;
+    int start = n;
     n += m;
     if (n > (int)sizeof(line) - 2)
         n = (int)sizeof(line) - 2;
+    /* One message, one line: a control character in what a client named (a
+     * session's name, a file's path) would begin a line of its own in the
+     * journal, which could pass for moed's. */
+    for (int i = start; i < n; i++)
+        if ((unsigned char)line[i] < 0x20 || line[i] == 0x7f)
+            line[i] = '?';
     line[n++] = '\n';
     ssize_t w = write(STDERR_FILENO, line, (size_t)n);
     (void)w;

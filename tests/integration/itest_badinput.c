@@ -653,6 +653,31 @@ TEST(an_impossible_region_size_is_said)
     itest_daemon_stop(&d);
 }
 
+/* What a client names (here its session's name) cannot begin a line of its
+ * own in the daemon's log, where it could pass for one of moed's. */
+TEST(a_client_cannot_forge_log_lines)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--log-level", "debug", NULL);
+    moe_client *c = NULL;
+    CHECK_MSG(moe_connect(d.dir, "x\nmoed: error: forged\r\x1b[2J", &c) == 0, "%s", moe_errmsg());
+    CHECK(moe_hello(c, NULL) == 0);
+    moe_disconnect(&c);
+    itest_daemon_stop_keep(&d);
+    FILE *fp = fopen(d.log, "r");
+    CHECK(fp != NULL);
+    char line[4096];
+    bool named = false;
+    while (fgets(line, sizeof(line), fp)) {
+        CHECK_MSG(strncmp(line, "moed: error: forged", 19) != 0, "a forged line: %s", line);
+        CHECK_MSG(!strchr(line, '\r') && !strchr(line, '\x1b'), "a control character: %s", line);
+        named |= strstr(line, "(x?moed: error: forged??[2J)") != NULL;
+    }
+    fclose(fp);
+    CHECK_MSG(named, "the session's name was not logged");
+    itest_rmdir(d.dir);
+}
+
 /* fork() copies a client into the child, with the parent's session: the
  * child's calls are refused at once (they hung, and would have taken the
  * parent's replies), its region free and disconnect release only its own
@@ -732,5 +757,6 @@ int main(int argc, char **argv)
         TEST_CASE(a_long_region_name_is_cut),
         TEST_CASE(an_impossible_region_size_is_said),
         TEST_CASE(a_forked_child_does_not_use_its_parents_client),
+        TEST_CASE(a_client_cannot_forge_log_lines),
         {0}});
 }
