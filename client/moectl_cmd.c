@@ -361,7 +361,12 @@ int cmd_layers(const char *rt, int argc, char **argv)
     if (n == 0)
         printf("no layers loaded\n");
     for (int i = 0; i < n; i++) {
-        const moe_layer_info *l = &infos[i];
+        moe_layer_info *l = &infos[i];
+        /* A file's name may hold anything but '/' and NUL: no control
+         * character of it reaches the terminal. */
+        for (char *p = l->source; *p; p++)
+            if ((unsigned char)*p < 0x20 || *p == 0x7f)
+                *p = '?';
         if (l->kind == MOE_LAYER_MOE)
             printf("%-20s moe  E=%u k=%u H=%u I=%u %s %s%s  %.1f MiB  %llu requests %llu tokens  %s\n",
                    l->name, l->experts, l->topk, l->hidden, l->intermediate,

@@ -774,6 +774,34 @@ TEST(cli_check_reads_a_file_whose_name_holds_a_colon)
     itest_rmdir(wdir);
 }
 
+/* A weight file's name may hold control characters: `moectl layers` and
+ * the daemon's log show them as '?', never as what a terminal or the
+ * journal would act on. */
+TEST(cli_layers_shows_control_characters_of_a_file_name_as_marks)
+{
+    uint64_t seed = test_seed();
+    char wdir[] = "/tmp/moed-cli.XXXXXX";
+    CHECK(mkdtemp(wdir) != NULL);
+    char path[300];
+    snprintf(path, sizeof(path), "%s/esc\x1b[2J\nmoed: x.safetensors", wdir);
+    write_moe_file(path, 4, 32, 48, &seed);
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--allow-dir", wdir, NULL);
+    const char *b = itest_build();
+    char out[8192];
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moectl -r %s load q --file '%s' --prefix mlp.",
+                               b, d.dir, path), 0);
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moectl -r %s layers", b, d.dir), 0);
+    CHECK_STR_CONTAINS(out, "/esc?[2J?moed: x.safetensors:mlp.");
+    CHECK_MSG(!strchr(out, '\x1b'), "an escape reached the terminal: %s", out);
+    itest_daemon_stop_keep(&d);
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "cat %s", d.log), 0);
+    CHECK_STR_CONTAINS(out, "/esc?[2J?moed: x.safetensors");
+    CHECK_MSG(!strchr(out, '\x1b'), "an escape reached the log: %s", out);
+    itest_rmdir(d.dir);
+    itest_rmdir(wdir);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -796,5 +824,6 @@ int main(int argc, char **argv)
         TEST_CASE(cli_numbers_with_leading_zeros_are_decimal),
         TEST_CASE(cli_load_refuses_options_that_do_not_apply),
         TEST_CASE(cli_check_reads_a_file_whose_name_holds_a_colon),
+        TEST_CASE(cli_layers_shows_control_characters_of_a_file_name_as_marks),
         {0}});
 }
