@@ -107,6 +107,7 @@ struct moe_client {
     char name[64];
     pid_t pid;            /* the process that connected it */
     unsigned forks;       /* fork_count then (see forked()) */
+    struct moe_client *next_live; /* this process's clients (live_clients) */
 };
 
 struct moe_request {
@@ -123,18 +124,61 @@ static _Thread_local char moe_err_buf[512];
  * parent's session (the daemon cannot tell the two processes apart, and
  * each would take the other's replies), libzmq's threads are not there,
  * and mu may be held by a thread that is not either. fork_count counts
- * the forks of this process's ancestry since libmoe's first connect. */
+ * the forks of this process's ancestry since libmoe's first connect. The
+ * child closes its copies of the session and reply sockets at once: while
+ * it held them, the parent's session would outlive the parent's
+ * disconnect (or exit) for as long as the child lives. */
 static atomic_uint fork_count;
 static pthread_once_t fork_watch_once = PTHREAD_ONCE_INIT;
+static pthread_mutex_t live_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct moe_client *live_clients;
+
+static void on_fork_prepare(void)
+{
+    pthread_mutex_lock(&live_mu);
+}
+
+static void on_fork_parent(void)
+{
+    pthread_mutex_unlock(&live_mu);
+}
 
 static void on_fork_child(void)
 {
     atomic_fetch_add(&fork_count, 1);
+    for (struct moe_client *c = live_clients; c; c = c->next_live) {
+        if (c->sfd >= 0)
+            close(c->sfd);
+        if (c->rfd >= 0)
+            close(c->rfd);
+        c->sfd = c->rfd = -1;
+    }
+    live_clients = NULL; /* the parent's; this process starts with none */
+    pthread_mutex_unlock(&live_mu);
 }
 
 static void fork_watch(void)
 {
-    pthread_atfork(NULL, NULL, on_fork_child);
+    pthread_atfork(on_fork_prepare, on_fork_parent, on_fork_child);
+}
+
+static void live_add(struct moe_client *c)
+{
+    pthread_mutex_lock(&live_mu);
+    c->next_live = live_clients;
+    live_clients = c;
+    pthread_mutex_unlock(&live_mu);
+}
+
+static void live_remove(struct moe_client *c)
+{
+    pthread_mutex_lock(&live_mu);
+    for (struct moe_client **pp = &live_clients; *pp; pp = &(*pp)->next_live)
+        if (*pp == c) {
+            *pp = c->next_live;
+            break;
+        }
+    pthread_mutex_unlock(&live_mu);
 }
 
 /* Whether c was connected by another process (this one is a fork since). */
@@ -629,6 +673,7 @@ int moe_connect(const char *runtime_dir, const char *client_name, moe_client **o
     c->timeout_ms = 60000;
     c->sfd = -1;
     c->rfd = -1;
+    live_add(c); /* a fork from now on closes the child's copies of its sockets */
     /* Compute replies on a reply socket unless MOE_REPLIES=zmq (for
      * measuring the difference). */
     const char *rp = getenv("MOE_REPLIES");
@@ -670,7 +715,8 @@ static void region_unmap(struct moe_region *r)
  * threads are not in this process, are left as they are. */
 static void release_forked(moe_client *c)
 {
-    close(c->sfd);
+    if (c->sfd >= 0) /* closed at the fork already, unless it was mid-connect */
+        close(c->sfd);
     if (c->rfd >= 0)
         close(c->rfd);
     if (c->wake_fd >= 0)
@@ -702,6 +748,7 @@ void moe_disconnect(moe_client **cp)
         release_forked(c);
         return;
     }
+    live_remove(c);
     connection_close(c, false);
     if (c->zctx)
         while (zmq_ctx_term(c->zctx) < 0 && zmq_errno() == EINTR)

@@ -45,8 +45,10 @@
  * it are serialised where they touch its sockets. moe_request handles belong
  * to the client that made them.
  *
- * fork(): a client belongs to the process that connected it. In a child of
- * fork() its calls fail at once with -EINVAL (they never use the parent's
+ * fork(): a client belongs to the process that connected it. A child of
+ * fork() closes its copies of the client's sockets as it starts (so the
+ * parent's session ends when the parent disconnects or exits, child or
+ * not). Its calls fail at once with -EINVAL (they never use the parent's
  * session, whose replies the child would take), moe_set_timeout and
  * moe_set_spin_us do nothing, moe_request_free frees the handle alone, and
  * moe_region_free and moe_disconnect release only the child's copies (the

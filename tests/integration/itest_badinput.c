@@ -744,6 +744,48 @@ TEST(a_forked_child_does_not_use_its_parents_client)
     itest_daemon_stop(&d);
 }
 
+/* A child of fork() does not keep its parent's session alive: the parent's
+ * disconnect ends it (with its regions) while the child lives on, as if
+ * there were no child. */
+TEST(a_forked_child_does_not_keep_its_parents_session)
+{
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    moe_client *c = itest_connect(&d, "parent"), *o = itest_connect(&d, "observer");
+    moe_region *r = NULL;
+    CHECK(moe_region_create(c, 1 << 20, "parent", &r) == 0);
+    int p[2];
+    CHECK(pipe(p) == 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        alarm(20);
+        close(p[1]);
+        char b;
+        ssize_t n = read(p[0], &b, 1); /* until the parent closes its end */
+        _exit(n == 0 ? 0 : 1);
+    }
+    CHECK(pid > 0);
+    close(p[0]);
+    moe_stats st;
+    CHECK(moe_stats_get(o, &st) == 0);
+    CHECK_EQ_INT(st.sessions, 2);
+    moe_disconnect(&c);
+    uint64_t t0 = now_ms();
+    do {
+        itest_sleep_ms(10);
+        CHECK(moe_stats_get(o, &st) == 0);
+    } while (st.sessions != 1 && now_ms() - t0 < 5000);
+    CHECK_MSG(st.sessions == 1 && st.regions == 0,
+              "with the child alive: %u sessions, %u regions", st.sessions, st.regions);
+    close(p[1]);
+    int status = 0;
+    CHECK(waitpid(pid, &status, 0) == pid);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    moe_disconnect(&o);
+    itest_daemon_stop(&d);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -757,6 +799,7 @@ int main(int argc, char **argv)
         TEST_CASE(a_long_region_name_is_cut),
         TEST_CASE(an_impossible_region_size_is_said),
         TEST_CASE(a_forked_child_does_not_use_its_parents_client),
+        TEST_CASE(a_forked_child_does_not_keep_its_parents_session),
         TEST_CASE(a_client_cannot_forge_log_lines),
         {0}});
 }
