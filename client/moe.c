@@ -94,6 +94,7 @@ struct moe_client {
     unsigned spin_us;     /* busy-poll this long for a reply before sleeping */
     bool want_rfd;        /* ask for a reply socket at connect (MOE_REPLIES) */
     int rfd;              /* the reply socket (OpenSession.reply_socket), or -1 */
+    int rpeer;            /* its other end, until OpenSession has sent it, or -1 */
     bool want_socket_requests; /* send compute requests on it (MOE_REQUESTS) */
     bool socket_requests; /* ... and this daemon reads them there */
     uint64_t max_message; /* the largest Request the daemon takes (0: not said) */
@@ -147,11 +148,12 @@ static void on_fork_child(void)
 {
     atomic_fetch_add(&fork_count, 1);
     for (struct moe_client *c = live_clients; c; c = c->next_live) {
-        if (c->sfd >= 0)
-            close(c->sfd);
-        if (c->rfd >= 0)
-            close(c->rfd);
-        c->sfd = c->rfd = -1;
+        int *fds[] = {&c->sfd, &c->rfd, &c->rpeer};
+        for (int i = 0; i < 3; i++) {
+            if (*fds[i] >= 0)
+                close(*fds[i]);
+            *fds[i] = -1;
+        }
     }
     live_clients = NULL; /* the parent's; this process starts with none */
     pthread_mutex_unlock(&live_mu);
@@ -160,6 +162,18 @@ static void on_fork_child(void)
 static void fork_watch(void)
 {
     pthread_atfork(on_fork_prepare, on_fork_parent, on_fork_child);
+}
+
+/* A live client's session sockets are made and closed under live_mu: the
+ * fork child's handler then finds every one of them in its client, and
+ * closes no number that was freed and given to something else meanwhile. */
+static void fd_drop(int *fd)
+{
+    pthread_mutex_lock(&live_mu);
+    if (*fd >= 0)
+        close(*fd);
+    *fd = -1;
+    pthread_mutex_unlock(&live_mu);
 }
 
 static void live_add(struct moe_client *c)
@@ -207,7 +221,6 @@ static int seterr(int err, const char *fmt, ...)
     return err;
 }
 
-/* A pointer the call cannot do without is NULL. */
 /* What every call on a client of another process answers. */
 static int refuse_forked(const moe_client *c)
 {
@@ -215,6 +228,7 @@ static int refuse_forked(const moe_client *c)
                   "fork: a child connects anew (moe_connect)", (int)c->pid);
 }
 
+/* A pointer the call cannot do without is NULL. */
 static int null_arg(const char *what)
 {
     return seterr(-EINVAL, "%s is NULL", what);
@@ -484,12 +498,8 @@ static void connection_close(moe_client *c, bool keep_replies)
     if (c->zsock)
         zmq_close(c->zsock);
     c->zsock = NULL;
-    if (c->sfd >= 0)
-        close(c->sfd);
-    c->sfd = -1;
-    if (c->rfd >= 0)
-        close(c->rfd);
-    c->rfd = -1;
+    fd_drop(&c->sfd);
+    fd_drop(&c->rfd);
     for (struct pending **pp = &c->pending; *pp;) {
         struct pending *p = *pp;
         if (keep_replies && p->reply) {
@@ -522,9 +532,12 @@ static int connection_open(moe_client *c, bool unlocked)
     int rc = rundir_check(c->dir, why, sizeof(why));
     if (rc < 0 && rc != -ENOENT)
         return seterr(rc, "%s", why);
+    pthread_mutex_lock(&live_mu);
     c->sfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    int serr = errno;
+    pthread_mutex_unlock(&live_mu);
     if (c->sfd < 0)
-        return seterr(-errno, "socket: %s", strerror(errno));
+        return seterr(-serr, "socket: %s", strerror(serr));
     /* Not blocking: a daemon that has stopped accepting (hung) fills its
      * backlog, and a blocking connect would then wait for good. EAGAIN
      * says the backlog is full: tried again every 2 ms up to the client's
@@ -559,15 +572,17 @@ static int connection_open(moe_client *c, bool unlocked)
     req.body_case = MOE__SESSION_REQUEST__BODY_OPEN;
     req.open = &open;
     /* The reply socket: this end for us, the other for the daemon. */
-    int sv[2] = {-1, -1};
+    int sv[2];
+    pthread_mutex_lock(&live_mu);
     if (c->want_rfd && socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) == 0) {
         c->rfd = sv[0];
+        c->rpeer = sv[1];
         open.reply_socket = true;
     }
+    pthread_mutex_unlock(&live_mu);
     Moe__SessionReply *rep = NULL;
-    rc = session_call(c, &req, sv[1], unlocked, &rep);
-    if (sv[1] >= 0)
-        close(sv[1]);
+    rc = session_call(c, &req, c->rpeer, unlocked, &rep);
+    fd_drop(&c->rpeer); /* the daemon has its own now, or none */
     if (rc < 0)
         return rc;
     if (rep->token.len != sizeof(c->token) || !rep->request_endpoint) {
@@ -673,6 +688,7 @@ int moe_connect(const char *runtime_dir, const char *client_name, moe_client **o
     c->timeout_ms = 60000;
     c->sfd = -1;
     c->rfd = -1;
+    c->rpeer = -1;
     live_add(c); /* a fork from now on closes the child's copies of its sockets */
     /* Compute replies on a reply socket unless MOE_REPLIES=zmq (for
      * measuring the difference). */
@@ -715,10 +731,7 @@ static void region_unmap(struct moe_region *r)
  * threads are not in this process, are left as they are. */
 static void release_forked(moe_client *c)
 {
-    if (c->sfd >= 0) /* closed at the fork already, unless it was mid-connect */
-        close(c->sfd);
-    if (c->rfd >= 0)
-        close(c->rfd);
+    /* The sockets were closed at the fork (on_fork_child). */
     if (c->wake_fd >= 0)
         close(c->wake_fd);
     while (c->regions) {
@@ -748,8 +761,8 @@ void moe_disconnect(moe_client **cp)
         release_forked(c);
         return;
     }
+    connection_close(c, false); /* its sockets first: see fd_drop() */
     live_remove(c);
-    connection_close(c, false);
     if (c->zctx)
         while (zmq_ctx_term(c->zctx) < 0 && zmq_errno() == EINTR)
             ; /* interrupted by a signal of the caller's: it can be restarted */
@@ -928,8 +941,7 @@ static int receive_pushed(moe_client *c, uint64_t stop_id)
          * now on, and a socket that polls as hung up forever is no longer
          * polled. */
         if (r == 0 || (r < 0 && errno == ECONNRESET)) {
-            close(c->rfd);
-            c->rfd = -1;
+            fd_drop(&c->rfd);
             c->socket_requests = false;
             return found;
         }

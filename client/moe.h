@@ -46,14 +46,18 @@
  * to the client that made them.
  *
  * fork(): a client belongs to the process that connected it. A child of
- * fork() closes its copies of the client's sockets as it starts (so the
- * parent's session ends when the parent disconnects or exits, child or
- * not). Its calls fail at once with -EINVAL (they never use the parent's
+ * fork() closes its copies of the client's session sockets as it starts
+ * (so the parent's session ends when the parent disconnects or exits, child
+ * or not; the child's copy of the ZeroMQ connection, which only libzmq's
+ * threads could close, lasts as long as the child and holds nothing of the
+ * session). Its calls fail at once with -EINVAL (they never use the parent's
  * session, whose replies the child would take), moe_set_timeout and
  * moe_set_spin_us do nothing, moe_request_free frees the handle alone, and
  * moe_region_free and moe_disconnect release only the child's copies (the
  * parent's regions stay registered; moe_region_data stays valid, the
- * memory is shared). A child connects anew with moe_connect.
+ * memory is shared), from one thread of the child at a time. A child
+ * connects anew with moe_connect. fork() from a signal handler that
+ * interrupted a libmoe call is not supported.
  *
  * Signals: the caller's signal handlers may run during any call (with or
  * without SA_RESTART); a call that a signal interrupts goes on where it was,
