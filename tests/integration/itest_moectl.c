@@ -751,22 +751,28 @@ TEST(cli_load_refuses_options_that_do_not_apply)
     itest_daemon_stop(&d);
 }
 
+/* A daemon (*d) allowed wdir (made here, "/tmp/moed-cli.XXXXXX"), and
+ * its layer 'q' loaded by moectl from a file of that name in wdir. */
+static void daemon_with_layer_file(struct itest_daemon *d, char *wdir, const char *name)
+{
+    uint64_t seed = test_seed();
+    CHECK(mkdtemp(wdir) != NULL);
+    char path[300], out[8192];
+    snprintf(path, sizeof(path), "%s/%s", wdir, name);
+    write_moe_file(path, 4, 32, 48, &seed);
+    itest_daemon_start(d, "--allow-dir", wdir, NULL);
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moectl -r %s load q --file '%s' --prefix mlp.",
+                               itest_build(), d->dir, path), 0);
+}
+
 /* forward --check finds the layer's file when its name holds a colon: the
  * layer's source "PATH:PREFIX" was split at the first colon of the name. */
 TEST(cli_check_reads_a_file_whose_name_holds_a_colon)
 {
-    uint64_t seed = test_seed();
-    char wdir[] = "/tmp/moed-cli.XXXXXX";
-    CHECK(mkdtemp(wdir) != NULL);
-    char path[300];
-    snprintf(path, sizeof(path), "%s/qwen:2.safetensors", wdir);
-    write_moe_file(path, 4, 32, 48, &seed);
+    char wdir[] = "/tmp/moed-cli.XXXXXX", out[8192];
     struct itest_daemon d;
-    itest_daemon_start(&d, "--allow-dir", wdir, NULL);
+    daemon_with_layer_file(&d, wdir, "qwen:2.safetensors");
     const char *b = itest_build();
-    char out[8192];
-    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moectl -r %s load q --file '%s' --prefix mlp.",
-                               b, d.dir, path), 0);
     CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moectl -r %s forward --layer q --tokens 5 --check",
                                b, d.dir), 0);
     CHECK_STR_CONTAINS(out, ": ok");
@@ -779,18 +785,10 @@ TEST(cli_check_reads_a_file_whose_name_holds_a_colon)
  * journal would act on. */
 TEST(cli_layers_shows_control_characters_of_a_file_name_as_marks)
 {
-    uint64_t seed = test_seed();
-    char wdir[] = "/tmp/moed-cli.XXXXXX";
-    CHECK(mkdtemp(wdir) != NULL);
-    char path[300];
-    snprintf(path, sizeof(path), "%s/esc\x1b[2J\nmoed: x.safetensors", wdir);
-    write_moe_file(path, 4, 32, 48, &seed);
+    char wdir[] = "/tmp/moed-cli.XXXXXX", out[8192];
     struct itest_daemon d;
-    itest_daemon_start(&d, "--allow-dir", wdir, NULL);
+    daemon_with_layer_file(&d, wdir, "esc\x1b[2J\nmoed: x.safetensors");
     const char *b = itest_build();
-    char out[8192];
-    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moectl -r %s load q --file '%s' --prefix mlp.",
-                               b, d.dir, path), 0);
     CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moectl -r %s layers", b, d.dir), 0);
     CHECK_STR_CONTAINS(out, "/esc?[2J?moed: x.safetensors:mlp.");
     CHECK_MSG(!strchr(out, '\x1b'), "an escape reached the terminal: %s", out);
