@@ -284,14 +284,12 @@ static int open_backend(const struct config *c, struct backend **out)
 }
 
 /* The daemon's devices as the configuration and command line ask:
- * --virtual-devices, [daemon] gpus, or one backend. -errno when none
- * opens (-EINVAL: --virtual-devices without the CPU backend). */
+ * --virtual-devices (main() has refused it without the CPU backend),
+ * [daemon] gpus, or one backend. -errno when none opens. */
 static int open_backends(struct daemon *d)
 {
     int rc;
     if (d->cli.vdev > 1) {
-        if (strcmp(d->cfg.backend, "cpu") != 0)
-            return -EINVAL;
         rc = open_virtual_devices(&d->cfg, d->cli.vdev, d->backends);
         d->n_backends = rc < 0 ? 0 : (int)d->cli.vdev;
     } else if (strcmp(d->cfg.backend, "cpu") != 0 && (d->cfg.gpus_all || d->cfg.n_gpus > 0)) {
@@ -330,7 +328,7 @@ static int tune_main(struct daemon *d, struct tune_plan *p, bool demo)
     }
     if ((rc = open_backends(d)) < 0) {
         log_err("tuning needs a CUDA device: cannot open the %s backend: %s", c->backend,
-                rc == -EINVAL ? "--virtual-devices is for the CPU backend" : open_error(rc));
+                open_error(rc));
         return 1;
     }
     int status = 1;
@@ -694,11 +692,7 @@ int main(int argc, char **argv)
     }
 
     raise_nofile();
-    if ((rc = open_backends(&d)) == -EINVAL && d.cli.vdev > 1) {
-        log_err("--virtual-devices needs --backend cpu");
-        return 2;
-    }
-    if (rc < 0) {
+    if ((rc = open_backends(&d)) < 0) {
         log_err("cannot open the %s backend: %s", d.cfg.backend, open_error(rc));
         return 1;
     }
