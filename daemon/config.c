@@ -153,6 +153,19 @@ void config_done(struct config *c)
     memset(c, 0, sizeof(*c));
 }
 
+/* Append s (taken over) to the array *v of *n; -ENOMEM (s freed). */
+static int strv_push(char ***v, size_t *n, char *s)
+{
+    char **grown = realloc(*v, (*n + 1) * sizeof(*grown));
+    if (!grown) {
+        free(s);
+        return -ENOMEM;
+    }
+    *v = grown;
+    grown[(*n)++] = s;
+    return 0;
+}
+
 int config_add_allowed_dir(struct config *c, const char *dir)
 {
     struct stat st;
@@ -165,14 +178,7 @@ int config_add_allowed_dir(struct config *c, const char *dir)
         free(canon);
         return e;
     }
-    char **n = realloc(c->allowed_dirs, (c->n_allowed_dirs + 1) * sizeof(*n));
-    if (!n) {
-        free(canon);
-        return -ENOMEM;
-    }
-    c->allowed_dirs = n;
-    c->allowed_dirs[c->n_allowed_dirs++] = canon;
-    return 0;
+    return strv_push(&c->allowed_dirs, &c->n_allowed_dirs, canon);
 }
 
 int config_parse_kind(const char *s)
@@ -227,14 +233,7 @@ static int key_first_time(struct parse_ctx *p, const char *section, const char *
             free(sk);
             return -EEXIST;
         }
-    char **n = realloc(p->seen, (p->n_seen + 1) * sizeof(*n));
-    if (!n) {
-        free(sk);
-        return -ENOMEM;
-    }
-    p->seen = n;
-    p->seen[p->n_seen++] = sk;
-    return 0;
+    return strv_push(&p->seen, &p->n_seen, sk);
 }
 
 /* Decimal digits only: strtoull would also take leading spaces, a '+', and
@@ -539,8 +538,6 @@ static int layer_key(struct layer_conf *l, const char *k, const char *v)
     return -ENOENT;
 }
 
-/* inih reports the line of the first handler that returns 0; the message
- * is written here and the line added by the caller. */
 /* The name of a "[layer NAME]" section (quotes and spaces around it
  * dropped), into out. */
 static void layer_section_name(const char *section, char *out, size_t len)
@@ -554,6 +551,8 @@ static void layer_section_name(const char *section, char *out, size_t len)
         out[--n] = '\0';
 }
 
+/* inih reports the line of the first handler that returns 0; the message
+ * is written here and the line added by the caller. */
 static int on_ini(void *user, const char *section, const char *key, const char *value)
 {
     struct parse_ctx *p = user;
@@ -564,20 +563,18 @@ static int on_ini(void *user, const char *section, const char *key, const char *
      * allowed_dirs, add to it) without a word; inih also hands an indented
      * line after a key over as the key again (a continuation). A layer's
      * section may come again, with other keys. */
+    /* (An unknown section's first key ends the parse below.) */
     bool layer = !strncmp(section, "layer ", 6);
     char nm[80] = "", sec[96];
     if (layer)
         layer_section_name(section, nm, sizeof(nm));
-    if (!strcmp(section, "daemon") || !strcmp(section, "batch") || !strcmp(section, "limits") ||
-        layer) {
-        snprintf(sec, sizeof(sec), layer ? "layer %s" : "%s", layer ? nm : section);
-        if ((rc = key_first_time(p, sec, key)) == -EEXIST)
-            snprintf(p->msg, sizeof(p->msg), "'%s' in [%s] is set twice (an indented line "
-                     "continues the key above it)", key, sec);
-        if (rc) {
-            p->rc = rc == -ENOMEM ? rc : -EINVAL;
-            return 0;
-        }
+    snprintf(sec, sizeof(sec), layer ? "layer %s" : "%s", layer ? nm : section);
+    if ((rc = key_first_time(p, sec, key)) == -EEXIST)
+        snprintf(p->msg, sizeof(p->msg), "'%s' in [%s] is set twice (an indented line "
+                 "continues the key above it)", key, sec);
+    if (rc) {
+        p->rc = rc == -ENOMEM ? rc : -EINVAL;
+        return 0;
     }
     if (!strcmp(section, "daemon"))
         rc = config_set_daemon(p->c, key, value);
