@@ -8,6 +8,7 @@
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -348,19 +349,9 @@ int st_write_check(const char *path)
     }
     /* The temp file and the rename go in the file's directory, there
      * already or not. */
-    char dir[4096];
-    const char *slash = strrchr(path, '/');
-    if (!slash) {
-        strcpy(dir, ".");
-    } else if (slash == path) {
-        strcpy(dir, "/");
-    } else {
-        size_t n = (size_t)(slash - path);
-        if (n >= sizeof(dir))
-            return -ENAMETOOLONG;
-        memcpy(dir, path, n);
-        dir[n] = '\0';
-    }
+    char dir[PATH_MAX];
+    if (path_dir(path, dir, sizeof(dir)) < 0)
+        return -ENAMETOOLONG;
     if (stat(dir, &st) < 0)
         return -errno;
     if (!S_ISDIR(st.st_mode))

@@ -420,9 +420,7 @@ int tiles_write(const char *path, const struct tile_table *updates, size_t *kept
     const char *slash = strrchr(path, '/');
     if (!path[0] || !slash || !slash[1])
         return errf(err, errlen, -EINVAL, "'%s' is not an absolute file name", path);
-    if (slash == path)
-        snprintf(dir, sizeof(dir), "/");
-    else if (snprintf(dir, sizeof(dir), "%.*s", (int)(slash - path), path) >= (int)sizeof(dir))
+    if (path_dir(path, dir, sizeof(dir)) < 0)
         return errf(err, errlen, -ENAMETOOLONG, "%s: name too long", path);
     if (snprintf(tmp, sizeof(tmp), "%s/.%s.XXXXXX", dir, slash + 1) >= (int)sizeof(tmp))
         return errf(err, errlen, -ENAMETOOLONG, "%s: name too long", path);

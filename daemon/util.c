@@ -49,6 +49,15 @@ int errf(char *err, size_t errlen, int rc, const char *fmt, ...)
     return rc;
 }
 
+int path_dir(const char *path, char *dir, size_t len)
+{
+    const char *slash = strrchr(path, '/');
+    int n = !slash ? snprintf(dir, len, ".")
+            : slash == path ? snprintf(dir, len, "/")
+                            : snprintf(dir, len, "%.*s", (int)(slash - path), path);
+    return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
+}
+
 int read_text_file(const char *path, char **text, char *err, size_t errlen)
 {
     *text = NULL;

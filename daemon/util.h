@@ -77,6 +77,11 @@ bool name_valid(const char *name);
 int errf(char *err, size_t errlen, int rc, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
+/* The directory a file named path would be in, into dir (len bytes): "."
+ * for a name without '/', "/" for one right under the root. 0 or
+ * -ENAMETOOLONG. */
+int path_dir(const char *path, char *dir, size_t len);
+
 /* Read the text file at path, of at most 1 MiB, into *text (malloc'd,
  * NUL-terminated; the caller frees it). A directory, a larger file, a NUL
  * byte (named by its line) and a read error are refused with a message in
