@@ -488,18 +488,9 @@ void moe_set_spin_us(moe_client *c, unsigned spin_us)
     pthread_mutex_unlock(&c->mu);
 }
 
-/* Close the sockets of the current connection (not the regions); a thread
- * asleep on them is woken to notice. The replies that came stay for their
- * waits where keep_replies (a reconnection), the marks of given-up requests
- * go with the connection. */
-static void connection_close(moe_client *c, bool keep_replies)
+/* Drop the pending list, but for the replies that came where keep_replies. */
+static void pending_clear(moe_client *c, bool keep_replies)
 {
-    kick_reader(c);
-    if (c->zsock)
-        zmq_close(c->zsock);
-    c->zsock = NULL;
-    fd_drop(&c->sfd);
-    fd_drop(&c->rfd);
     for (struct pending **pp = &c->pending; *pp;) {
         struct pending *p = *pp;
         if (keep_replies && p->reply) {
@@ -512,6 +503,22 @@ static void connection_close(moe_client *c, bool keep_replies)
         free(p);
     }
 }
+
+/* Close the sockets of the current connection (not the regions); a thread
+ * asleep on them is woken to notice. The replies that came stay for their
+ * waits where keep_replies (a reconnection), the marks of given-up requests
+ * go with the connection. */
+static void connection_close(moe_client *c, bool keep_replies)
+{
+    kick_reader(c);
+    if (c->zsock)
+        zmq_close(c->zsock);
+    c->zsock = NULL;
+    fd_drop(&c->sfd);
+    fd_drop(&c->rfd);
+    pending_clear(c, keep_replies);
+}
+
 
 static int region_register(moe_client *c, struct moe_region *r, bool unlocked);
 static int session_socket_ready(moe_client *c);
@@ -725,30 +732,6 @@ static void region_unmap(struct moe_region *r)
     free(r);
 }
 
-/* moe_disconnect() in a fork: this process's copies of the client's
- * descriptors, mappings and memory go; the parent's session is not told
- * (the socket stays open in the parent), and libzmq's objects, whose
- * threads are not in this process, are left as they are. */
-static void release_forked(moe_client *c)
-{
-    /* The sockets were closed at the fork (on_fork_child). */
-    if (c->wake_fd >= 0)
-        close(c->wake_fd);
-    while (c->regions) {
-        struct moe_region *r = c->regions;
-        c->regions = r->next;
-        region_unmap(r);
-    }
-    while (c->pending) {
-        struct pending *p = c->pending;
-        c->pending = p->next;
-        if (p->reply)
-            moe__reply__free_unpacked(p->reply, NULL);
-        free(p);
-    }
-    free(c);
-}
-
 void moe_disconnect(moe_client **cp)
 {
     if (!cp)
@@ -757,15 +740,20 @@ void moe_disconnect(moe_client **cp)
     *cp = NULL;
     if (!c)
         return;
-    if (forked(c)) {
-        release_forked(c);
-        return;
+    /* In a fork, this process's copies go: the sockets were closed at the
+     * fork (on_fork_child), the parent's session is not told, and libzmq's
+     * objects, whose threads are not in this process, and mu, which one of
+     * them may hold, are left as they are. */
+    bool mine = !forked(c);
+    if (mine) {
+        connection_close(c, false); /* its sockets first: see fd_drop() */
+        live_remove(c);
+        if (c->zctx)
+            while (zmq_ctx_term(c->zctx) < 0 && zmq_errno() == EINTR)
+                ; /* interrupted by a signal of the caller's: it can be restarted */
+    } else {
+        pending_clear(c, false);
     }
-    connection_close(c, false); /* its sockets first: see fd_drop() */
-    live_remove(c);
-    if (c->zctx)
-        while (zmq_ctx_term(c->zctx) < 0 && zmq_errno() == EINTR)
-            ; /* interrupted by a signal of the caller's: it can be restarted */
     while (c->regions) {
         struct moe_region *r = c->regions;
         c->regions = r->next;
@@ -773,8 +761,10 @@ void moe_disconnect(moe_client **cp)
     }
     if (c->wake_fd >= 0)
         close(c->wake_fd);
-    pthread_cond_destroy(&c->cv);
-    pthread_mutex_destroy(&c->mu);
+    if (mine) {
+        pthread_cond_destroy(&c->cv);
+        pthread_mutex_destroy(&c->mu);
+    }
     free(c);
 }
 
@@ -1324,6 +1314,22 @@ static bool region_of(const moe_client *c, const moe_region *r)
     return false;
 }
 
+/* Take r off c's list. Caller holds mu (or is a fork's only user of c). */
+static void region_unlink(moe_client *c, const moe_region *r)
+{
+    for (moe_region **pp = &c->regions; *pp; pp = &(*pp)->next)
+        if (*pp == r) {
+            *pp = r->next;
+            return;
+        }
+}
+
+static int not_this_clients_region(void)
+{
+    return seterr(-EINVAL, "the region is not one of this client's (another client's, or freed "
+                  "already)");
+}
+
 int moe_region_free(moe_client *c, moe_region **rp)
 {
     moe_region *r = rp ? *rp : NULL;
@@ -1332,15 +1338,12 @@ int moe_region_free(moe_client *c, moe_region **rp)
     if (!c)
         return null_arg("the client");
     if (forked(c)) { /* this process's mapping only: the parent's stays registered */
-        for (moe_region **pp = &c->regions; *pp; pp = &(*pp)->next)
-            if (*pp == r) {
-                *pp = r->next;
-                *rp = NULL;
-                region_unmap(r);
-                return 0;
-            }
-        return seterr(-EINVAL, "the region is not one of this client's (another client's, or "
-                      "freed already)");
+        if (!region_of(c, r))
+            return not_this_clients_region();
+        region_unlink(c, r);
+        *rp = NULL;
+        region_unmap(r);
+        return 0;
     }
     Moe__SessionRequest req = MOE__SESSION_REQUEST__INIT;
     Moe__UnregisterRegion un = MOE__UNREGISTER_REGION__INIT;
@@ -1357,8 +1360,7 @@ int moe_region_free(moe_client *c, moe_region **rp)
     if (!region_of(c, r)) {
         session_unclaim(c);
         pthread_mutex_unlock(&c->mu);
-        return seterr(-EINVAL, "the region is not one of this client's (another client's, or "
-                      "freed already)");
+        return not_this_clients_region();
     }
     *rp = NULL;
     un.region = r->id; /* claimed: a reconnection (which re-registers it) waits */
@@ -1367,11 +1369,7 @@ int moe_region_free(moe_client *c, moe_region **rp)
     int rc = c->broken ? 0 : session_call(c, &req, -1, true, &rep);
     if (!rc && rep)
         moe__session_reply__free_unpacked(rep, NULL);
-    for (moe_region **pp = &c->regions; *pp; pp = &(*pp)->next)
-        if (*pp == r) {
-            *pp = r->next;
-            break;
-        }
+    region_unlink(c, r);
     session_unclaim(c);
     pthread_mutex_unlock(&c->mu);
     region_unmap(r);
@@ -1707,8 +1705,6 @@ static int request_wait(moe_client *c, const moe_request *r, int timeout_ms, moe
 {
     Moe__Reply *rep = NULL;
     int rc;
-    if (forked(c))
-        return refuse_forked(c);
     pthread_mutex_lock(&c->mu);
     if (timeout_ms < 0)
         timeout_ms = c->timeout_ms;
