@@ -101,7 +101,7 @@ int tiles_check_entry(const struct tile_entry *e, char *err, size_t errlen)
                         r->min_tokens, r->tile, e->rules[i - 1].min_tokens);
         if (!tiles_tile_ok(r->tile))
             return errf(err, errlen, -EINVAL,
-                        "rule '%d:%d': tile %d is not 16, 32, 64, 128, 192 or 256",
+                        "rule '%d:%d': tile %d is not 16, 32, 64, 128, 144, 192 or 256",
                         r->min_tokens, r->tile, r->tile);
     }
     return 0;

@@ -82,15 +82,36 @@ __host__ __device__ __forceinline__ constexpr int moek_classes(int bn)
  * 208 and 224 for those just over 1024 (five); 192 (about 128 rows:
  * deepseek T = 4096, mixtral T = 512) has 128, 144 and 160. Against
  * widths 32 apart that is 1.8% (mixtral), 4.3% (qwen3), 4.4% (deepseek)
- * and 4.7% (mixtral T = 512) fewer columns.
+ * and 4.7% (mixtral T = 512) fewer columns. 144 (two weight tiles a CTA,
+ * moek_wtiles; its accumulators bound it at 144) has 128, 96 and 64: a
+ * group of 256 rows takes two tiles of 128, one just over 144 two of 96.
  */
 __host__ __device__ __forceinline__ constexpr int moek_class_width(int bn,
                                                                    int c)
 {
     return bn == 256   ? (c == 0 ? 256 : c == 1 ? 224 : c == 2 ? 208 : 144)
            : bn == 192 ? (c == 0 ? 192 : c == 1 ? 160 : c == 2 ? 144 : 128)
+           : bn == 144 ? (c == 0 ? 144 : c == 1 ? 128 : c == 2 ? 96 : 64)
            : bn == 128 ? 128 - 32 * c
                        : bn;
+}
+/*
+ * Weight tiles a CTA of instance bn multiplies against each token tile at
+ * once. The 144-row instance takes two (256 weight rows: each consumer
+ * warpgroup one whole 128-row tile, in two accumulators), so a token
+ * tile's rows are read once per 256 weight rows instead of once per 128,
+ * and each stage holds twice the MMA work. Its items go in pairs, nt and
+ * nt + 1 of one token tile, so the layer needs weight-tile counts and
+ * raster chunks that are multiples of two (four in cluster mode) and GEMMs
+ * that do not split K (layer.cu, fit_tile). Where groups split into whole
+ * tiles of about 128 rows (256 to 512 rows a group) it beat the 256-row
+ * instance on an H100; for groups of about 128 or 192 rows it lost to the
+ * 192- and 256-row ones (kernels/bench/RESULTS.md, run 43; layer.cu,
+ * pick_tile).
+ */
+__host__ __device__ __forceinline__ constexpr int moek_wtiles(int bn)
+{
+    return bn == 144 ? 2 : 1;
 }
 __host__ __device__ __forceinline__ int moek_token_tiles(int cnt, int bn)
 {
@@ -642,7 +663,10 @@ int moek_make_tmaps(moek_tmaps *t, void *base, moek_dtype dt, uint64_t rows,
  * multicast; the token rows a.b are then contiguous (a.b_rows unused)
  * behind tmaps_b (made for a.bn: another instance's boxes would never
  * deliver the bytes a stage waits for, so it is refused), the grid is
- * even, the plan has no K split and a.chunk and a.n_tiles are even. Tiles
+ * even, the plan has no K split and a.chunk and a.n_tiles are even. Where
+ * a CTA takes moek_wtiles(a.bn) = 2 weight tiles, a.chunk and a.n_tiles
+ * are multiples of 2 (4 in cluster mode; refused otherwise) and the plan
+ * has no K split. Tiles
  * moek_wgmma_cluster_ok only. tmap_o: the output's map, which SWIGLU
  * (moek_make_out_tmap) and SLOT (moek_make_tmap, 8-row boxes) store
  * through with tiles of MOEK_STAGED_MIN_TILE rows and wider (refused

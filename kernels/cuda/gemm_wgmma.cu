@@ -120,7 +120,9 @@ constexpr int SB3_INTS = 260; /* SB3_GROUPS + 1, in 16-byte steps */
  * ticket. */
 template <int BN, int DEP = 0> struct tile_cfg {
     static constexpr int B_BYTES = BN * MOEK_KTILE * 2;
-    static constexpr int STAGE = A_BYTES + B_BYTES;
+    /* the weight tiles of a stage (moek_wtiles), then its token rows */
+    static constexpr int A_ALL = moek_wtiles(BN) * A_BYTES;
+    static constexpr int STAGE = A_ALL + B_BYTES;
     /* COMBINE's and SLOT's (token, weight) per token row: 2 consumers x 2
      * items. */
     static constexpr int STG_BYTES = 2 * 2 * BN * 8;
@@ -312,12 +314,14 @@ __device__ __forceinline__ void prefetch_guess(const moek_gemm_args &a)
                  : "memory");
 }
 
-/* The first item of this CTA's sequence at or after `start`. */
-__device__ __forceinline__ int class_first(int start)
+/* The first item of this CTA's sequence at or after `start`, items taken
+ * W at a time (moek_wtiles; start a multiple of W): every gridDim.x-th run
+ * of W from the CTA's own. */
+__device__ __forceinline__ int class_first(int start, int W = 1)
 {
-    const int g = (int)gridDim.x;
-    const int r = ((int)blockIdx.x - start) % g;
-    return start + (r < 0 ? r + g : r);
+    const int g = (int)gridDim.x, s = start / W;
+    const int r = ((int)blockIdx.x - s) % g;
+    return start + W * (r < 0 ? r + g : r);
 }
 
 /*
@@ -418,11 +422,27 @@ __device__ __forceinline__ cta_span item_span(int c0, int first, int end,
 }
 
 __device__ __forceinline__ cta_span class_span(int c0, int c1, bool sk,
-                                               int kblocks)
+                                               int kblocks, int W = 1)
 {
     if (!sk)
-        return item_span(c0, class_first(c0), c1, (int)gridDim.x);
+        return item_span(c0, class_first(c0, W), c1, W * (int)gridDim.x);
     return k_share(c0, c1, kblocks, blockIdx.x, gridDim.x);
+}
+
+/* Item it's weight tiles for stage memory sA (moek_wtiles: nt, nt + 1 of
+ * one token tile), on one barrier. */
+template <int BN>
+__device__ __forceinline__ void load_ws(const moek_gemm_args &a,
+                                        const CUtensorMap *tmap, uint8_t *sA,
+                                        const moek_item &it, int kb,
+                                        uint64_t *bar)
+{
+#pragma unroll
+    for (int w = 0; w < moek_wtiles(BN); w++) {
+        moek_item iw = it;
+        iw.nt += w;
+        load_w(a, tmap, sA + w * A_BYTES, iw, kb, bar);
+    }
 }
 
 /*
@@ -487,10 +507,11 @@ __device__ __forceinline__ int preissue(const moek_gemm_args &a,
                 /* CL = 2: the stage's one arrival comes with its token rows
                  * (produce_mc), which the peer's multicast also fills. */
                 if (CL == 2)
-                    mbar_expect_tx_only(&full[pre], A_BYTES);
+                    mbar_expect_tx_only(&full[pre], C::A_ALL);
                 else
-                    moek_mbar_expect_tx(&full[pre], A_BYTES);
-                load_w(a, tmap, smem + pre * C::STAGE, it, kb, &full[pre]);
+                    moek_mbar_expect_tx(&full[pre], C::A_ALL);
+                load_ws<BN>(a, tmap, smem + pre * C::STAGE, it, kb,
+                            &full[pre]);
             }
         }
     }
@@ -556,7 +577,7 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
             offsets();
         for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
             uint8_t *sA = smem + pp.stage * C::STAGE;
-            uint8_t *sB = sA + A_BYTES;
+            uint8_t *sB = sA + C::A_ALL;
             if (pp.used >= pre) {
                 moek_mbar_wait(&empty[pp.stage], pp.phase ^ 1);
                 if (tid == 0) {
@@ -570,8 +591,8 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
                     if (kb == it.kb0)
                         moek_trace_item(a.which, MOEK_TR_ISSUE, pp.items,
                                         it.g);
-                    moek_mbar_expect_tx(&full[pp.stage], A_BYTES);
-                    load_w(a, tmap, sA, it, kb, &full[pp.stage]);
+                    moek_mbar_expect_tx(&full[pp.stage], C::A_ALL);
+                    load_ws<BN>(a, tmap, sA, it, kb, &full[pp.stage]);
                 }
             }
             if constexpr (LATE_FETCH)
@@ -713,18 +734,19 @@ __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
                                            const CUtensorMap *tmap_b,
                                            uint8_t *smem, uint64_t *full,
                                            uint64_t *empty, int ncg, int idx,
-                                           int end, int pre, pipe_pos &pp,
-                                           const int *sb, uint32_t rank)
+                                           int end, int step, int pre,
+                                           pipe_pos &pp, const int *sb,
+                                           uint32_t rank)
 {
     using C = tile_cfg<BN>;
     constexpr int HALF = N / 2;
     static_assert(HALF % 8 == 0, "token tile halves of whole swizzle atoms");
     /* pp.items numbers the items for the trace alone */
-    for (; idx < end; idx += gridDim.x, pp.items++) {
+    for (; idx < end; idx += step, pp.items++) {
         const moek_item it = moek_decode_item(a, ncg, 1, idx, sb);
         for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
             uint8_t *sA = smem + pp.stage * C::STAGE;
-            uint8_t *sB = sA + A_BYTES;
+            uint8_t *sB = sA + C::A_ALL;
             if (pp.used >= pre)
                 moek_mbar_wait(&empty[pp.stage], pp.phase ^ 1);
             if (threadIdx.x == 0) {
@@ -732,8 +754,8 @@ __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
                     if (kb == it.kb0)
                         moek_trace_item(a.which, MOEK_TR_ISSUE, pp.items,
                                         it.g);
-                    moek_mbar_expect_tx(&full[pp.stage], A_BYTES + N * 128);
-                    load_w(a, tmap, sA, it, kb, &full[pp.stage]);
+                    moek_mbar_expect_tx(&full[pp.stage], C::A_ALL + N * 128);
+                    load_ws<BN>(a, tmap, sA, it, kb, &full[pp.stage]);
                 } else {
                     moek_mbar_expect_tx(&full[pp.stage], N * 128);
                 }
@@ -810,7 +832,9 @@ __device__ __forceinline__ int stage_store(const CUtensorMap *omap,
 
 /*
  * SWIGLU epilogue through shared memory (consumer warpgroup cw, tiles of 128
- * rows and wider). Warp w holds SiLU(gate) * up of features f0 + 8 w .. + 7
+ * rows and wider; h: which 64-row half of weight tile it.nt the
+ * accumulators d hold, cw itself but where a warpgroup has a whole tile,
+ * moek_wtiles). Warp w holds SiLU(gate) * up of features f0 + 8 w .. + 7
  * for every token column; written directly that is one 2-byte store per
  * value, 64 per thread, and the stores kept the tensor pipe idle for 12% of
  * mixtral T=4096 (RESULTS.md, run 11). Here each pass of up to 128 token
@@ -835,11 +859,11 @@ __device__ __forceinline__ void epi_swiglu_staged(const moek_gemm_args &a,
                                                   const CUtensorMap *omap,
                                                   const moek_item &it,
                                                   const float *d, int cw,
-                                                  uint8_t *buf)
+                                                  int h, uint8_t *buf)
 {
     static_assert(N % 16 == 0, "token tiles of whole 16-column steps");
     const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
-    const int f0 = it.nt * (MOEK_WTILE / 2) + cw * 32;
+    const int f0 = it.nt * (MOEK_WTILE / 2) + h * 32;
     const uint32_t base = moek_smem_u32(buf);
 #pragma unroll
     for (int p0 = 0; p0 < N; p0 += EPI_ROWS) {
@@ -885,8 +909,8 @@ __device__ __forceinline__ void epi_swiglu_staged(const moek_gemm_args &a,
 }
 
 /*
- * SLOT epilogue through shared memory (consumer warpgroup cw, tiles of 128
- * rows and wider), as epi_swiglu_staged: the weighted rows of up to 64
+ * SLOT epilogue through shared memory (consumer warpgroup cw, half h of
+ * weight tile it.nt, tiles of 128 rows and wider), as epi_swiglu_staged: the weighted rows of up to 64
  * token columns per pass go to a [token][64 features] buffer (128-byte
  * rows, 16-byte chunks swizzled by row % 8: TMA's 128-byte swizzle), then
  * out by TMA in boxes of 8 token rows (omap), the last mlen % 8 rows by
@@ -901,12 +925,13 @@ __device__ __forceinline__ void epi_slot_staged(const moek_gemm_args &a,
                                                 const CUtensorMap *omap,
                                                 const moek_item &it,
                                                 const float *d, int cw,
-                                                uint8_t *buf, const int2 *stg)
+                                                int h, uint8_t *buf,
+                                                const int2 *stg)
 {
     constexpr int PR = EPI_ROWS * 64 / 128; /* token rows per pass */
     static_assert(N % 8 == 0, "token tiles of whole 8-column steps");
     const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
-    const int f0 = it.nt * MOEK_WTILE + cw * 64;
+    const int f0 = it.nt * MOEK_WTILE + h * 64;
     const int i = lane >> 2, q = lane & 3;
     const int chunk = 2 * warp + (i >> 2), word = (i & 3) * 4;
 #pragma unroll
@@ -957,7 +982,9 @@ __device__ __forceinline__ void release(uint64_t *empty, int s)
 }
 
 /* Consumer warpgroup cw, one tile class: weight rows 64 cw .. 64 cw + 63 of
- * each tile against its N token rows, then the epilogue. COMBINE and SLOT:
+ * each tile against its N token rows, then the epilogue; where a CTA takes
+ * two weight tiles (moek_wtiles), all 128 rows of tile nt + cw, as two
+ * 64-row halves in accumulators d and d1, each with its own epilogue. COMBINE and SLOT:
  * the item's (token, routing weight) pairs (SLOT needs only the weight)
  * are loaded before its K loop and put in
  * shared memory after it, so the epilogue's atomics do not each wait on two
@@ -974,9 +1001,11 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
 {
     using C = tile_cfg<BN, L>;
     constexpr bool RING = ring(BN, CL, DEP);
+    constexpr int W = moek_wtiles(BN);
+    static_assert(W == 1 || DEP == 0, "two weight tiles: no moek_dep");
     const int tid = threadIdx.x, cw = (tid >> 7) - 1;
     const int warp = (tid >> 5) & 3, lane = tid & 31;
-    float d[N / 2];
+    float d[N / 2], d1[W == 2 ? N / 2 : 1];
     /* COMBINE and SLOT: the routing weight, staged with the token */
     const bool comb = a.epi == MOEK_EPI_COMBINE || a.epi == MOEK_EPI_SLOT;
     int2 *stg_base = reinterpret_cast<int2 *>(empty + C::STAGES) + cw * 2 * BN;
@@ -1023,6 +1052,11 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
 #pragma unroll
         for (int i = 0; i < N / 2; i++)
             d[i] = 0.f;
+        if constexpr (W == 2) {
+#pragma unroll
+            for (int i = 0; i < N / 2; i++)
+                d1[i] = 0.f;
+        }
         int prev = -1;
         for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
             moek_mbar_wait(&full[pp.stage], pp.phase);
@@ -1032,13 +1066,20 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
             /* The token rows were written by cp.async (generic proxy);
              * wgmma reads through the async proxy. */
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            uint8_t *sA = smem + pp.stage * C::STAGE + cw * (A_BYTES / 2);
-            uint8_t *sB = smem + pp.stage * C::STAGE + A_BYTES;
+            uint8_t *sA = smem + pp.stage * C::STAGE +
+                          cw * (W == 2 ? A_BYTES : A_BYTES / 2);
+            uint8_t *sB = smem + pp.stage * C::STAGE + C::A_ALL;
             const uint64_t da = smem_desc(sA), db = smem_desc(sB);
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < MOEK_KTILE / 16; kk++)
                 moek_wgmma<T, N>::mma(d, da + 2 * kk, db + 2 * kk);
+            if constexpr (W == 2) {
+                const uint64_t da1 = smem_desc(sA + A_BYTES / 2);
+#pragma unroll
+                for (int kk = 0; kk < MOEK_KTILE / 16; kk++)
+                    moek_wgmma<T, N>::mma(d1, da1 + 2 * kk, db + 2 * kk);
+            }
             wgmma_commit();
             wgmma_wait<1>();
             if (prev >= 0 && lane == 0)
@@ -1058,52 +1099,66 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
                     stg[c] = pair[u];
             }
         }
-        if constexpr (C::EPI_BYTES > 0) {
-            /* moek_dep's count would need the TMA stores complete */
-            static_assert(DEP != 1, "moek_dep counts plain stores only");
-            if (a.epi == MOEK_EPI_SWIGLU) {
-                epi_swiglu_staged<T, N>(a, omap, it, d, cw,
-                                        epi_buf + cw * EPI_ROWS * 64);
-                continue;
+        /* The accumulators dd of half h of weight tile iw.nt. */
+        const auto epilogue = [&](const float *dd, int h,
+                                  const moek_item &iw) {
+            if constexpr (C::EPI_BYTES > 0) {
+                /* moek_dep's count would need the TMA stores complete */
+                static_assert(DEP != 1, "moek_dep counts plain stores only");
+                if (a.epi == MOEK_EPI_SWIGLU) {
+                    epi_swiglu_staged<T, N>(a, omap, iw, dd, cw, h,
+                                            epi_buf + cw * EPI_ROWS * 64);
+                    return;
+                }
+                if (a.epi == MOEK_EPI_SLOT) {
+                    epi_slot_staged<T, N>(a, omap, iw, dd, cw, h,
+                                          epi_buf + cw * EPI_ROWS * 64, stg);
+                    return;
+                }
             }
-            if (a.epi == MOEK_EPI_SLOT) {
-                epi_slot_staged<T, N>(a, omap, it, d, cw,
-                                      epi_buf + cw * EPI_ROWS * 64, stg);
-                continue;
+            const int R_lo =
+                iw.nt * MOEK_WTILE + h * 64 + warp * 16 + (lane >> 2);
+            const int c0 = 2 * (lane & 3);
+            if (comb) {
+                /* This warpgroup's staged pairs are all written. Lanes l
+                 * and l ^ 4 hold features 2r, 2r + 1 and 2r + 2, 2r + 3 (r
+                 * = l / 4 even) of token columns c0 and c0 + 1: they swap a
+                 * column's pair, so each adds four adjacent features of
+                 * one token. */
+                asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
+                const bool odd = (lane >> 2) & 1;
+                const int f = (R_lo >> 4) * 16 + 2 * ((lane >> 2) & 6);
+#pragma unroll
+                for (int j = 0; j < N / 8; j++) {
+                    /* By value: a pointer into d would put the accumulators
+                     * in local memory, where the asynchronous wgmma cannot
+                     * write. */
+                    const float q0 = dd[j * 4], q1 = dd[j * 4 + 1],
+                                q2 = dd[j * 4 + 2], q3 = dd[j * 4 + 3];
+                    const float sx =
+                        __shfl_xor_sync(0xffffffffu, odd ? q0 : q1, 4);
+                    const float sy =
+                        __shfl_xor_sync(0xffffffffu, odd ? q2 : q3, 4);
+                    moek_combine4<T>(a, iw, f, j * 8 + c0 + odd,
+                                     odd ? make_float4(sx, sy, q1, q3)
+                                         : make_float4(q0, q2, sx, sy),
+                                     stg);
+                }
+                return;
             }
-        }
-        const int R_lo = it.nt * MOEK_WTILE + cw * 64 + warp * 16 + (lane >> 2);
-        const int c0 = 2 * (lane & 3);
-        if (comb) {
-            /* This warpgroup's staged pairs are all written. Lanes l and
-             * l ^ 4 hold features 2r, 2r + 1 and 2r + 2, 2r + 3 (r = l / 4
-             * even) of token columns c0 and c0 + 1: they swap a column's
-             * pair, so each adds four adjacent features of one token. */
-            asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
-            const bool odd = (lane >> 2) & 1;
-            const int f = (R_lo >> 4) * 16 + 2 * ((lane >> 2) & 6);
 #pragma unroll
             for (int j = 0; j < N / 8; j++) {
-                /* By value: a pointer into d would put the accumulators in
-                 * local memory, where the asynchronous wgmma cannot write. */
-                const float q0 = d[j * 4], q1 = d[j * 4 + 1],
-                            q2 = d[j * 4 + 2], q3 = d[j * 4 + 3];
-                const float sx = __shfl_xor_sync(0xffffffffu, odd ? q0 : q1, 4);
-                const float sy = __shfl_xor_sync(0xffffffffu, odd ? q2 : q3, 4);
-                moek_combine4<T>(a, it, f, j * 8 + c0 + odd,
-                                 odd ? make_float4(sx, sy, q1, q3)
-                                     : make_float4(q0, q2, sx, sy),
-                                 stg);
+                moek_epi_pair<T>(a, iw, R_lo, j * 8 + c0, dd[j * 4 + 0],
+                                 dd[j * 4 + 2]);
+                moek_epi_pair<T>(a, iw, R_lo, j * 8 + c0 + 1, dd[j * 4 + 1],
+                                 dd[j * 4 + 3]);
             }
-            continue;
-        }
-#pragma unroll
-        for (int j = 0; j < N / 8; j++) {
-            moek_epi_pair<T>(a, it, R_lo, j * 8 + c0, d[j * 4 + 0],
-                             d[j * 4 + 2]);
-            moek_epi_pair<T>(a, it, R_lo, j * 8 + c0 + 1, d[j * 4 + 1],
-                             d[j * 4 + 3]);
-        }
+        };
+        moek_item iw = it;
+        iw.nt += W == 2 ? cw : 0;
+        epilogue(d, W == 2 ? 0 : cw, iw);
+        if constexpr (W == 2)
+            epilogue(d1, 1, iw);
         if constexpr (DEP == 1) { /* every thread's stores before the count */
             asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
             if ((tid & 127) == 0)
@@ -1201,6 +1256,10 @@ __global__ void __launch_bounds__(384, 1)
         if (a.epi == MOEK_EPI_SLOT)
             __trap();
     constexpr int NC = moek_classes(BN);
+    /* Items in runs of W (moek_wtiles): nt, nt + 1 of one token tile, as
+     * the host lays them out (even weight-tile counts and chunks, no K
+     * split; a K split traps below). */
+    constexpr int W = moek_wtiles(BN);
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = reinterpret_cast<uint8_t *>(
         (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~(uintptr_t)1023);
@@ -1317,9 +1376,11 @@ __global__ void __launch_bounds__(384, 1)
     /* Cluster mode pairs CTAs 2c and 2c + 1 on items 2i and 2i + 1 of an
      * even grid: with one K split and an even count of weight tiles per
      * chunk, those are weight tiles nt and nt + 1 of one token tile
-     * (moek_decode_item), and both CTAs walk equally many items. The host
-     * launches it only so (layer.cu); a plan with a K split traps. */
-    if (CL == 2 && split != 1)
+     * (moek_decode_item), and both CTAs walk equally many items (with two
+     * weight tiles a CTA, items 4i .. 4i + 3, counts and chunks multiples
+     * of four). The host launches it only so (layer.cu); a plan with a K
+     * split traps. */
+    if ((CL == 2 || W > 1) && split != 1)
         __trap();
     /* Stream-K where its parts are summed: COMBINE's atomic adds (any
      * other epilogue would keep one part of each split item), one class,
@@ -1329,7 +1390,7 @@ __global__ void __launch_bounds__(384, 1)
     };
     const bool sk = NC == 1 && CL == 1 && stream_k(a, split);
     const auto span = [&](int c) {
-        return class_span(cb[c], cb[c + 1], sk, a.kblocks);
+        return class_span(cb[c], cb[c + 1], sk, a.kblocks, W);
     };
     moek_item *info = reinterpret_cast<moek_item *>(
         reinterpret_cast<uint8_t *>(sb_mem) + C::SBB);
@@ -1345,7 +1406,15 @@ __global__ void __launch_bounds__(384, 1)
         sb2 = sb ? sb_mem + SB3_INTS : nullptr;
         sk2 = stream_k(a2, split2);
     }
+    /* Two weight tiles a CTA hold twice the accumulators: the consumers
+     * take registers from the producer (88 + 2 x 208 = 3 x 168, what 384
+     * threads have; set at the top of each role's branch, so ptxas bounds
+     * each role's code by its own count: set before the branch, it kept
+     * 168 for both, spilled 1.6 KB and serialised every wgmma, C7512).
+     * ptxas spills nothing at 88 / 208; at 72 / 216 the producer spills. */
     if (wg == 0) {
+        if constexpr (W == 2)
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 88;" ::: "memory");
         int pre = 0;
         /* ticketed, a CTA streams its own units at once */
         if (DEP != 2 && a.early_a) {
@@ -1366,7 +1435,8 @@ __global__ void __launch_bounds__(384, 1)
                     constexpr int J = decltype(c)::value;
                     produce_mc<BN, moek_class_width(BN, J)>(
                         a, &tmap, &tmaps_b.m[J], smem, full, empty, ncg,
-                        class_first(cb[J]), cb[J + 1], pre, pp, sb, rank);
+                        class_first(cb[J], W), cb[J + 1], W * (int)gridDim.x,
+                        pre, pp, sb, rank);
                 });
             }
         } else if constexpr (DEP == 3) {
@@ -1387,6 +1457,8 @@ __global__ void __launch_bounds__(384, 1)
             });
         }
     } else {
+        if constexpr (W == 2)
+            asm volatile("setmaxnreg.inc.sync.aligned.u32 208;" ::: "memory");
         /* GEMM 2's consumers, whose COMBINE adds into the accumulator GEMM 1
          * zeroes (and whose SLOT stores go where GEMM 1 may read its copy
          * of x), wait for GEMM 1 themselves, not only through the
@@ -1486,11 +1558,19 @@ cudaError_t launch_t(const void *tmap, const moek_tmaps *tb,
                      const CUtensorMap *to, const moek_gemm_args &a, int grid,
                      cudaStream_t stream, bool pdl)
 {
+    /* Runs of moek_wtiles items (twice as many in CTA pairs) must be the
+     * weight tiles of one token tile (layer.cu, fit_tile and run_gemm):
+     * else a run would take a tile of the next token tile or group. */
+    const int per = moek_wtiles(a.bn) * (tb ? 2 : 1);
+    if (moek_wtiles(a.bn) > 1 &&
+        (a.n_tiles % per != 0 || a.chunk % per != 0))
+        return cudaErrorInvalidValue;
     if (tb) {
         if (tb->bn != a.bn)
             return cudaErrorInvalidValue;
         switch (a.bn) {
         case 128: return launch_bn<T, 128, 2>(tmap, *tb, to, a, grid, stream, pdl);
+        case 144: return launch_bn<T, 144, 2>(tmap, *tb, to, a, grid, stream, pdl);
         case 192: return launch_bn<T, 192, 2>(tmap, *tb, to, a, grid, stream, pdl);
         case 256: return launch_bn<T, 256, 2>(tmap, *tb, to, a, grid, stream, pdl);
         default: return cudaErrorInvalidValue;
@@ -1508,6 +1588,7 @@ cudaError_t launch_t(const void *tmap, const moek_tmaps *tb,
     case 32: return launch_bn<T, 32, 1>(tmap, m, to, a, grid, stream, pdl);
     case 64: return launch_bn<T, 64, 1>(tmap, m, to, a, grid, stream, pdl);
     case 128: return launch_bn<T, 128, 1>(tmap, m, to, a, grid, stream, pdl);
+    case 144: return launch_bn<T, 144, 1>(tmap, m, to, a, grid, stream, pdl);
     case 192: return launch_bn<T, 192, 1>(tmap, m, to, a, grid, stream, pdl);
     case 256: return launch_bn<T, 256, 1>(tmap, m, to, a, grid, stream, pdl);
     default: return cudaErrorInvalidValue;
@@ -1537,9 +1618,11 @@ template <typename T> cudaError_t prepare_t()
         (e = prepare_bn<T, 32, 1>()) != cudaSuccess ||
         (e = prepare_bn<T, 64, 1>()) != cudaSuccess ||
         (e = prepare_bn<T, 128, 1>()) != cudaSuccess ||
+        (e = prepare_bn<T, 144, 1>()) != cudaSuccess ||
         (e = prepare_bn<T, 192, 1>()) != cudaSuccess ||
         (e = prepare_bn<T, 256, 1>()) != cudaSuccess ||
         (e = prepare_bn<T, 128, 2>()) != cudaSuccess ||
+        (e = prepare_bn<T, 144, 2>()) != cudaSuccess ||
         (e = prepare_bn<T, 192, 2>()) != cudaSuccess ||
         (e = prepare_bn<T, 256, 2>()) != cudaSuccess ||
         (e = prepare_dep<T, 1>()) != cudaSuccess ||
@@ -1553,8 +1636,8 @@ template <typename T> cudaError_t prepare_t()
 
 bool moek_wgmma_tile_ok(int bn)
 {
-    return bn == 16 || bn == 32 || bn == 64 || bn == 128 || bn == 192 ||
-           bn == 256;
+    return bn == 16 || bn == 32 || bn == 64 || bn == 128 || bn == 144 ||
+           bn == 192 || bn == 256;
 }
 
 cudaError_t moek_gemm_wgmma_prepare(moek_dtype dt)
@@ -1565,7 +1648,7 @@ cudaError_t moek_gemm_wgmma_prepare(moek_dtype dt)
 
 bool moek_wgmma_cluster_ok(int bn)
 {
-    return bn == 128 || bn == 192 || bn == 256;
+    return bn == 128 || bn == 144 || bn == 192 || bn == 256;
 }
 
 cudaError_t moek_launch_gemm_wgmma(moek_dtype dt, const void *tmap,

@@ -45,12 +45,21 @@ namespace {
  * column-equivalents, counting 32 columns of fixed cost per tile and sizing
  * for avg + 1.5 sigma (counts are roughly Poisson). Around 100-190 rows:
  * tiles of up to 192 rows; more: up to 256 (each group's tiles as narrow as
- * its rows allow, cuda_common.cuh). The sweeps in RESULTS.md are the
- * evidence; the tuner's sweeps at 64 rows per group (mixtral T=256, qwen3 T=1024,
- * deepseek T=2048) put 128 first, 30% ahead of the 32 that a choice among
- * 16, 32 and 64 made. A card's tile table (tune.cu) overrides this. */
-int pick_tile(double avg)
+ * its rows allow, cuda_common.cuh), but from 240 to 767 rows the 144-row
+ * tile with two weight tiles a CTA where the layer allows it (`two`:
+ * fit_tile), whose groups then split into whole tiles of about 128 rows.
+ * On an H100 (kernels/bench/RESULTS.md, run 43) it was 4.5% faster at
+ * qwen3 T=4096 and 3.3%, 2.0% and 1.5% at mixtral T=1024, 1536 and 2048
+ * (256, 384 and 512 rows), but 2.4% slower at mixtral T=4096 (1024 rows)
+ * and 8-11% at 192 rows, where its groups split into two tiles of 96. The
+ * sweeps in RESULTS.md are the evidence; the tuner's sweeps at 64 rows per
+ * group (mixtral T=256, qwen3 T=1024, deepseek T=2048) put 128 first, 30%
+ * ahead of the 32 that a choice among 16, 32 and 64 made. A card's tile
+ * table (tune.cu) overrides this. */
+int pick_tile(double avg, bool two)
 {
+    if (two && avg >= 240 && avg < 768)
+        return 144;
     if (avg >= 192)
         return 256;
     if (avg >= 96)
@@ -102,33 +111,50 @@ long long moe_pairs_max(const moek_moe_shape &s, int bn, int T)
 }
 
 /* GEMM 1's items at most: moe_pairs_max token tiles times its weight
- * tiles. Its grid: that many CTAs, or every SM. */
+ * tiles. Its grid: a CTA for each (each run of moek_wtiles items), or
+ * every SM. */
 long long moe_items1(const moek_cuda_moe_layer *L, int bn, int T)
 {
     return moe_pairs_max(L->shape, bn, T) * moe_tiles1(L);
 }
 int moe_grid1(const moek_cuda_moe_layer *L, int bn, int T)
 {
-    const long long items1 = moe_items1(L, bn, T);
-    return (int)(items1 < L->sms ? items1 : L->sms);
+    const long long runs = moe_items1(L, bn, T) / moek_wtiles(bn);
+    return (int)(runs < L->sms ? runs : L->sms);
+}
+
+/* Tile bn for GEMMs of t1 and t2 weight tiles a group (t2 = t1 for one
+ * GEMM): the 144-row tile multiplies two weight tiles at once
+ * (moek_wtiles), its items in pairs of one token tile, which needs counts
+ * of weight tiles that are multiples of `per` (2; 4 where CTA pairs may
+ * split each pair's run further); where they are not, the 128-row tile. */
+int fit_tile(int bn, int t1, int t2, int per)
+{
+    const int w = moek_wtiles(bn);
+    return w > 1 && (t1 % (w * per) != 0 || t2 % (w * per) != 0) ? 128 : bn;
 }
 
 /* The tile of a forward of T tokens: one tile on the SIMT path; else the
- * forced tile, the table's rule for T, or the heuristic. */
+ * forced tile, the table's rule for T, or the heuristic (fit_tile). */
 int moe_tile(const moek_cuda_moe_layer *L, int T)
 {
     if (!moe_wgmma(L))
         return 16;
+    int bn = 0;
     if (L->tune.token_tile)
-        return L->tune.token_tile;
-    for (int i = L->n_rules - 1; i >= 0; i--)
+        bn = L->tune.token_tile;
+    for (int i = L->n_rules - 1; i >= 0 && !bn; i--)
         if (L->rules[i].min_tokens <= T)
-            return L->rules[i].token_tile;
-    const double E = L->shape.experts, k = L->shape.topk;
-    double hit = E * (1.0 - pow(1.0 - k / E, (double)T));
-    if (hit < 1)
-        hit = 1;
-    return pick_tile((double)T * k / hit);
+            bn = L->rules[i].token_tile;
+    if (!bn) {
+        const double E = L->shape.experts, k = L->shape.topk;
+        double hit = E * (1.0 - pow(1.0 - k / E, (double)T));
+        if (hit < 1)
+            hit = 1;
+        bn = pick_tile((double)T * k / hit,
+                       fit_tile(144, moe_tiles1(L), moe_tiles2(L), 2) == 144);
+    }
+    return fit_tile(bn, moe_tiles1(L), moe_tiles2(L), 2);
 }
 
 /* The workspace carved for one call. */
@@ -345,8 +371,10 @@ int even2(int n)
 }
 
 /* tm_b set: cluster mode, which pairs CTAs 2c, 2c + 1 on weight tiles nt,
- * nt + 1 of one raster chunk, so the grid and the chunk are even. tm_o:
- * the output's map of a staged epilogue (moek_launch_gemm_wgmma). */
+ * nt + 1 of one raster chunk, so the grid and the chunk are even (the
+ * chunk a multiple of four where a CTA takes two weight tiles:
+ * moek_wtiles, fit_tile). tm_o: the output's map of a staged epilogue
+ * (moek_launch_gemm_wgmma). */
 cudaError_t run_gemm(moek_dtype dt, bool wgmma, const CUtensorMap *tm,
                      moek_gemm_args a, int grid, cudaStream_t st, bool pdl,
                      const moek_tmaps *tm_b = nullptr,
@@ -354,10 +382,11 @@ cudaError_t run_gemm(moek_dtype dt, bool wgmma, const CUtensorMap *tm,
 {
     if (grid < 1)
         grid = 1;
-    if (tm_b) {
+    if (tm_b)
         grid = even2(grid);
-        a.chunk = even2(a.chunk);
-    }
+    const int per = moek_wtiles(a.bn) * (tm_b ? 2 : 1);
+    if (a.chunk % per != 0)
+        a.chunk = a.chunk < per ? per : a.chunk / per * per;
     return wgmma ? moek_launch_gemm_wgmma(dt, tm, tm_b, tm_o, a, grid, st, pdl)
                  : moek_launch_gemm_simt(dt, a, grid, st, pdl);
 }
@@ -813,7 +842,8 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     aa.tiny = L->tiny;
     aa.route_cl = L->route_cl;
     aa.d[0] = {g1.n_tiles, g1.kblocks, 0};
-    aa.d[1] = {g2.n_tiles, g2.kblocks, cl2 || slots || g2.stream_k ? 0 : 1};
+    aa.d[1] = {g2.n_tiles, g2.kblocks,
+               cl2 || slots || g2.stream_k || moek_wtiles(bn) > 1 ? 0 : 1};
     aa.ngemm = 2;
     aa.plan = w.plan;
     aa.cg_group = w.cg_group;
@@ -915,13 +945,16 @@ int moek_cuda_grouped_gemm(moek_cuda_gemm_weights *W, moek_cuda_workspace *ws,
     carve_gemm(W->groups, (char *)ws->base, &w);
     const bool wgmma = W->cc == 90 && !W->tune.generic;
     int bn = 16;
+    const int n_tiles = (W->n16 + MOEK_WTILE - 1) / MOEK_WTILE;
     if (wgmma) {
         if (W->tune.token_tile) {
             bn = W->tune.token_tile;
         } else {
             const double g = (double)(total_m < W->groups ? total_m : W->groups);
-            bn = pick_tile((double)total_m / g);
+            /* the 144-row tile was measured on MoE forwards alone */
+            bn = pick_tile((double)total_m / g, false);
         }
+        bn = fit_tile(bn, n_tiles, n_tiles, 1);
     }
     moek_gemm_args g = {};
     g.plan = w.plan;
@@ -935,7 +968,7 @@ int moek_cuda_grouped_gemm(moek_cuda_gemm_weights *W, moek_cuda_workspace *ws,
     g.w = W->b;
     g.rows_pad = W->n16;
     g.n_valid = W->n;
-    g.n_tiles = (W->n16 + MOEK_WTILE - 1) / MOEK_WTILE;
+    g.n_tiles = n_tiles;
     g.k = W->k;
     g.kblocks = (W->k + MOEK_KTILE - 1) / MOEK_KTILE;
     g.chunk = raster_chunk(W->k, g.n_tiles);
@@ -966,8 +999,8 @@ int moek_cuda_grouped_gemm(moek_cuda_gemm_weights *W, moek_cuda_workspace *ws,
     MOEK_CU(moek_launch_align_groups(aa, st, pdl));
     long long pairs = (long long)(total_m < W->groups ? total_m : W->groups) +
                       total_m / bn;
-    long long items = pairs * g.n_tiles;
-    int grid = (int)(items < W->sms ? items : W->sms);
+    long long runs = pairs * g.n_tiles / moek_wtiles(bn);
+    int grid = (int)(runs < W->sms ? runs : W->sms);
     MOEK_CU(run_gemm(W->dt, wgmma, &W->tm, g, grid, st, pdl));
     return 0;
 }

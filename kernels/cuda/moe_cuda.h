@@ -308,9 +308,12 @@ int moek_cuda_ep_forward(moek_cuda_ep *ep, moek_cuda_moe_layer *const *layers,
 
 /*
  * Kernel choices for later calls on this layer / weight set. token_tile: the
- * tokens per GEMM tile (16, 32, 64, 128, 192 or 256; 0 = pick from the token
- * count: the layer's tile table, else the heuristic). generic: true forces the portable SIMT kernels that run on any
- * GPU (what a non-Hopper device gets); false uses wgmma+TMA on sm_90.
+ * tokens per GEMM tile (16, 32, 64, 128, 144, 192 or 256; 0 = pick from the
+ * token count: the layer's tile table, else the heuristic; 144 runs as 128
+ * where the weight-tile counts do not suit it: kernels/cuda/layer.cu,
+ * fit_tile). generic: true
+ * forces the portable SIMT kernels that run on any GPU (what a non-Hopper
+ * device gets); false uses wgmma+TMA on sm_90.
  */
 typedef struct moek_cuda_tuning {
     int token_tile;
@@ -384,8 +387,8 @@ bool moek_cuda_moe_layer_uses_slots(const moek_cuda_moe_layer *layer,
  */
 #define MOEK_CUDA_MAX_TILE_RULES 32
 /* The token tiles offered, ascending: the columns of autotune's us[]. */
-#define MOEK_CUDA_TILE_CANDIDATES 6
-#define MOEK_CUDA_TOKEN_TILES {16, 32, 64, 128, 192, 256}
+#define MOEK_CUDA_TILE_CANDIDATES 7
+#define MOEK_CUDA_TOKEN_TILES {16, 32, 64, 128, 144, 192, 256}
 
 typedef struct moek_cuda_tile_rule {
     int min_tokens; /* applies from this many tokens (>= 1) */
@@ -415,7 +418,9 @@ int moek_cuda_moe_layer_set_tiles(moek_cuda_moe_layer *layer,
  * present choice (moek_cuda_moe_layer_token_tile) is within 2% of it: then
  * that one; us, when not NULL, n * MOEK_CUDA_TILE_CANDIDATES medians in
  * microseconds, us[i * MOEK_CUDA_TILE_CANDIDATES + j] for tile j of
- * MOEK_CUDA_TOKEN_TILES. Synchronous; allocates (and frees) its own stream,
+ * MOEK_CUDA_TOKEN_TILES (a tile the layer runs as another, 144 as 128
+ * where its weight tiles do not suit it, gets that one's time and is never
+ * the pick). Synchronous; allocates (and frees) its own stream,
  * workspace and buffers on the layer's device, so nothing else may use the
  * layer meanwhile; the layer's tuning and tile table are as before
  * afterwards, also on error. -ENOTSUP where tiles are not chosen (the SIMT

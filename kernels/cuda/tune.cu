@@ -208,7 +208,7 @@ int moek_cuda_moe_layer_set_tiles(moek_cuda_moe_layer *L,
         if (!moek_wgmma_tile_ok(r.token_tile))
             return moek_cuda_refuse(-EINVAL,
                                     "set_tiles: rule %d: token tile %d is not "
-                                    "offered (16, 32, 64, 128, 192 or 256)",
+                                    "offered (16, 32, 64, 128, 144, 192 or 256)",
                                     i, r.token_tile);
     }
     for (int i = 0; i < n; i++)
@@ -293,6 +293,18 @@ int moek_cuda_moe_layer_autotune(moek_cuda_moe_layer *L, const int *tokens,
             L->tune = r.saved;
             L->tune.token_tile = kTiles[j];
             float t = 0;
+            /* A tile this layer runs as another (144 as 128: layer.cu,
+             * fit_tile) is that tile, timed before it; never the pick. */
+            const int as = moek_cuda_moe_layer_token_tile(L, T);
+            if (as != kTiles[j]) {
+                for (int q = 0; q < j; q++)
+                    if (kTiles[q] == as)
+                        t = t_j[q];
+                if (us)
+                    us[i * MOEK_CUDA_TILE_CANDIDATES + j] = t;
+                t_j[j] = t;
+                continue;
+            }
             rc = capture(r, T);
             if (!rc)
                 rc = time_graphs(r, &t);

@@ -616,16 +616,18 @@ TEST(moe_many_tokens_and_nan)
     run_moe(&n, &rng);
 }
 
-/* Every token tile of the wgmma kernel and the portable SIMT kernel. */
+/* Every token tile of the wgmma kernel and the portable SIMT kernel (144
+ * on this shape, whose weight-tile counts are odd, runs as 128:
+ * moe_two_weight_tiles). */
 TEST(moe_every_tile)
 {
     need_gpu();
     uint64_t rng = test_seed();
-    static const int tiles[] = {16, 32, 64, 128, 192, 256};
-    for (int i = 0; i < 8; i++) {
+    static const int tiles[] = {16, 32, 64, 128, 144, 192, 256};
+    for (int i = 0; i < 9; i++) {
         moe_case c = {{16, 4, 384, 320}, i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
                       300, ROUTE_SOFTMAX, true, 0, 64, {0, false}, false, false, NULL};
-        if (i < 6)
+        if (i < 7)
             c.tune.token_tile = tiles[i];
         else
             c.tune.generic = true;
@@ -729,6 +731,55 @@ TEST(moe_tile_classes)
                   0, 0, {128, false}, false, false, wide_rows};
     const tile_opts tw = forced_tile_opts(&w, true);
     run_moe_tiles(&w, &tw, &rng);
+}
+
+/* The 144-row tile, whose CTAs take two weight tiles at once (nt and nt + 1
+ * of one token tile: moek_wtiles), on layers whose weight-tile counts are
+ * multiples of four: GEMM 2 alone in CTA pairs (I = 512), both GEMMs in
+ * pairs (I = 2048), and neither (MOEK_CUDA_NO_CLUSTER), with
+ * moe_tile_classes' group sizes, which give each of its four widths: 64 (1
+ * to 60 rows), 96 (70; 150 and 165 in two tiles), 128 (100; 215, 230 in
+ * two; 300 in three) and 144 (129; 257 in two; 520 in four); and in slot
+ * mode; and 7 tokens. On a layer whose GEMM 2 has three weight tiles (H =
+ * 376) a forced 144 runs as 128 (layer.cu, fit_tile). */
+TEST(moe_two_weight_tiles)
+{
+    need_gpu();
+    uint64_t rng = test_seed();
+    static const int rows[16] = {0,   1,   32,  33,  40,  60,  70,  100,
+                                 129, 150, 165, 215, 230, 257, 300, 520};
+    const bool hopper = device_cc() == 90;
+    for (int i = 0; i < 6; i++) {
+        moe_case c = {{16, 2, 456, i < 2 ? 512 : 2048},
+                      i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16, 1151,
+                      ROUTE_GIVEN, false, 0, 0, {144, false}, false, false,
+                      rows};
+        char *keep = env_set("MOEK_CUDA_NO_CLUSTER", i >= 4 ? "1" : NULL);
+        const tile_opts to = forced_tile_opts(&c, true);
+        run_moe_tiles(&c, &to, &rng);
+        env_restore("MOEK_CUDA_NO_CLUSTER", keep);
+    }
+    char *min_kb = env_set("MOEK_CUDA_SLOT_MIN_KB", "1");
+    for (int i = 0; i < 2; i++) {
+        moe_case c = {{16, 2, 456, i ? 2048 : 512}, MOEK_DTYPE_BF16, 1151,
+                      ROUTE_GIVEN, false, 0, 0, {144, false}, false, i == 1,
+                      i ? NULL : rows};
+        tile_opts to = forced_tile_opts(&c, true);
+        to.expect_slots = EXPECT_MODE(hopper &&
+                                      !switch_set("MOEK_CUDA_NO_SLOT_ROWS"));
+        run_moe_tiles(&c, &to, &rng);
+    }
+    env_restore("MOEK_CUDA_SLOT_MIN_KB", min_kb);
+    /* 7 tokens: fewer runs of two items than SMs, no pairs (14 slots) */
+    moe_case few = {{16, 2, 456, 512}, MOEK_DTYPE_FP16, 7, ROUTE_SOFTMAX,
+                    true, 0, 0, {144, false}, false, false, NULL};
+    const tile_opts tf = forced_tile_opts(&few, true);
+    run_moe_tiles(&few, &tf, &rng);
+    moe_case odd = {{16, 2, 376, 512}, MOEK_DTYPE_BF16, 1151, ROUTE_GIVEN,
+                    false, 0, 0, {128, false}, false, false, rows};
+    tile_opts to = forced_tile_opts(&odd, true);
+    odd.tune.token_tile = 144;
+    run_moe_tiles(&odd, &to, &rng);
 }
 
 /* ---- token-tile table and autotuning ------------------------------------ */
@@ -1519,9 +1570,9 @@ TEST(grouped_gemm)
     run_gemm(MOEK_DTYPE_BF16, 64, 72, 200, sizes, 0, false, &rng);
     run_gemm(MOEK_DTYPE_FP16, 64, 72, 200, sizes, 0, false, &rng);
     run_gemm(MOEK_DTYPE_BF16, 64, 72, 200, sizes, 0, true, &rng);
-    static const int tiles[] = {16, 32, 64, 128, 192, 256};
+    static const int tiles[] = {16, 32, 64, 128, 144, 192, 256};
     int64_t big[8] = {0, 1000, 0, 0, 77, 0, 0, 256};
-    for (int i = 0; i < 6; i++)
+    for (int i = 0; i < 7; i++)
         run_gemm(i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16, 8, 256, 512, big,
                  tiles[i], false, &rng);
     /* Host weights going up a few groups at a time (weights.cu): three of
@@ -1748,6 +1799,7 @@ int main(int argc, char **argv)
                          TEST_CASE_TIMEOUT(moe_slot_rows, 300),
                          TEST_CASE_TIMEOUT(moe_stream_k, 300),
                          TEST_CASE_TIMEOUT(moe_tile_classes, 300),
+                         TEST_CASE_TIMEOUT(moe_two_weight_tiles, 300),
                          TEST_CASE_TIMEOUT(moe_tile_table, 120),
                          TEST_CASE_TIMEOUT(moe_autotune, 120),
                          TEST_CASE_TIMEOUT(moe_graph_replay, 120),

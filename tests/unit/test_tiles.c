@@ -156,7 +156,7 @@ TEST(malformed_lines)
     expect_bad(AT3("NVIDIA H200\tbf16\t4096\t14336\t8\t9\t1:16"), 3, "topk 9 is not between");
     expect_bad(AT3("NVIDIA H200\tbf16\t9999999\t14336\t8\t2\t1:16"), 3, "hidden 9999999");
     expect_bad(AT3("NVIDIA H200\tbf16\t4096\t14336\t8\t2\t1:100"), 3,
-               "rule '1:100': tile 100 is not 16, 32, 64, 128, 192 or 256");
+               "rule '1:100': tile 100 is not 16, 32, 64, 128, 144, 192 or 256");
     expect_bad(AT3("NVIDIA H200\tbf16\t4096\t14336\t8\t2\t1:16 64:32 64:64"), 3,
                "rule '64:64': min_tokens does not ascend");
     expect_bad(AT3("NVIDIA H200\tbf16\t4096\t14336\t8\t2\t8:16 4:32"), 3, "does not ascend");
@@ -352,8 +352,8 @@ TEST(dtype_names_and_tiles)
     CHECK_EQ_INT(tiles_dtype_parse("fp32"), -1);
     CHECK_EQ_INT(tiles_dtype_parse("BF16"), -1);
     for (int t = 0; t <= 512; t++)
-        CHECK_EQ_INT(tiles_tile_ok(t), t == 16 || t == 32 || t == 64 || t == 128 || t == 192 ||
-                                           t == 256);
+        CHECK_EQ_INT(tiles_tile_ok(t), t == 16 || t == 32 || t == 64 || t == 128 || t == 144 ||
+                                           t == 192 || t == 256);
 }
 
 int main(int argc, char **argv)
