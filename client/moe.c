@@ -519,7 +519,6 @@ static void connection_close(moe_client *c, bool keep_replies)
     pending_clear(c, keep_replies);
 }
 
-
 static int region_register(moe_client *c, struct moe_region *r, bool unlocked);
 static int session_socket_ready(moe_client *c);
 
@@ -1314,14 +1313,16 @@ static bool region_of(const moe_client *c, const moe_region *r)
     return false;
 }
 
-/* Take r off c's list. Caller holds mu (or is a fork's only user of c). */
-static void region_unlink(moe_client *c, const moe_region *r)
+/* Take r off c's list; false where it was not on it. Caller holds mu (or
+ * is a fork's only user of c). */
+static bool region_unlink(moe_client *c, const moe_region *r)
 {
     for (moe_region **pp = &c->regions; *pp; pp = &(*pp)->next)
         if (*pp == r) {
             *pp = r->next;
-            return;
+            return true;
         }
+    return false;
 }
 
 static int not_this_clients_region(void)
@@ -1338,9 +1339,8 @@ int moe_region_free(moe_client *c, moe_region **rp)
     if (!c)
         return null_arg("the client");
     if (forked(c)) { /* this process's mapping only: the parent's stays registered */
-        if (!region_of(c, r))
+        if (!region_unlink(c, r))
             return not_this_clients_region();
-        region_unlink(c, r);
         *rp = NULL;
         region_unmap(r);
         return 0;

@@ -562,8 +562,8 @@ static int on_ini(void *user, const char *section, const char *key, const char *
     /* The second value of a key would replace the first (or, for
      * allowed_dirs, add to it) without a word; inih also hands an indented
      * line after a key over as the key again (a continuation). A layer's
-     * section may come again, with other keys. */
-    /* (An unknown section's first key ends the parse below.) */
+     * section may come again, with other keys; an unknown section's first
+     * key ends the parse below. */
     bool layer = !strncmp(section, "layer ", 6);
     char nm[80] = "", sec[96];
     if (layer)
