@@ -666,8 +666,7 @@ int moek_make_tmaps(moek_tmaps *t, void *base, moek_dtype dt, uint64_t rows,
  * even, the plan has no K split and a.chunk and a.n_tiles are even. Where
  * a CTA takes moek_wtiles(a.bn) = 2 weight tiles, a.chunk and a.n_tiles
  * are multiples of 2 (4 in cluster mode; refused otherwise) and the plan
- * has no K split. Tiles
- * moek_wgmma_cluster_ok only. tmap_o: the output's map, which SWIGLU
+ * has no K split. Tiles moek_wgmma_cluster_ok only. tmap_o: the output's map, which SWIGLU
  * (moek_make_out_tmap) and SLOT (moek_make_tmap, 8-row boxes) store
  * through with tiles of MOEK_STAGED_MIN_TILE rows and wider (refused
  * without it; SLOT is refused below those tiles); NULL otherwise. */

@@ -317,7 +317,7 @@ __device__ __forceinline__ void prefetch_guess(const moek_gemm_args &a)
 /* The first item of this CTA's sequence at or after `start`, items taken
  * W at a time (moek_wtiles; start a multiple of W): every gridDim.x-th run
  * of W from the CTA's own. */
-__device__ __forceinline__ int class_first(int start, int W = 1)
+__device__ __forceinline__ int class_first(int start, int W)
 {
     const int g = (int)gridDim.x, s = start / W;
     const int r = ((int)blockIdx.x - s) % g;
@@ -422,7 +422,7 @@ __device__ __forceinline__ cta_span item_span(int c0, int first, int end,
 }
 
 __device__ __forceinline__ cta_span class_span(int c0, int c1, bool sk,
-                                               int kblocks, int W = 1)
+                                               int kblocks, int W)
 {
     if (!sk)
         return item_span(c0, class_first(c0, W), c1, W * (int)gridDim.x);
@@ -722,10 +722,10 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
     }
 }
 
-/* Producer of cluster mode, one tile class, run by warp 0 (lane 0 issues): the
- * weight tile as in produce(), and this CTA's half of the N token rows
- * (contiguous rows of a.b from it.pos: the caller permuted them) as one
- * box of N / 2 rows (tmap_b, the class's map), multicast to both CTAs.
+/* Producer of cluster mode, one tile class (the CTA's items sp), run by
+ * warp 0 (lane 0 issues): the weight tiles as in produce(), and this CTA's
+ * half of the N token rows (contiguous rows of a.b from it.pos: the caller
+ * permuted them) as one box of N / 2 rows (tmap_b, the class's map), multicast to both CTAs.
  * Rows past the item's mlen belong to another group or lie past the
  * tensor (zero): the epilogue skips those columns. */
 template <int BN, int N>
@@ -733,8 +733,8 @@ __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
                                            const CUtensorMap *tmap,
                                            const CUtensorMap *tmap_b,
                                            uint8_t *smem, uint64_t *full,
-                                           uint64_t *empty, int ncg, int idx,
-                                           int end, int step, int pre,
+                                           uint64_t *empty, int ncg,
+                                           const cta_span &sp, int pre,
                                            pipe_pos &pp, const int *sb,
                                            uint32_t rank)
 {
@@ -742,7 +742,7 @@ __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
     constexpr int HALF = N / 2;
     static_assert(HALF % 8 == 0, "token tile halves of whole swizzle atoms");
     /* pp.items numbers the items for the trace alone */
-    for (; idx < end; idx += step, pp.items++) {
+    for (int idx = sp.first; idx < sp.end; idx += sp.step, pp.items++) {
         const moek_item it = moek_decode_item(a, ncg, 1, idx, sb);
         for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
             uint8_t *sA = smem + pp.stage * C::STAGE;
@@ -910,8 +910,8 @@ __device__ __forceinline__ void epi_swiglu_staged(const moek_gemm_args &a,
 
 /*
  * SLOT epilogue through shared memory (consumer warpgroup cw, half h of
- * weight tile it.nt, tiles of 128 rows and wider), as epi_swiglu_staged: the weighted rows of up to 64
- * token columns per pass go to a [token][64 features] buffer (128-byte
+ * weight tile it.nt, tiles of 128 rows and wider), as epi_swiglu_staged:
+ * the weighted rows of up to 64 token columns per pass go to a [token][64 features] buffer (128-byte
  * rows, 16-byte chunks swizzled by row % 8: TMA's 128-byte swizzle), then
  * out by TMA in boxes of 8 token rows (omap), the last mlen % 8 rows by
  * plain stores, one 16-byte chunk per thread. A thread holds, for token
@@ -984,10 +984,10 @@ __device__ __forceinline__ void release(uint64_t *empty, int s)
 /* Consumer warpgroup cw, one tile class: weight rows 64 cw .. 64 cw + 63 of
  * each tile against its N token rows, then the epilogue; where a CTA takes
  * two weight tiles (moek_wtiles), all 128 rows of tile nt + cw, as two
- * 64-row halves in accumulators d and d1, each with its own epilogue. COMBINE and SLOT:
- * the item's (token, routing weight) pairs (SLOT needs only the weight)
- * are loaded before its K loop and put in
- * shared memory after it, so the epilogue's atomics do not each wait on two
+ * 64-row halves in accumulators d and d1, each with its own epilogue.
+ * COMBINE and SLOT: the item's (token, routing weight) pairs (SLOT needs
+ * only the weight) are loaded before its K loop and put in shared memory
+ * after it, so the epilogue's atomics do not each wait on two
  * dependent global loads (measured: qwen3 T=4096 down GEMM 473 -> 348 us
  * without those loads); two buffers by item parity, one warpgroup barrier
  * per item. */
@@ -1435,8 +1435,7 @@ __global__ void __launch_bounds__(384, 1)
                     constexpr int J = decltype(c)::value;
                     produce_mc<BN, moek_class_width(BN, J)>(
                         a, &tmap, &tmaps_b.m[J], smem, full, empty, ncg,
-                        class_first(cb[J], W), cb[J + 1], W * (int)gridDim.x,
-                        pre, pp, sb, rank);
+                        span(J), pre, pp, sb, rank);
                 });
             }
         } else if constexpr (DEP == 3) {

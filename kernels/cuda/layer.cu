@@ -140,6 +140,7 @@ int moe_tile(const moek_cuda_moe_layer *L, int T)
 {
     if (!moe_wgmma(L))
         return 16;
+    const int t1 = moe_tiles1(L), t2 = moe_tiles2(L);
     int bn = 0;
     if (L->tune.token_tile)
         bn = L->tune.token_tile;
@@ -151,10 +152,9 @@ int moe_tile(const moek_cuda_moe_layer *L, int T)
         double hit = E * (1.0 - pow(1.0 - k / E, (double)T));
         if (hit < 1)
             hit = 1;
-        bn = pick_tile((double)T * k / hit,
-                       fit_tile(144, moe_tiles1(L), moe_tiles2(L), 2) == 144);
+        bn = pick_tile((double)T * k / hit, fit_tile(144, t1, t2, 2) == 144);
     }
-    return fit_tile(bn, moe_tiles1(L), moe_tiles2(L), 2);
+    return fit_tile(bn, t1, t2, 2);
 }
 
 /* The workspace carved for one call. */

@@ -311,9 +311,8 @@ int moek_cuda_ep_forward(moek_cuda_ep *ep, moek_cuda_moe_layer *const *layers,
  * tokens per GEMM tile (16, 32, 64, 128, 144, 192 or 256; 0 = pick from the
  * token count: the layer's tile table, else the heuristic; 144 runs as 128
  * where the weight-tile counts do not suit it: kernels/cuda/layer.cu,
- * fit_tile). generic: true
- * forces the portable SIMT kernels that run on any GPU (what a non-Hopper
- * device gets); false uses wgmma+TMA on sm_90.
+ * fit_tile). generic: true forces the portable SIMT kernels that run on any
+ * GPU (what a non-Hopper device gets); false uses wgmma+TMA on sm_90.
  */
 typedef struct moek_cuda_tuning {
     int token_tile;
@@ -420,8 +419,8 @@ int moek_cuda_moe_layer_set_tiles(moek_cuda_moe_layer *layer,
  * microseconds, us[i * MOEK_CUDA_TILE_CANDIDATES + j] for tile j of
  * MOEK_CUDA_TOKEN_TILES (a tile the layer runs as another, 144 as 128
  * where its weight tiles do not suit it, gets that one's time and is never
- * the pick). Synchronous; allocates (and frees) its own stream,
- * workspace and buffers on the layer's device, so nothing else may use the
+ * the pick). Synchronous; allocates (and frees) its own stream, workspace
+ * and buffers on the layer's device, so nothing else may use the
  * layer meanwhile; the layer's tuning and tile table are as before
  * afterwards, also on error. -ENOTSUP where tiles are not chosen (the SIMT
  * path), -ENOMEM when the buffers do not fit.
