@@ -4,6 +4,8 @@
     MOEK_TRACE_OUT=trace bench_moe --only qwen3-30b-a3b --tokens 8
         (a build with EXTRA_NVCCFLAGS=-DMOEK_TRACE: kernels/cuda/trace.cuh)
     python3 kernels/bench/timeline.py trace-qwen3-30b-a3b-8.csv ...
+        (--wtiles 2 for a trace of the 144-row tile, whose item events
+        are runs of two weight tiles)
 
 Per file: when each kernel's CTAs start and end (us from the first event),
 each GEMM's items (consumer 0's first stage to its last MMA: the weight
@@ -70,13 +72,14 @@ def print_parts(steps):
             print("            -> %-10s us %s" % (name, fmt(d)))
 
 
-def report(path, read_gbs, sms):
+def report(path, read_gbs, sms, wtiles):
     rows = []
     with open(path) as f:
         for r in csv.DictReader(f):
             rows.append({k: int(v) for k, v in r.items()})
     for r in rows:
         r["us"] = r["ns"] / 1000.0
+    stage = STAGE_BYTES * wtiles  # weight bytes of an item event's K block
     end = max(r["us"] for r in rows)
     print("# %s: %d events, %.2f us first to last" % (path, len(rows), end))
     for name, base in (("routing", ROUTE), ("align", ALIGN),
@@ -128,12 +131,12 @@ def report(path, read_gbs, sms):
             if it:
                 first_item.append(it[0])
             for n in range(min(len(it), len(en))):
-                spans.append((it[n], en[n], kb[n] * STAGE_BYTES))
+                spans.append((it[n], en[n], kb[n] * stage))
                 d = en[n] - it[n]
                 dur.append(d)
                 kbs.append(kb[n])
                 if d > 0:
-                    rate.append(kb[n] * STAGE_BYTES / d / 1e3)
+                    rate.append(kb[n] * stage / d / 1e3)
             # the gap before item n in parts: consumer 0's epilogue of item
             # n - 1, then its wait for item n's first stage; that stage's
             # first load, issued by the producer before (+) or after (-)
@@ -172,7 +175,7 @@ def report(path, read_gbs, sms):
             if r["kind"] in (GEMM + ITEM_END, GEMM + 10 + ITEM_END)]
     if its and ends:
         t0, t1 = min(r["us"] for r in its), max(ends)
-        gb = sum(r["b"] for r in its) * STAGE_BYTES / 1e9
+        gb = sum(r["b"] for r in its) * stage / 1e9
         print("weights   %.1f MB from the first item's first stage (%.2f) to "
               "the last MMA (%.2f): %.0f GB/s" %
               (gb * 1e3, t0, t1, gb / ((t1 - t0) * 1e-6)))
@@ -223,9 +226,14 @@ def main():
     ap.add_argument("csv", nargs="+")
     ap.add_argument("--read-gbs", type=float, default=4515.0)
     ap.add_argument("--sms", type=int, default=132)
+    # The 144-row tile's CTAs take two weight tiles an item event (a run
+    # of two items: moek_wtiles), so each K block brings twice the bytes.
+    ap.add_argument("--wtiles", type=int, default=1,
+                    help="weight tiles an item event stands for (2 for "
+                         "the 144-row tile)")
     a = ap.parse_args()
     for p in a.csv:
-        report(p, a.read_gbs, a.sms)
+        report(p, a.read_gbs, a.sms, a.wtiles)
     return 0
 
 
