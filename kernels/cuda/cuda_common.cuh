@@ -113,6 +113,16 @@ __host__ __device__ __forceinline__ constexpr int moek_wtiles(int bn)
 {
     return bn == 144 ? 2 : 1;
 }
+/* Items of one token tile that a CTA of instance bn, or in cluster mode a
+ * pair of CTAs, takes as one run: its weight tiles, twice that in a pair.
+ * A GEMM's weight-tile count and raster chunk are multiples of it, so a
+ * run never reaches into the next token tile (moek_launch_gemm_wgmma
+ * refuses them otherwise). */
+__host__ __device__ __forceinline__ constexpr int moek_run_items(int bn,
+                                                                 bool cluster)
+{
+    return moek_wtiles(bn) * (cluster ? 2 : 1);
+}
 __host__ __device__ __forceinline__ int moek_token_tiles(int cnt, int bn)
 {
     return cnt / bn + (cnt % bn != 0); /* cnt may be near INT_MAX */
@@ -662,14 +672,14 @@ int moek_make_tmaps(moek_tmaps *t, void *base, moek_dtype dt, uint64_t rows,
 /* tmaps_b set: cluster mode, pairs of CTAs sharing each token tile by TMA
  * multicast; the token rows a.b are then contiguous (a.b_rows unused)
  * behind tmaps_b (made for a.bn: another instance's boxes would never
- * deliver the bytes a stage waits for, so it is refused), the grid is
- * even, the plan has no K split and a.chunk and a.n_tiles are even. Where
- * a CTA takes moek_wtiles(a.bn) = 2 weight tiles, a.chunk and a.n_tiles
- * are multiples of 2 (4 in cluster mode; refused otherwise) and the plan
- * has no K split. Tiles moek_wgmma_cluster_ok only. tmap_o: the output's map, which SWIGLU
- * (moek_make_out_tmap) and SLOT (moek_make_tmap, 8-row boxes) store
- * through with tiles of MOEK_STAGED_MIN_TILE rows and wider (refused
- * without it; SLOT is refused below those tiles); NULL otherwise. */
+ * deliver the bytes a stage waits for, so it is refused) and the grid is
+ * even; tiles moek_wgmma_cluster_ok only. In cluster mode, and where a CTA
+ * takes two weight tiles (moek_wtiles), the plan has no K split. a.chunk
+ * and a.n_tiles are multiples of moek_run_items (refused otherwise).
+ * tmap_o: the output's map, which SWIGLU (moek_make_out_tmap) and SLOT
+ * (moek_make_tmap, 8-row boxes) store through with tiles of
+ * MOEK_STAGED_MIN_TILE rows and wider (refused without it; SLOT is refused
+ * below those tiles); NULL otherwise. */
 cudaError_t moek_launch_gemm_wgmma(moek_dtype dt, const void *tmap,
                                    const moek_tmaps *tmaps_b,
                                    const CUtensorMap *tmap_o,

@@ -725,9 +725,9 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
 /* Producer of cluster mode, one tile class (the CTA's items sp), run by
  * warp 0 (lane 0 issues): the weight tiles as in produce(), and this CTA's
  * half of the N token rows (contiguous rows of a.b from it.pos: the caller
- * permuted them) as one box of N / 2 rows (tmap_b, the class's map), multicast to both CTAs.
- * Rows past the item's mlen belong to another group or lie past the
- * tensor (zero): the epilogue skips those columns. */
+ * permuted them) as one box of N / 2 rows (tmap_b, the class's map),
+ * multicast to both CTAs. Rows past the item's mlen belong to another
+ * group or lie past the tensor (zero): the epilogue skips those columns. */
 template <int BN, int N>
 __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
                                            const CUtensorMap *tmap,
@@ -911,8 +911,9 @@ __device__ __forceinline__ void epi_swiglu_staged(const moek_gemm_args &a,
 /*
  * SLOT epilogue through shared memory (consumer warpgroup cw, half h of
  * weight tile it.nt, tiles of 128 rows and wider), as epi_swiglu_staged:
- * the weighted rows of up to 64 token columns per pass go to a [token][64 features] buffer (128-byte
- * rows, 16-byte chunks swizzled by row % 8: TMA's 128-byte swizzle), then
+ * the weighted rows of up to 64 token columns per pass go to a [token][64
+ * features] buffer (128-byte rows, 16-byte chunks swizzled by row % 8:
+ * TMA's 128-byte swizzle), then
  * out by TMA in boxes of 8 token rows (omap), the last mlen % 8 rows by
  * plain stores, one 16-byte chunk per thread. A thread holds, for token
  * columns c and c + 1, output features 2i and 2i + 1 of its warp's 16 (i =
@@ -1557,12 +1558,11 @@ cudaError_t launch_t(const void *tmap, const moek_tmaps *tb,
                      const CUtensorMap *to, const moek_gemm_args &a, int grid,
                      cudaStream_t stream, bool pdl)
 {
-    /* Runs of moek_wtiles items (twice as many in CTA pairs) must be the
-     * weight tiles of one token tile (layer.cu, fit_tile and run_gemm):
-     * else a run would take a tile of the next token tile or group. */
-    const int per = moek_wtiles(a.bn) * (tb ? 2 : 1);
-    if (moek_wtiles(a.bn) > 1 &&
-        (a.n_tiles % per != 0 || a.chunk % per != 0))
+    /* A run must be the weight tiles of one token tile (layer.cu,
+     * fit_tile and run_gemm): else it would take a tile of the next token
+     * tile or group. */
+    const int run = moek_run_items(a.bn, tb != nullptr);
+    if (a.n_tiles % run != 0 || a.chunk % run != 0)
         return cudaErrorInvalidValue;
     if (tb) {
         if (tb->bn != a.bn)
@@ -1635,8 +1635,11 @@ template <typename T> cudaError_t prepare_t()
 
 bool moek_wgmma_tile_ok(int bn)
 {
-    return bn == 16 || bn == 32 || bn == 64 || bn == 128 || bn == 144 ||
-           bn == 192 || bn == 256;
+    static const int tiles[] = MOEK_CUDA_TOKEN_TILES;
+    for (int t : tiles)
+        if (t == bn)
+            return true;
+    return false;
 }
 
 cudaError_t moek_gemm_wgmma_prepare(moek_dtype dt)

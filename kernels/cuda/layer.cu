@@ -124,14 +124,15 @@ int moe_grid1(const moek_cuda_moe_layer *L, int bn, int T)
 }
 
 /* Tile bn for GEMMs of t1 and t2 weight tiles a group (t2 = t1 for one
- * GEMM): the 144-row tile multiplies two weight tiles at once
- * (moek_wtiles), its items in pairs of one token tile, which needs counts
- * of weight tiles that are multiples of `per` (2; 4 where CTA pairs may
- * split each pair's run further); where they are not, the 128-row tile. */
-int fit_tile(int bn, int t1, int t2, int per)
+ * GEMM; cluster: CTA pairs may run them): the 144-row tile multiplies two
+ * weight tiles at once (moek_wtiles), its items in runs of one token tile,
+ * which needs counts of weight tiles that are multiples of moek_run_items;
+ * where they are not, the 128-row tile. */
+int fit_tile(int bn, int t1, int t2, bool cluster)
 {
-    const int w = moek_wtiles(bn);
-    return w > 1 && (t1 % (w * per) != 0 || t2 % (w * per) != 0) ? 128 : bn;
+    const int run = moek_run_items(bn, cluster);
+    return moek_wtiles(bn) > 1 && (t1 % run != 0 || t2 % run != 0) ? 128
+                                                                     : bn;
 }
 
 /* The tile of a forward of T tokens: one tile on the SIMT path; else the
@@ -152,9 +153,9 @@ int moe_tile(const moek_cuda_moe_layer *L, int T)
         double hit = E * (1.0 - pow(1.0 - k / E, (double)T));
         if (hit < 1)
             hit = 1;
-        bn = pick_tile((double)T * k / hit, fit_tile(144, t1, t2, 2) == 144);
+        bn = pick_tile((double)T * k / hit, fit_tile(144, t1, t2, true) == 144);
     }
-    return fit_tile(bn, t1, t2, 2);
+    return fit_tile(bn, t1, t2, true);
 }
 
 /* The workspace carved for one call. */
@@ -384,9 +385,9 @@ cudaError_t run_gemm(moek_dtype dt, bool wgmma, const CUtensorMap *tm,
         grid = 1;
     if (tm_b)
         grid = even2(grid);
-    const int per = moek_wtiles(a.bn) * (tm_b ? 2 : 1);
-    if (a.chunk % per != 0)
-        a.chunk = a.chunk < per ? per : a.chunk / per * per;
+    const int run = moek_run_items(a.bn, tm_b != nullptr);
+    if (a.chunk % run != 0)
+        a.chunk = a.chunk < run ? run : a.chunk / run * run;
     return wgmma ? moek_launch_gemm_wgmma(dt, tm, tm_b, tm_o, a, grid, st, pdl)
                  : moek_launch_gemm_simt(dt, a, grid, st, pdl);
 }
@@ -954,7 +955,7 @@ int moek_cuda_grouped_gemm(moek_cuda_gemm_weights *W, moek_cuda_workspace *ws,
             /* the 144-row tile was measured on MoE forwards alone */
             bn = pick_tile((double)total_m / g, false);
         }
-        bn = fit_tile(bn, n_tiles, n_tiles, 1);
+        bn = fit_tile(bn, n_tiles, n_tiles, false);
     }
     moek_gemm_args g = {};
     g.plan = w.plan;

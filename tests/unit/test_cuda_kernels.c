@@ -623,11 +623,11 @@ TEST(moe_every_tile)
 {
     need_gpu();
     uint64_t rng = test_seed();
-    static const int tiles[] = {16, 32, 64, 128, 144, 192, 256};
-    for (int i = 0; i < 9; i++) {
+    static const int tiles[] = MOEK_CUDA_TOKEN_TILES;
+    for (int i = 0; i < MOEK_CUDA_TILE_CANDIDATES + 2; i++) {
         moe_case c = {{16, 4, 384, 320}, i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
                       300, ROUTE_SOFTMAX, true, 0, 64, {0, false}, false, false, NULL};
-        if (i < 7)
+        if (i < MOEK_CUDA_TILE_CANDIDATES)
             c.tune.token_tile = tiles[i];
         else
             c.tune.generic = true;
@@ -1570,9 +1570,9 @@ TEST(grouped_gemm)
     run_gemm(MOEK_DTYPE_BF16, 64, 72, 200, sizes, 0, false, &rng);
     run_gemm(MOEK_DTYPE_FP16, 64, 72, 200, sizes, 0, false, &rng);
     run_gemm(MOEK_DTYPE_BF16, 64, 72, 200, sizes, 0, true, &rng);
-    static const int tiles[] = {16, 32, 64, 128, 144, 192, 256};
+    static const int tiles[] = MOEK_CUDA_TOKEN_TILES;
     int64_t big[8] = {0, 1000, 0, 0, 77, 0, 0, 256};
-    for (int i = 0; i < 7; i++)
+    for (int i = 0; i < MOEK_CUDA_TILE_CANDIDATES; i++)
         run_gemm(i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16, 8, 256, 512, big,
                  tiles[i], false, &rng);
     /* Host weights going up a few groups at a time (weights.cu): three of
