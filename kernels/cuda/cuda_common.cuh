@@ -222,7 +222,9 @@ struct moek_gemm_args {
     /* GEMM 1 of a MoE forward, tiled weights: before waiting for the
      * routing, each CTA sends the first pf_kb K blocks of the item it would
      * run first to L2, on the guess that every group has pf_cnt rows (so
-     * all are in use); 0: none (gemm_wgmma.cu, prefetch_guess). */
+     * all are in use); pf_cnt 0: the first pf_kb blocks of every group's
+     * tiles, spread over the CTAs. pf_kb 0: none (gemm_wgmma.cu,
+     * prefetch_guess). */
     int pf_kb, pf_cnt;
 };
 /* moek_dep's counts (layer.cu's workspace, zeroed by the routing kernel):
@@ -571,6 +573,7 @@ struct moek_cuda_moe_layer {
     size_t slot_min_acc; /* from this fp32 accumulator size (layer.cu) */
     int split_min_kb;
     int pf1_kb;     /* moek_gemm_args.pf_kb of GEMM 1, where it applies */
+    bool pf_every;  /* GEMM 1's prefetch of every expert's first blocks */
     /* The token-tile table (moek_cuda_moe_layer_set_tiles): n_rules rules,
      * min_tokens ascending. */
     int n_rules;

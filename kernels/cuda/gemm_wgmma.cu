@@ -290,12 +290,31 @@ template <int N> __device__ __forceinline__ void wgmma_wait()
  * use with pf_cnt rows. That decode holds because layer.cu sets pf_kb
  * only for tiled weights and one token-tile class, and GEMM 1 never
  * splits K. Where the routing made another list, the blocks sent are
- * read later or not at all; the loads are the same either way.
+ * read later or not at all; the loads are the same either way. With
+ * pf_cnt 0 (too few rows a group for a guess; layer.cu), the first pf_kb
+ * blocks of every group's weight tiles instead, a share per CTA: every
+ * item that runs starts with one of them.
  */
 __device__ __forceinline__ void prefetch_guess(const moek_gemm_args &a)
 {
     if (!a.w_tiled)
         return;
+    const int kb = a.pf_kb < a.kblocks ? a.pf_kb : a.kblocks;
+    const auto send = [&](int g, int nt) {
+        const size_t at = moek_wt_index(g, nt * MOEK_WTILE, 0, a.n_tiles,
+                                        a.kblocks);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(
+                         reinterpret_cast<const uint16_t *>(a.w) + at),
+                     "r"(kb * A_BYTES)
+                     : "memory");
+    };
+    if (a.pf_cnt == 0) {
+        /* Fewer rows a group than the guess needs: the first blocks of
+         * every group's weight tiles, tile t by CTA t mod gridDim.x. */
+        for (int t = blockIdx.x; t < a.groups * a.n_tiles; t += gridDim.x)
+            send(t / a.n_tiles, t % a.n_tiles);
+        return;
+    }
     const int per = moek_token_tiles(a.pf_cnt, a.bn) * a.n_tiles;
     moek_item_src f;
     f.g = (int)blockIdx.x / per;
@@ -305,13 +324,7 @@ __device__ __forceinline__ void prefetch_guess(const moek_gemm_args &a)
     if (f.g >= a.groups)
         return;
     const moek_item it = moek_item_from(a, 1, f);
-    const size_t at = moek_wt_index(it.g, it.nt * MOEK_WTILE, 0, a.n_tiles,
-                                    a.kblocks);
-    const int kb = a.pf_kb < a.kblocks ? a.pf_kb : a.kblocks;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(
-                     reinterpret_cast<const uint16_t *>(a.w) + at),
-                 "r"(kb * A_BYTES)
-                 : "memory");
+    send(it.g, it.nt);
 }
 
 /* The first item of this CTA's sequence at or after `start`, items taken

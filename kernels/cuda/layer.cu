@@ -789,12 +789,25 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
      * On the H200, 16 K blocks an item: mixtral T=32 1.1%, T=64 0.8-1.1%,
      * T=128 0.5%, qwen3 T=128 1.0%, T=256 0.6% faster; qwen3 T=512 and
      * deepseek T=256-1024 even; 8 and 32 blocks no better
-     * (kernels/bench/RESULTS.md, run 36). */
+     * (kernels/bench/RESULTS.md, run 36). With fewer rows a group, no
+     * list can be guessed: there, where a third of the experts or more
+     * are likely hit and one K block of every expert's weight tiles fits
+     * in about half of L2 (24 MB), each CTA sends a share of those
+     * blocks, all of which the items that run read first. On an H100:
+     * qwen3 T=8 1.1%, T=16 1.5%, T=32 1.3%, T=64 1.2% faster; at T=5, a
+     * quarter of the experts hit, 0.3% slower (RESULTS.md, run 46). */
     const int avg = (int)(((long long)T * k + E - 1) / E);
-    if (wgmma && L->pf1_kb > 0 && L->tiled && !remap && avg >= 8 &&
-        moek_classes(bn) == 1) {
+    const bool pf = wgmma && L->pf1_kb > 0 && L->tiled && moek_classes(bn) == 1;
+    const double hit = 1.0 - pow(1.0 - (double)k / E, (double)T);
+    const long long every =
+        (long long)E * g1.n_tiles * MOEK_WTILE * MOEK_KTILE * 2;
+    if (pf && !remap && avg >= 8) {
         g1.pf_kb = L->pf1_kb;
         g1.pf_cnt = avg;
+    } else if (pf && L->pf_every && 3 * hit >= 1.0 &&
+               every <= (24LL << 20)) {
+        g1.pf_kb = 1;
+        g1.pf_cnt = 0;
     }
 
     /* GEMM 2 may split, so it takes every SM. */

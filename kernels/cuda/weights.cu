@@ -125,8 +125,10 @@ int device_setup(int device, int *sms, int *cc)
  * multi-block path; 8 unless set, and 16 lets a device that runs clusters
  * of 16 route up to 512 tokens a warp each in that launch, within noise
  * of the default on the H200: RESULTS.md, run 35),
- * MOEK_CUDA_NO_PREFETCH=1 drops GEMM 1's guessed L2 prefetch,
- * MOEK_CUDA_PREFETCH_KB=N sets its K blocks (16 unless set; layer.cu) and
+ * MOEK_CUDA_NO_PREFETCH=1 drops GEMM 1's L2 prefetches,
+ * MOEK_CUDA_PREFETCH_KB=N sets the guessed one's K blocks (16 unless set;
+ * layer.cu), MOEK_CUDA_NO_PREFETCH_EVERY=1 drops the one of every
+ * expert's first blocks (fewer rows a group; layer.cu) and
  * MOEK_CUDA_UPLOAD_KB=N bounds the staging buffer that grouped GEMM
  * weights go up through (64 MiB unless set; one group at least).
  * Read once, when a layer or weight set is made. */
@@ -218,6 +220,7 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
     L->slots = !env_off("MOEK_CUDA_NO_SLOT_ROWS");
     L->stream_k = !env_off("MOEK_CUDA_NO_STREAM_K");
     L->split_min_kb = split_min_kb_default();
+    L->pf_every = !env_off("MOEK_CUDA_NO_PREFETCH_EVERY");
     L->pf1_kb = env_off("MOEK_CUDA_NO_PREFETCH")
                     ? 0
                     : env_int("MOEK_CUDA_PREFETCH_KB", 16, 1 << 16);
