@@ -283,9 +283,10 @@ template <int N> __device__ __forceinline__ void wgmma_wait()
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 /*
- * GEMM 1's first weights, sent to L2 while the routing it waits for runs
- * (moek_gemm_args.pf_kb): DRAM is otherwise idle from the forward's start
- * to GEMM 1's first load. The CTA's first item is item blockIdx.x; before
+ * GEMM 1's first weights, sent to L2 before the wait for the routing
+ * (moek_gemm_args.pf_kb; while the routing runs, except in mode 3, whose
+ * cooperative launch starts once it has ended): DRAM is otherwise idle
+ * from the forward's start to GEMM 1's first load. The CTA's first item is item blockIdx.x; before
  * the tile list exists it is decoded from a guessed one, every group in
  * use with pf_cnt rows. That decode holds because layer.cu sets pf_kb
  * only for tiled weights and one token-tile class, and GEMM 1 never
