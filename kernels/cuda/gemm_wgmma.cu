@@ -286,15 +286,15 @@ template <int N> __device__ __forceinline__ void wgmma_wait()
  * GEMM 1's first weights, sent to L2 before the wait for the routing
  * (moek_gemm_args.pf_kb; while the routing runs, except in mode 3, whose
  * cooperative launch starts once it has ended): DRAM is otherwise idle
- * from the forward's start to GEMM 1's first load. The CTA's first item is item blockIdx.x; before
- * the tile list exists it is decoded from a guessed one, every group in
- * use with pf_cnt rows. That decode holds because layer.cu sets pf_kb
- * only for tiled weights and one token-tile class, and GEMM 1 never
- * splits K. Where the routing made another list, the blocks sent are
- * read later or not at all; the loads are the same either way. With
- * pf_cnt 0 (too few rows a group for a guess; layer.cu), the first pf_kb
- * blocks of every group's weight tiles instead, a share per CTA: every
- * item that runs starts with one of them.
+ * from the forward's start to GEMM 1's first load. The CTA's first item
+ * is item blockIdx.x; before the tile list exists it is decoded from a
+ * guessed one, every group in use with pf_cnt rows. That decode holds
+ * because layer.cu sets pf_kb only for tiled weights and one token-tile
+ * class, and GEMM 1 never splits K. Where the routing made another list,
+ * the blocks sent are read later or not at all; the loads are the same
+ * either way. With pf_cnt 0 (too few rows a group for a guess; layer.cu),
+ * the first pf_kb blocks of every group's weight tiles instead, a share
+ * per CTA: every item that runs starts with one of them.
  */
 __device__ __forceinline__ void prefetch_guess(const moek_gemm_args &a)
 {
