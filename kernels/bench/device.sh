@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # device.sh: build, check and benchmark the CUDA kernels in one call on the
-# GPU machine (the `run` tool of this workplace; any machine with nvcc works).
+# GPU machine (any machine with nvcc and an sm_90 card).
 #
 #   bash kernels/bench/device.sh                 everything
 #   STEPS="build quick bench" bash kernels/bench/device.sh
@@ -9,12 +9,16 @@
 # quick (the test cases that exercise every kernel variant, short timeout:
 # a hang ends the run early), bench (bench_moe --sweep --csv), variants (the
 # T=1 cases again without early weight loads, and without PDL), ab (every
-# model at AB_TOKENS under each switch of AB_ENVS), ncu (per-kernel times of
-# one forward at NCU_TOKENS), peers (peers.py), test (the whole CUDA unit
-# test), sanitize (compute-sanitizer over the unit test's small cases),
-# report (report.py). Logs and
-# the tables go to $OUT (8 files at most, or /tmp/moek-out); the report
-# table prints last.
+# model at AB_TOKENS under each switch of AB_ENVS), abbin (builds or
+# switches against each other, interleaved: AB_RUNS over AB_CASES), ncu
+# (per-kernel times of one forward at NCU_TOKENS), peers (peers.py), test
+# (the whole CUDA unit test), sanitize (compute-sanitizer over the unit
+# test's small cases), report (report.py). Logs and the tables go to $OUT
+# (8 files at most, or /tmp/moek-out); the report table prints last.
+#
+#   OUT=$OUT/ab STEPS=abbin AB_RUNS="main=DIR1/bench_moe new=DIR2/bench_moe
+#     off=DIR2/bench_moe,MOEK_CUDA_NO_BOTH=1" AB_CASES="qwen3-30b-a3b:8
+#     deepseek-v3:4096:--tile,144" AB_ROUNDS=2 bash kernels/bench/device.sh
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/moek-out}
@@ -71,6 +75,28 @@ if has ab; then
       done
     done
   done | tee -a "$OUT/ab.log"
+fi
+if has abbin; then
+  # Builds (or one build under switches) against each other, interleaved so
+  # that the card's drift falls on all alike: for each AB_CASES entry
+  # (MODEL:TOKENS[:ARGS], ARGS bench_moe's, commas for spaces), the
+  # AB_RUNS entries in order and then in reverse (A B .. B A), AB_ROUNDS
+  # times. An AB_RUNS entry is LABEL=BENCH[,VAR=VALUE...]: a bench_moe
+  # (relative to the repository root) and switches for its environment.
+  # Each line: label, model, T, tile, us, % of floor.
+  read -ra runs <<<"${AB_RUNS:-main=$B/bench/bench_moe}"
+  order=("${runs[@]}")
+  for ((i = ${#runs[@]} - 1; i >= 0; i--)); do order+=("${runs[i]}"); done
+  for c in ${AB_CASES:-qwen3-30b-a3b:8}; do
+    IFS=: read -r m t args <<<"$c"
+    for ((r = 0; r < ${AB_ROUNDS:-1}; r++)); do
+      for run in "${order[@]}"; do
+        IFS=, read -ra f <<<"${run#*=}"
+        env "${f[@]:1}" timeout 120 "${f[0]}" --only "$m" --tokens "$t" ${args//,/ } 2>&1 |
+          grep "^| $m" | awk -F'|' -v l="${run%%=*}" '{printf "%s |%s|%s|%s|%s|%s|\n", l, $2, $3, $4, $5, $7}'
+      done
+    done
+  done | tee -a "$OUT/abbin.log"
 fi
 if has ncu; then
   # Per-kernel device time of one forward (ncu; NCU_TOKENS tokens).
