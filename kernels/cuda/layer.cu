@@ -782,8 +782,8 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     g2.cg_before = w.cg_before + (E + 1);
     g1.groups = g2.groups = E;
 
-    /* GEMM 1's first weights to L2 while routing runs (prefetch_guess in
-     * gemm_wgmma.cu): where every expert is all but sure to get rows (8 or
+    /* GEMM 1's first weights to L2 before its wait for the routing
+     * (prefetch_guess in gemm_wgmma.cu): where every expert is all but sure to get rows (8 or
      * more a group on average) and one token-tile class orders the groups
      * by index alone, so the guessed list is likely the one routing makes.
      * On the H200, 16 K blocks an item: mixtral T=32 1.1%, T=64 0.8-1.1%,
