@@ -1145,7 +1145,10 @@ static void slow_files_make(struct slow_files *sf)
     sf->B = layer_def("beta", 4, 2, 32, 48);
     layer_file(&sf->A, sf->fa, "m.", &sf->seed);
     layer_file(&sf->B, sf->fb, "m.", &sf->seed);
-    pad_header(sf->fa, sf->fslow, 1000000); /* 14 MB of header */
+    /* 28 MB of header: about 1 s of parsing for a reload here, so that
+     * reload_parses_headers_off_the_loop's reload is long enough to tell
+     * (14 MB took 495 ms on one run, under its 500 ms bound) */
+    pad_header(sf->fa, sf->fslow, 2000000);
 }
 
 /* max_loads caps clients' loads only: while a reload's plan and loads keep
