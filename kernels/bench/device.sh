@@ -8,15 +8,14 @@
 # Steps: build (nvcc here, the bench Makefile: no daemon libraries needed),
 # quick (the test cases that exercise every kernel variant, short timeout:
 # a hang ends the run early), bench (bench_moe --sweep --csv), variants (the
-# T=1 cases again without early weight loads, and without PDL), ab (every
-# model at AB_TOKENS under each switch of AB_ENVS), abbin (builds or
-# switches against each other, interleaved: AB_RUNS over AB_CASES), ncu
+# T=1 cases again without early weight loads, and without PDL), ab (builds
+# or switches against each other, interleaved: AB_RUNS over AB_CASES), ncu
 # (per-kernel times of one forward at NCU_TOKENS), peers (peers.py), test
 # (the whole CUDA unit test), sanitize (compute-sanitizer over the unit
 # test's small cases), report (report.py). Logs and the tables go to $OUT
 # (8 files at most, or /tmp/moek-out); the report table prints last.
 #
-#   OUT=$OUT/ab STEPS=abbin AB_RUNS="main=DIR1/bench_moe new=DIR2/bench_moe
+#   OUT=$OUT/ab STEPS=ab AB_RUNS="main=DIR1/bench_moe new=DIR2/bench_moe
 #     off=DIR2/bench_moe,MOEK_CUDA_NO_BOTH=1" AB_CASES="qwen3-30b-a3b:8
 #     deepseek-v3:4096:--tile,144" AB_ROUNDS=2 bash kernels/bench/device.sh
 set -u -o pipefail
@@ -65,29 +64,23 @@ if has variants; then
   done | tee -a "$OUT/bench.log"
 fi
 if has ab; then
-  # A/B of the measuring switches: each AB_ENVS entry (VAR=VALUE, or "-" for
-  # none) over every model at AB_TOKENS.
-  for v in ${AB_ENVS:-- MOEK_CUDA_NO_TINY=1 MOEK_CUDA_SPLIT_MIN_KB=4}; do
-    for m in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
-      for t in ${AB_TOKENS:-1 8 64}; do
-        if [ "$v" = - ]; then set --; else set -- "$v"; fi
-        env "$@" timeout 60 "$B/bench/bench_moe" --only $m --tokens $t 2>&1 | grep "^| $m" | sed "s/^/$v /"
-      done
-    done
-  done | tee -a "$OUT/ab.log"
-fi
-if has abbin; then
-  # Builds (or one build under switches) against each other, interleaved so
-  # that the card's drift falls on all alike: for each AB_CASES entry
+  # Builds, or one build under switches, against each other, interleaved
+  # so that the card's drift falls on all alike: for each AB_CASES entry
   # (MODEL:TOKENS[:ARGS], ARGS bench_moe's, commas for spaces), the
   # AB_RUNS entries in order and then in reverse (A B .. B A), AB_ROUNDS
   # times. An AB_RUNS entry is LABEL=BENCH[,VAR=VALUE...]: a bench_moe
   # (relative to the repository root) and switches for its environment.
-  # Each line: label, model, T, tile, us, % of floor.
-  read -ra runs <<<"${AB_RUNS:-main=$B/bench/bench_moe}"
+  # Each line: label, model, T, tile, us, % of floor. By default this
+  # build against two of its measuring switches at T = 1, 8 and 64.
+  b=$B/bench/bench_moe
+  read -ra runs <<<"${AB_RUNS:-main=$b notiny=$b,MOEK_CUDA_NO_TINY=1 split4=$b,MOEK_CUDA_SPLIT_MIN_KB=4}"
   order=("${runs[@]}")
   for ((i = ${#runs[@]} - 1; i >= 0; i--)); do order+=("${runs[i]}"); done
-  for c in ${AB_CASES:-qwen3-30b-a3b:8}; do
+  cases=""
+  for m in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
+    for t in 1 8 64; do cases="$cases $m:$t"; done
+  done
+  for c in ${AB_CASES:-$cases}; do
     IFS=: read -r m t args <<<"$c"
     for ((r = 0; r < ${AB_ROUNDS:-1}; r++)); do
       for run in "${order[@]}"; do
@@ -96,7 +89,7 @@ if has abbin; then
           grep "^| $m" | awk -F'|' -v l="${run%%=*}" '{printf "%s |%s|%s|%s|%s|%s|\n", l, $2, $3, $4, $5, $7}'
       done
     done
-  done | tee -a "$OUT/abbin.log"
+  done | tee -a "$OUT/ab.log"
 fi
 if has ncu; then
   # Per-kernel device time of one forward (ncu; NCU_TOKENS tokens).

@@ -78,6 +78,14 @@ int pick_tile(double avg, bool two)
     return best;
 }
 
+/* The experts a call of T tokens is expected to hit: each of E is missed by
+ * all T tokens' top-k with probability (1 - k / E)^T. */
+double moe_hit(const moek_moe_shape &s, int T)
+{
+    const double E = s.experts, k = s.topk;
+    return E * (1.0 - pow(1.0 - k / E, (double)T));
+}
+
 /* Whether the layer's calls run the wgmma kernel (sm_90, not tuned to the
  * portable SIMT path), which the prefill modes and stream-K need. */
 bool moe_wgmma(const moek_cuda_moe_layer *L)
@@ -149,11 +157,9 @@ int moe_tile(const moek_cuda_moe_layer *L, int T)
         if (L->rules[i].min_tokens <= T)
             bn = L->rules[i].token_tile;
     if (!bn) {
-        const double E = L->shape.experts, k = L->shape.topk;
-        double hit = E * (1.0 - pow(1.0 - k / E, (double)T));
-        if (hit < 1)
-            hit = 1;
-        bn = pick_tile((double)T * k / hit, fit_tile(144, t1, t2, true) == 144);
+        const double hit = fmax(moe_hit(L->shape, T), 1.0);
+        bn = pick_tile((double)T * L->shape.topk / hit,
+                       fit_tile(144, t1, t2, true) == 144);
     }
     return fit_tile(bn, t1, t2, true);
 }
@@ -783,9 +789,10 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     g1.groups = g2.groups = E;
 
     /* GEMM 1's first weights to L2 before its wait for the routing
-     * (prefetch_guess in gemm_wgmma.cu): where every expert is all but sure to get rows (8 or
-     * more a group on average) and one token-tile class orders the groups
-     * by index alone, so the guessed list is likely the one routing makes.
+     * (prefetch_guess in gemm_wgmma.cu): where every expert is all but
+     * sure to get rows (8 or more a group on average) and one token-tile
+     * class orders the groups by index alone, so the guessed list is
+     * likely the one routing makes.
      * On the H200, 16 K blocks an item: mixtral T=32 1.1%, T=64 0.8-1.1%,
      * T=128 0.5%, qwen3 T=128 1.0%, T=256 0.6% faster; qwen3 T=512 and
      * deepseek T=256-1024 even; 8 and 32 blocks no better
@@ -798,13 +805,12 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
      * quarter of the experts hit, 0.3% slower (RESULTS.md, run 46). */
     const int avg = (int)(((long long)T * k + E - 1) / E);
     const bool pf = wgmma && L->pf1_kb > 0 && L->tiled && moek_classes(bn) == 1;
-    const double hit = 1.0 - pow(1.0 - (double)k / E, (double)T);
     const long long every =
         (long long)E * g1.n_tiles * MOEK_WTILE * MOEK_KTILE * 2;
     if (pf && !remap && avg >= 8) {
         g1.pf_kb = L->pf1_kb;
         g1.pf_cnt = avg;
-    } else if (pf && L->pf_every && 3 * hit >= 1.0 &&
+    } else if (pf && L->pf_every && 3 * moe_hit(s, T) >= E &&
                every <= (24LL << 20)) {
         g1.pf_kb = 1;
         g1.pf_cnt = 0;
