@@ -802,11 +802,14 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
      * in about half of L2 (24 MB), each CTA sends a share of those
      * blocks, all of which the items that run read first. On an H100:
      * qwen3 T=8 1.1%, T=16 1.5%, T=32 1.3%, T=64 1.2% faster; at T=5, a
-     * quarter of the experts hit, 0.3% slower (RESULTS.md, run 46). */
+     * quarter of the experts hit, 0.3% slower (RESULTS.md, run 46; both
+     * GEMMs in one launch, which since run 47 does not run with this
+     * prefetch: see moek_dep below). */
     const int avg = (int)(((long long)T * k + E - 1) / E);
     const bool pf = wgmma && L->pf1_kb > 0 && L->tiled && moek_classes(bn) == 1;
     const long long every =
         (long long)E * g1.n_tiles * MOEK_WTILE * MOEK_KTILE * 2;
+    bool pf_every = false;
     if (pf && !remap && avg >= 8) {
         g1.pf_kb = L->pf1_kb;
         g1.pf_cnt = avg;
@@ -814,6 +817,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
                every <= (24LL << 20)) {
         g1.pf_kb = 1;
         g1.pf_cnt = 0;
+        pf_every = true;
     }
 
     /* GEMM 2 may split, so it takes every SM. */
@@ -835,8 +839,17 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
          * them. On the H200: mixtral T=1 0.9-1.6%, qwen3 T=8 and T=16
          * 0.7-1.3% faster, qwen3 T=64 and deepseek T=64 even, deepseek T=8
          * even to 0.9% slower (kernels/bench/RESULTS.md, run 34).
-         * MOEK_CUDA_NO_BOTH=1 keeps two kernels. */
-        g1.dep_mode = L->both && moek_wgmma_both_ok(g1, g2) ? 3 : 1;
+         * Not where GEMM 1 sends every expert's first blocks to L2: a
+         * cooperative grid of every SM starts only once the routing kernel
+         * has ended, so that prefetch would go out after the routing, not
+         * under it. There two kernels were faster on an H100: qwen3 T=8
+         * 0.8%, T=16 0.4%, T=32 0.3%, T=64 0.5%; where no prefetch runs,
+         * the one launch was 2.2% faster at qwen3 T=3 and even at mixtral
+         * T=3 to 64 and deepseek T=1 to 64 (run 47). The guessed prefetch
+         * (deepseek from T=256) keeps the one launch: not measured.
+         * MOEK_CUDA_NO_BOTH=1 keeps two kernels everywhere. */
+        g1.dep_mode =
+            L->both && !pf_every && moek_wgmma_both_ok(g1, g2) ? 3 : 1;
     }
 
     moek_route_args ra = {};
