@@ -809,7 +809,6 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     const bool pf = wgmma && L->pf1_kb > 0 && L->tiled && moek_classes(bn) == 1;
     const long long every =
         (long long)E * g1.n_tiles * MOEK_WTILE * MOEK_KTILE * 2;
-    bool pf_every = false;
     if (pf && !remap && avg >= 8) {
         g1.pf_kb = L->pf1_kb;
         g1.pf_cnt = avg;
@@ -817,7 +816,6 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
                every <= (24LL << 20)) {
         g1.pf_kb = 1;
         g1.pf_cnt = 0;
-        pf_every = true;
     }
 
     /* GEMM 2 may split, so it takes every SM. */
@@ -848,6 +846,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
          * T=3 to 64 and deepseek T=1 to 64 (run 47). The guessed prefetch
          * (deepseek from T=256) keeps the one launch: not measured.
          * MOEK_CUDA_NO_BOTH=1 keeps two kernels everywhere. */
+        const bool pf_every = g1.pf_kb > 0 && g1.pf_cnt == 0;
         g1.dep_mode =
             L->both && !pf_every && moek_wgmma_both_ok(g1, g2) ? 3 : 1;
     }
