@@ -14,6 +14,7 @@
 #include <limits.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -92,6 +93,9 @@ struct moe_client {
     uint64_t next_id;
     int timeout_ms;
     unsigned spin_us;     /* busy-poll this long for a reply before sleeping */
+    unsigned spin_ahead_us; /* busy-poll this long either side of a compute
+                             * reply's expected time (rt_us after its send) */
+    uint64_t rt_us;       /* compute requests' round trip, a running mean */
     bool want_rfd;        /* ask for a reply socket at connect (MOE_REPLIES) */
     int rfd;              /* the reply socket (OpenSession.reply_socket), or -1 */
     int rpeer;            /* its other end, until OpenSession has sent it, or -1 */
@@ -117,6 +121,7 @@ struct moe_request {
     const moe_client *client;
     uint64_t id;
     unsigned generation;
+    uint64_t sent_us;     /* when it was sent (mono_us) */
 };
 
 static _Thread_local char moe_err_buf[512];
@@ -485,6 +490,15 @@ void moe_set_spin_us(moe_client *c, unsigned spin_us)
         return;
     pthread_mutex_lock(&c->mu);
     c->spin_us = spin_us;
+    pthread_mutex_unlock(&c->mu);
+}
+
+void moe_set_spin_ahead_us(moe_client *c, unsigned ahead_us)
+{
+    if (!c || forked(c))
+        return;
+    pthread_mutex_lock(&c->mu);
+    c->spin_ahead_us = ahead_us;
     pthread_mutex_unlock(&c->mu);
 }
 
@@ -1050,9 +1064,9 @@ static int receive_some(moe_client *c)
 }
 
 /* As the reading thread: receive what has arrived; if nothing has, sleep
- * on the sockets up to wait_ms without mu, then receive. Caller holds mu
+ * on the sockets up to wait_us without mu, then receive. Caller holds mu
  * (released and taken again). 0 or -errno. */
-static int read_sockets(moe_client *c, uint64_t id, int wait_ms)
+static int read_sockets(moe_client *c, uint64_t id, uint64_t wait_us)
 {
     int rc = receive_ready(c, id);
     if (rc)
@@ -1062,7 +1076,8 @@ static int read_sockets(moe_client *c, uint64_t id, int wait_ms)
     unsigned gen = c->generation;
     int nfds = c->rfd >= 0 ? 4 : 3;
     pthread_mutex_unlock(&c->mu);
-    int n = poll(p, (nfds_t)nfds, wait_ms);
+    struct timespec ts = {(time_t)(wait_us / 1000000u), (long)(wait_us % 1000000u) * 1000};
+    int n = ppoll(p, (nfds_t)nfds, &ts, NULL);
     int e = errno;
     pthread_mutex_lock(&c->mu);
     if (n < 0 && e != EINTR)
@@ -1082,17 +1097,27 @@ static int read_sockets(moe_client *c, uint64_t id, int wait_ms)
     return rc < 0 ? rc : 0;
 }
 
-/* Wait for the reply to id, sent on connection gen. timeout_ms < 0:
- * forever. On success *out is the reply (caller frees) whatever its
- * status. A connection that another thread replaced meanwhile lost it. */
-static int wait_reply(moe_client *c, uint64_t id, unsigned gen, int timeout_ms, Moe__Reply **out)
+/* Wait for the reply to id, sent on connection gen (at sent_us, for a
+ * compute request; else 0). timeout_ms < 0: forever. On success *out is
+ * the reply (caller frees) whatever its status. A connection that another
+ * thread replaced meanwhile lost it. */
+static int wait_reply(moe_client *c, uint64_t id, unsigned gen, uint64_t sent_us, int timeout_ms,
+                      Moe__Reply **out)
 {
     uint64_t deadline = deadline_ms(timeout_ms);
     pthread_mutex_lock(&c->mu);
     uint64_t spin_end = c->spin_us ? mono_us() + c->spin_us : 0;
+    /* moe_set_spin_ahead_us: busy-poll from ahead before the time a
+     * compute reply has been taking to ahead after it; sleep outside. */
+    uint64_t win_lo = 0, win_hi = 0, ahead = c->spin_ahead_us;
+    if (sent_us && ahead && c->rt_us) {
+        win_lo = sent_us + (c->rt_us > ahead ? c->rt_us - ahead : 0);
+        win_hi = sent_us + c->rt_us + ahead;
+    }
     Moe__Reply *rep = NULL;
     int rc = 0;
-    for (bool tried = false;; tried = true) {
+    bool tried = false;
+    for (;; tried = true) {
         /* A reply that came stands, even when the connection broke or was
          * replaced since (the replies sent before the daemon went are
          * collected; ids are not reused). */
@@ -1112,16 +1137,35 @@ static int wait_reply(moe_client *c, uint64_t id, unsigned gen, int timeout_ms, 
             continue;
         }
         /* Spinning: no sleep. Else up to the deadline, at most 1 s at a
-         * time (a missed edge costs no more). */
-        int wait = now >= deadline ? 0 : deadline - now > 1000 ? 1000 : (int)(deadline - now);
-        if (spin_end && mono_us() < spin_end)
+         * time (a missed edge costs no more), and not past the window's
+         * start. */
+        uint64_t wait = now >= deadline ? 0 : deadline - now > 1000 ? 1000 : deadline - now;
+        wait *= 1000;
+        uint64_t now_u = mono_us();
+        bool in_window = now_u >= win_lo && now_u < win_hi;
+        if ((spin_end && now_u < spin_end) || in_window)
             wait = 0;
+        else if (now_u < win_lo && win_lo - now_u < wait)
+            wait = win_lo - now_u;
         c->reading = true;
         rc = read_sockets(c, id, wait);
         c->reading = false;
         pthread_cond_broadcast(&c->cv); /* the next may read */
         if (rc < 0)
             break;
+        if (in_window) {
+            /* Many clients may spin at once, on fewer cores than they
+             * are: each pass lets the daemon's threads (and the rest) run. */
+            pthread_mutex_unlock(&c->mu);
+            sched_yield();
+            pthread_mutex_lock(&c->mu);
+        }
+    }
+    /* A compute reply that was waited for times the round trip (one
+     * already here when the wait began says nothing of it). */
+    if (rep && sent_us && tried) {
+        uint64_t rt = mono_us() - sent_us;
+        c->rt_us = c->rt_us ? (3 * c->rt_us + rt) / 4 : rt;
     }
     /* A failure other than the timeout (which the caller may wait past)
      * ends the wait for good: a reply that comes later is dropped. */
@@ -1167,7 +1211,7 @@ static int call_filled(moe_client *c, Moe__Request *req,
     if (rc)
         return rc;
     Moe__Reply *rep = NULL;
-    if ((rc = wait_reply(c, req->id, gen, timeout_ms, &rep)) < 0) {
+    if ((rc = wait_reply(c, req->id, gen, 0, timeout_ms, &rep)) < 0) {
         if (rc == -ETIMEDOUT)
             give_up(c, req->id, gen);
         return rc;
@@ -1669,6 +1713,7 @@ static int submit(moe_client *c, build_fn *build, const void *args, moe_request 
     r->client = c;
     r->generation = c->generation;
     r->id = rc ? 0 : cm.req.id;
+    r->sent_us = mono_us();
     pthread_mutex_unlock(&c->mu);
     return rc;
 }
@@ -1709,7 +1754,7 @@ static int request_wait(moe_client *c, const moe_request *r, int timeout_ms, moe
     if (timeout_ms < 0)
         timeout_ms = c->timeout_ms;
     pthread_mutex_unlock(&c->mu);
-    rc = wait_reply(c, r->id, r->generation, timeout_ms, &rep);
+    rc = wait_reply(c, r->id, r->generation, r->sent_us, timeout_ms, &rep);
     if (rc)
         return rc;
     timings_from(rep, timings);

@@ -182,6 +182,15 @@ void moe_set_timeout(moe_client *c, int timeout_ms);
  * wake-up latency of a sleeping thread; worth it only where cores are
  * spare. */
 void moe_set_spin_us(moe_client *c, unsigned spin_us);
+/* Busy-poll for a compute request's reply (moe_forward, moe_gemm,
+ * moe_wait) only around the time it is expected: from ahead_us before to
+ * ahead_us after the round trip this client's compute requests have been
+ * taking (a running mean of the waits that found no reply yet), sleeping
+ * on the socket before and after. Each pass yields the CPU
+ * (sched_yield), so other threads runnable on the core go first. Meant
+ * for clients that send back to back under a steady load: their reply
+ * finds them awake instead of waking them. Default 0: off. */
+void moe_set_spin_ahead_us(moe_client *c, unsigned ahead_us);
 
 typedef struct moe_server_info {
     uint32_t protocol_version;

@@ -16,7 +16,7 @@
  *   moectl [-r DIR] gemm --layer L --rows M [--check] [--seed S]
  *   moectl [-r DIR] stats [--json]
  *   moectl [-r DIR] bench [--layer L] [--clients N] [--tokens T] [--seconds S] [--json]
- *                         [--no-batch] [--client-spin-us U]
+ *                         [--no-batch] [--client-spin-us U] [--client-spin-ahead-us A]
  *   moectl zmq-rtt [--count N]
  *
  * Exit status: 0 success, 1 a failed operation or a check past tolerance,
@@ -55,8 +55,10 @@ static void usage(FILE *f)
             "                               one grouped GEMM on random rows\n"
             "  stats [--json]               the daemon's counters\n"
             "  bench [--layer L] [--clients N] [--tokens T] [--seconds S] [--json] [--no-batch]\n"
-            "        [--client-spin-us U]   N client processes sending requests back to back\n"
-            "                               (each busy-polls up to U us for its reply)\n"
+            "        [--client-spin-us U] [--client-spin-ahead-us A]\n"
+            "                               N client processes sending requests back to back\n"
+            "                               (each busy-polls up to U us for its reply, or from A us\n"
+            "                               before to A us after the time its replies take)\n"
             "  zmq-rtt [-n|--count N]       bare ZeroMQ round trips between two processes, no daemon\n\n"
             "The runtime directory defaults to $MOED_RUNTIME_DIR, /run/moed as root,\n"
             "else $XDG_RUNTIME_DIR/moed, else /tmp/moed-UID.\n");

@@ -65,7 +65,7 @@ static _Noreturn void child_fail(struct bench_shared *sh, int idx, moe_client *c
 
 static void bench_child(const char *rt, const moe_layer_info *li, uint64_t tokens,
                         double seconds, struct bench_shared *sh, int idx, int no_batch,
-                        unsigned spin_us)
+                        unsigned spin_us, unsigned ahead_us)
 {
     struct bench_slot *sl = &sh->slots[idx];
     moe_client *c = NULL;
@@ -73,6 +73,8 @@ static void bench_child(const char *rt, const moe_layer_info *li, uint64_t token
     int rc = moe_connect(rt, "moectl bench", &c);
     if (!rc && spin_us)
         moe_set_spin_us(c, spin_us);
+    if (!rc && ahead_us)
+        moe_set_spin_ahead_us(c, ahead_us);
     size_t T = tokens, H = li->hidden, E = li->experts, K = li->topk;
     size_t es = moe_dtype_size(li->dtype);
     bool given = li->routing == MOE_ROUTING_GIVEN;
@@ -215,16 +217,20 @@ int cmd_bench(const char *rt, int argc, char **argv)
         {"layer", required_argument, NULL, 'l'},   {"clients", required_argument, NULL, 'c'},
         {"tokens", required_argument, NULL, 't'},  {"seconds", required_argument, NULL, 's'},
         {"json", no_argument, NULL, 'j'},          {"no-batch", no_argument, NULL, 'n'},
-        {"client-spin-us", required_argument, NULL, 'p'}, {0},
+        {"client-spin-us", required_argument, NULL, 'p'},
+        {"client-spin-ahead-us", required_argument, NULL, 'a'}, {0},
     };
     const char *layer = "demo";
     unsigned long long clients = 4, tokens = 1;
     double seconds = 2.0;
     int json = 0, no_batch = 0, c;
-    unsigned spin_us = 0;
+    unsigned spin_us = 0, ahead_us = 0;
     while ((c = getopt_long(argc, argv, "", o, NULL)) != -1) {
         switch (c) {
         case 'p': spin_us = (unsigned)moectl_num("--client-spin-us", optarg, 0, UINT_MAX); break;
+        case 'a':
+            ahead_us = (unsigned)moectl_num("--client-spin-ahead-us", optarg, 0, UINT_MAX);
+            break;
         case 'l': layer = optarg; break;
         case 'c': clients = moectl_num("--clients", optarg, 1, BENCH_MAX_CLIENTS); break;
         case 't': tokens = moectl_num("--tokens", optarg, 1, MOECTL_MAX_TOKENS); break;
@@ -278,7 +284,7 @@ int cmd_bench(const char *rt, int argc, char **argv)
             prctl(PR_SET_PDEATHSIG, SIGKILL);
             if (getppid() != self) /* moectl died before the prctl */
                 _exit(1);
-            bench_child(rt, &li, tokens, seconds, sh, (int)i, no_batch, spin_us);
+            bench_child(rt, &li, tokens, seconds, sh, (int)i, no_batch, spin_us, ahead_us);
         }
         if (pids[i] < 0) { /* the clients forked are stopped below */
             fprintf(stderr, "moectl: bench: cannot start client %llu: fork: %s\n", i,

@@ -148,16 +148,21 @@ done
 fi
 
 if has spin; then
-echo "### idle clients: ping after an idle gap; clients that busy-poll for replies"
+echo "### idle clients: ping after an idle gap; clients that busy-poll for replies (all along, or around the time they come)"
 start_daemon /tmp/moed-spin || exit 1
 M="$B/moectl -r /tmp/moed-spin"
 for iv in 0 200 1000; do echo "gap $iv us: $($M ping --count 3000 --interval-us $iv)"; done
 kill $!; wait
+# SPIN_US entries: U (--client-spin-us U) or aA (--client-spin-ahead-us A).
 for c in ${SPIN_CLIENTS:-16 32}; do
-    for sp in ${SPIN_US:-0 1500}; do
+    for sp in ${SPIN_US:-0 1500 a150}; do
+        case $sp in
+        a*) opt="--client-spin-ahead-us ${sp#a}" ;;
+        *) opt="--client-spin-us $sp" ;;
+        esac
         start_daemon /tmp/moed-spin </dev/null || exit 1
         $M load mixtral --random --experts 8 --topk 2 --hidden 4096 --intermediate 14336 >/dev/null </dev/null || exit 1
-        echo "clients $c client-spin $sp: $($M bench --layer mixtral --clients $c --tokens 1 --seconds "$SECONDS_PER" --client-spin-us $sp --json </dev/null)"
+        echo "clients $c $opt: $($M bench --layer mixtral --clients $c --tokens 1 --seconds "$SECONDS_PER" $opt --json </dev/null)"
         $M stats </dev/null | grep -E "^(queue|between)" | sed "s/^/    /"
         kill $!; wait
     done

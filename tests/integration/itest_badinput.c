@@ -601,6 +601,7 @@ TEST(null_pointers_are_refused)
     /* The calls that return nothing, and the accessors. */
     moe_set_timeout(NULL, 10);
     moe_set_spin_us(NULL, 10);
+    moe_set_spin_ahead_us(NULL, 10);
     moe_request_free(c, NULL);
     moe_disconnect(NULL);
     CHECK(moe_region_data(NULL) == NULL);

@@ -114,6 +114,17 @@ TEST(cli_ping_stats_json_and_bench)
     CHECK(cJSON_GetNumberValue(cJSON_GetObjectItem(j, "requests")) > 10);
     CHECK_EQ_INT((int)cJSON_GetNumberValue(cJSON_GetObjectItem(j, "errors")), 0);
     cJSON_Delete(j);
+    /* And those that busy-poll only around the time their replies come
+     * (moe_set_spin_ahead_us). */
+    CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out),
+                         "%s/moectl -r %s bench --clients 2 --seconds 1 --client-spin-ahead-us 200 --json",
+                         b, d.dir), 0);
+    j = cJSON_Parse(out);
+    CHECK(j != NULL);
+    reqs += cJSON_GetNumberValue(cJSON_GetObjectItem(j, "requests"));
+    CHECK(cJSON_GetNumberValue(cJSON_GetObjectItem(j, "requests")) > 10);
+    CHECK_EQ_INT((int)cJSON_GetNumberValue(cJSON_GetObjectItem(j, "errors")), 0);
+    cJSON_Delete(j);
     CHECK_EQ_INT(itest_run_cmd(false, out, sizeof(out), "%s/moectl -r %s stats --json", b, d.dir), 0);
     j = cJSON_Parse(out);
     CHECK(j != NULL);
@@ -159,6 +170,7 @@ TEST(cli_numeric_options_out_of_range_are_refused)
         {"gemm --layer demo-gemm --rows 4611686018427387904", "--rows"},
         {"ping --count 5 --interval-us 4294967296", "--interval-us"},
         {"bench --seconds 1 --client-spin-us 4294967296", "--client-spin-us"},
+        {"bench --seconds 1 --client-spin-ahead-us 4294967296", "--client-spin-ahead-us"},
         {"bench --seconds 1 --tokens 4611686018427387904", "--tokens"},
         {"bench --seconds 1 --clients 4294967297", "--clients"},
         {"bench --seconds 2x", "--seconds"},

@@ -4,7 +4,8 @@
  * backend with its operations copied and a pin added that takes PIN_MS (as
  * cudaHostRegister takes about 15 ms per 256 MiB) and an unpin that
  * counts; its clients are libmoe's, and a raw session socket where the
- * test must say what libmoe never would.
+ * test must say what libmoe never would. One case slows the GEMMs down
+ * instead, to time libmoe's waits (moe_set_spin_ahead_us).
  */
 #include "tests/unit/unit.h"
 
@@ -700,6 +701,116 @@ TEST(a_reconnection_into_a_full_backlog_does_not_hold_up_the_clients_other_threa
     CHECK_NO_LEAKS();
 }
 
+/* ---- a client that spins ahead -----------------------------------------
+ *
+ * moe_set_spin_ahead_us against a daemon whose GEMMs take gemm_ms each:
+ * the waiting thread sleeps until shortly before the reply's expected
+ * time and busy-polls from there, and a reply that comes much later than
+ * expected is slept for again after the window, not spun for.
+ */
+static atomic_int gemm_ms;
+static int (*cpu_gemm_run)(struct backend *b, void *handle, const void *a, const int64_t *m_sizes,
+                           int64_t m, void *c);
+
+static int slow_gemm_run(struct backend *b, void *handle, const void *a, const int64_t *m_sizes,
+                         int64_t m, void *c)
+{
+    sleep_ms(atomic_load(&gemm_ms));
+    return cpu_gemm_run(b, handle, a, m_sizes, m, c);
+}
+
+/* The calling thread's CPU time, us. */
+static uint64_t thread_cpu_us(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (uint64_t)t.tv_sec * 1000000 + (uint64_t)t.tv_nsec / 1000;
+}
+
+#define AN 8 /* the layer: one group, n = k = AN; one row a request */
+#define W_OFF 64 /* byte 0: the fixture's unpin reads 0x5a there */
+#define A_OFF (W_OFF + AN * AN * 2)
+#define C_OFF (A_OFF + AN * 2)
+
+/* n GEMMs of one row, each checked; the thread's CPU time for them, us. */
+static uint64_t spin_gemms(moe_client *c, moe_region *r, int n, uint64_t *seed)
+{
+    uint8_t *base = moe_region_data(r);
+    uint16_t *a = (uint16_t *)(base + A_OFF), *out = (uint16_t *)(base + C_OFF);
+    uint64_t ms[1] = {1};
+    int64_t ms64[1] = {1};
+    moe_gemm_args ga = {.layer = "g1", .a = moe_tensor_2d(r, A_OFF, MOE_DTYPE_BF16, 1, AN),
+                        .c = moe_tensor_2d(r, C_OFF, MOE_DTYPE_BF16, 1, AN), .m_sizes = ms,
+                        .groups = 1};
+    uint64_t cpu = 0;
+    for (int i = 0; i < n; i++) {
+        for (int j = 0; j < AN; j++) {
+            a[j] = moek_f32_to_bf16(test_randf(seed));
+            out[j] = 0x7fc1; /* NaN: poisoned */
+        }
+        uint64_t t0 = thread_cpu_us();
+        CHECK_MSG(moe_gemm(c, &ga, NULL) == 0, "%s", moe_errmsg());
+        cpu += thread_cpu_us() - t0;
+        uint16_t ref[AN];
+        float got[AN], want[AN];
+        CHECK(moek_ref_grouped_gemm(MOEK_DTYPE_BF16, 1, AN, AN, a, ms64, base + W_OFF, ref) == 0);
+        moek_to_f32(MOEK_DTYPE_BF16, out, got, AN);
+        moek_to_f32(MOEK_DTYPE_BF16, ref, want, AN);
+        CHECK(moek_rel_error(got, want, AN) < 2e-2);
+    }
+    return cpu;
+}
+
+TEST(a_client_spinning_ahead_spins_around_its_replies_time_only)
+{
+    struct daemon_here d;
+    atomic_store(&pin_ms, 0);
+    daemon_start(&d);
+    cpu_gemm_run = d.ops.gemm_run;
+    d.ops.gemm_run = slow_gemm_run;
+    atomic_store(&gemm_ms, 40);
+    moe_client *c = NULL;
+    CHECK_MSG(moe_connect(d.cfg.runtime_dir, "ahead", &c) == 0, "%s", moe_errmsg());
+    moe_region *r = NULL;
+    CHECK_MSG(moe_region_create(c, C_OFF + AN * 2, "ahead", &r) == 0, "%s", moe_errmsg());
+    uint64_t seed = 0x5eed5;
+    *(uint8_t *)moe_region_data(r) = 0x5a;
+    uint16_t *w = (uint16_t *)((uint8_t *)moe_region_data(r) + W_OFF);
+    for (int i = 0; i < AN * AN; i++)
+        w[i] = moek_f32_to_bf16(test_randf(&seed) * 0.3f);
+    moe_layer_desc gd = {.name = "g1", .kind = MOE_LAYER_GEMM, .dtype = MOE_DTYPE_BF16,
+                         .groups = 1, .n = AN, .k = AN,
+                         .w1 = moe_tensor_3d(r, W_OFF, MOE_DTYPE_BF16, 1, AN, AN)};
+    CHECK_MSG(moe_layer_load(c, &gd, NULL) == 0, "%s", moe_errmsg());
+    /* Sleeping waits (these also time the round trip, about 40 ms). */
+    uint64_t cpu_off = spin_gemms(c, r, 4, &seed);
+    /* Spinning from 15 ms before the reply is due: some 15 ms a call. */
+    moe_set_spin_ahead_us(c, 15000);
+    uint64_t cpu_on = spin_gemms(c, r, 4, &seed);
+    /* A reply 110 ms late: spun for up to 30 ms (the window), then slept
+     * for, where a whole wait's spin would take 150 ms. */
+    atomic_store(&gemm_ms, 150);
+    uint64_t cpu_late = spin_gemms(c, r, 1, &seed);
+    fprintf(stderr, "  client CPU: 4 sleeping waits %llu us, 4 spinning ahead %llu us, "
+            "a late reply %llu us\n", (unsigned long long)cpu_off, (unsigned long long)cpu_on,
+            (unsigned long long)cpu_late);
+    CHECK_MSG(cpu_off < 8000, "sleeping waits took %llu us of CPU", (unsigned long long)cpu_off);
+    CHECK_MSG(cpu_on >= 15000, "4 waits spinning ahead took only %llu us of CPU",
+              (unsigned long long)cpu_on);
+    CHECK_MSG(cpu_late < 75000, "a late reply's wait took %llu us of CPU",
+              (unsigned long long)cpu_late);
+    /* Off again: sleeping. */
+    atomic_store(&gemm_ms, 40);
+    moe_set_spin_ahead_us(c, 0);
+    uint64_t cpu_again = spin_gemms(c, r, 2, &seed);
+    CHECK_MSG(cpu_again < 4000, "sleeping waits took %llu us of CPU",
+              (unsigned long long)cpu_again);
+    CHECK_EQ_INT(moe_region_free(c, &r), 0);
+    moe_disconnect(&c);
+    daemon_stop(&d);
+    CHECK_NO_LEAKS();
+}
+
 /* ---- stress -------------------------------------------------------------
  *
  * For ten seconds, at random: regions created and freed (up to and past
@@ -1178,6 +1289,7 @@ int main(int argc, char **argv)
         TEST_CASE(a_region_create_timed_out_during_its_pin_leaves_the_client_usable),
         TEST_CASE(a_reconnection_does_not_hold_up_the_clients_other_threads),
         TEST_CASE(a_reconnection_into_a_full_backlog_does_not_hold_up_the_clients_other_threads),
+        TEST_CASE(a_client_spinning_ahead_spins_around_its_replies_time_only),
         TEST_CASE_TIMEOUT(stress_regions_gemms_and_raw_sessions_under_random_pins, 180),
         TEST_CASE_TIMEOUT(stress_regions_across_daemon_restarts_under_random_pins, 180),
         {0}});
