@@ -837,18 +837,18 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
          * them. On the H200: mixtral T=1 0.9-1.6%, qwen3 T=8 and T=16
          * 0.7-1.3% faster, qwen3 T=64 and deepseek T=64 even, deepseek T=8
          * even to 0.9% slower (kernels/bench/RESULTS.md, run 34).
-         * Not where GEMM 1 sends every expert's first blocks to L2: a
+         * Not where GEMM 1 sends weights to L2 before its wait: a
          * cooperative grid of every SM starts only once the routing kernel
          * has ended, so that prefetch would go out after the routing, not
-         * under it. There two kernels were faster on an H100: qwen3 T=8
-         * 0.8%, T=16 0.4%, T=32 0.3%, T=64 0.5%; where no prefetch runs,
-         * the one launch was 2.2% faster at qwen3 T=3 and even at mixtral
-         * T=3 to 64 and deepseek T=1 to 64 (run 47). The guessed prefetch
-         * (deepseek from T=256) keeps the one launch: not measured.
-         * MOEK_CUDA_NO_BOTH=1 keeps two kernels everywhere. */
-        const bool pf_every = g1.pf_kb > 0 && g1.pf_cnt == 0;
-        g1.dep_mode =
-            L->both && !pf_every && moek_wgmma_both_ok(g1, g2) ? 3 : 1;
+         * under it. There two kernels were faster: with every expert's
+         * first blocks on an H100 qwen3 T=8 0.8%, T=16 0.4%, T=32 0.3%,
+         * T=64 0.5% (run 47), on the H200 qwen3 T=8 1.7%, T=16 0.6%, T=64
+         * 0.5%; with the guessed tiles on the H200 deepseek T=256 0.4%,
+         * T=512 0.2% (run 48). Where no prefetch runs, the one launch was
+         * 2.2% faster at qwen3 T=3 and even at mixtral T=3 to 64 and
+         * deepseek T=1 to 64 (run 47). MOEK_CUDA_NO_BOTH=1 keeps two
+         * kernels everywhere. */
+        g1.dep_mode = L->both && g1.pf_kb == 0 && moek_wgmma_both_ok(g1, g2) ? 3 : 1;
     }
 
     moek_route_args ra = {};
