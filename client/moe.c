@@ -1127,7 +1127,8 @@ static int wait_reply(moe_client *c, uint64_t id, unsigned gen, uint64_t sent_us
             rc = seterr(-ECONNRESET, "%s", lost_why(c));
             break;
         }
-        uint64_t now = mono_ms();
+        /* One clock read a pass (this loop spins): ms for the deadline. */
+        const uint64_t now_u = mono_us(), now = now_u / 1000;
         if (tried && now >= deadline) {
             rc = seterr(-ETIMEDOUT, "no reply from the daemon within %d ms", timeout_ms);
             break;
@@ -1139,10 +1140,8 @@ static int wait_reply(moe_client *c, uint64_t id, unsigned gen, uint64_t sent_us
         /* Spinning: no sleep. Else up to the deadline, at most 1 s at a
          * time (a missed edge costs no more), and not past the window's
          * start. */
-        uint64_t wait = now >= deadline ? 0 : deadline - now > 1000 ? 1000 : deadline - now;
-        wait *= 1000;
-        uint64_t now_u = mono_us();
-        bool in_window = now_u >= win_lo && now_u < win_hi;
+        uint64_t wait = now >= deadline ? 0 : 1000 * (deadline - now > 1000 ? 1000 : deadline - now);
+        const bool in_window = now_u >= win_lo && now_u < win_hi;
         if ((spin_end && now_u < spin_end) || in_window)
             wait = 0;
         else if (now_u < win_lo && win_lo - now_u < wait)
