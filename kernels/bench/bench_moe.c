@@ -6,6 +6,8 @@
  *                    [--tokens T]   (T: 1..4096, in the grid or not)
  *                    [--tile N]     (every case on token tile N, as a
  *                                    tuning's forced tile)
+ *                    [--seed S]     (another draw of the weights and
+ *                                    inputs; the same S, the same draw)
  *          bench_moe --streams      (streaming rates at decode GEMM sizes,
  *                                    ceilings.cu, then exit)
  *
@@ -367,6 +369,7 @@ int main(int argc, char **argv)
     const char *peers_path = NULL, *only = NULL, *csv_path = NULL;
     bool sweep = false, streams = false;
     int only_t = 0, tile = 0;
+    uint64_t seed = 0x5eed;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--peers") && i + 1 < argc)
             peers_path = argv[++i];
@@ -396,10 +399,19 @@ int main(int argc, char **argv)
                 fputc('\n', stderr);
                 return 2;
             }
+        } else if (!strcmp(argv[i], "--seed") && i + 1 < argc) {
+            char *end;
+            seed = strtoull(argv[++i], &end, 0);
+            if (*end || !*argv[i]) {
+                fprintf(stderr, "--seed: an integer\n");
+                return 2;
+            }
+            /* far from the 16 that each model and input set adds */
+            seed = 0x5eed + (seed << 20);
         } else {
             fprintf(stderr,
                     "usage: %s [--peers FILE] [--csv FILE] [--sweep] [--only MODEL] "
-                    "[--tokens T] [--tile N]\n       %s --streams\n",
+                    "[--tokens T] [--tile N] [--seed S]\n       %s --streams\n",
                     argv[0], argv[0]);
             return 2;
         }
@@ -444,7 +456,6 @@ int main(int argc, char **argv)
                 name);
     void *stream = NULL;
     CK(moek_cuda_stream_new(&stream));
-    uint64_t seed = 0x5eed;
     for (size_t mi = 0; mi < sizeof MODELS / sizeof MODELS[0]; mi++) {
         const model *m = &MODELS[mi];
         if (only && strcmp(only, m->name))
