@@ -600,6 +600,7 @@ static void batch_done(struct job *job)
     }
     /* Remember who was served, to wait for them (see the top). */
     s->n_awaited = 0;
+    s->awaited_back = 0;
     if (bj->n_items >= 2 && s->cfg->return_wait_us && s->cfg->batching) {
         for (uint32_t i = 0; i < bj->n_items && s->n_awaited < ARRAY_SIZE(s->awaited); i++) {
             uint64_t sid = bj->items[i].session_id;
@@ -697,8 +698,8 @@ static bool batch_awaiting_returns(struct server *s, struct layer *l, uint64_t n
         s->n_awaited = 0;
         return false;
     }
-    for (uint32_t i = 0; i < s->n_awaited; i++) {
-        struct session *se = session_by_id(s, s->awaited[i]);
+    for (; s->awaited_back < s->n_awaited; s->awaited_back++) {
+        struct session *se = session_by_id(s, s->awaited[s->awaited_back]);
         if (se && se->queued_requests == 0)
             return delay_until(s, s->awaited_until_us, now);
     }

@@ -210,6 +210,11 @@ struct server {
      * waits for (up to return_wait_us) before starting a smaller batch. */
     uint64_t awaited[64];
     uint32_t n_awaited;
+    /* awaited[0 .. awaited_back) have come back: each kick looks up only
+     * the sessions after them (one lookup a session a batch, not one a
+     * session a kick). A session that came back and then lost its request
+     * (expired, cancelled) is not waited for again. */
+    uint32_t awaited_back;
     uint64_t awaited_until_us;
     uint32_t queued_total;
     uint32_t queued_deadlines; /* queued requests with a timeout_us */
