@@ -7,7 +7,8 @@
  *                    [--tile N]     (every case on token tile N, as a
  *                                    tuning's forced tile)
  *                    [--seed S]     (another draw of the weights and
- *                                    inputs; the same S, the same draw)
+ *                                    inputs; the same S, the same draw;
+ *                                    0 or none: the default draw)
  *          bench_moe --streams      (streaming rates at decode GEMM sizes,
  *                                    ceilings.cu, then exit)
  *

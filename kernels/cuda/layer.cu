@@ -844,10 +844,9 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
          * first blocks on an H100 qwen3 T=8 0.8%, T=16 0.4%, T=32 0.3%,
          * T=64 0.5% (run 47), on the H200 qwen3 T=8 1.7%, T=16 0.6%, T=64
          * 0.5%; with the guessed tiles on the H200 deepseek T=256 0.4%,
-         * T=512 0.2% (run 48), on an H100 mixtral T=64 even (run 47).
-         * Not measured yet on the H200: mixtral from T=32 and qwen3 from
-         * T=128 while their tiles are 64 rows or fewer, which left the one
-         * launch with this rule. Where no prefetch runs, the one launch
+         * T=512 0.2% (run 48), on an H100 mixtral T=32 to 128 and qwen3
+         * T=128 to 512 even (runs 47, 49; not yet measured there on the
+         * H200). Where no prefetch runs, the one launch
          * was 2.2% faster at qwen3 T=3 and even at mixtral T=3 and 8 and
          * deepseek T=1 to 64 (run 47). MOEK_CUDA_NO_BOTH=1 keeps two
          * kernels everywhere. */
