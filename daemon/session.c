@@ -52,9 +52,14 @@ struct session *session_by_token(struct server *s, const uint8_t *token, size_t 
     return NULL;
 }
 
+static struct session **id_bucket(struct server *s, uint64_t id)
+{
+    return &s->by_id[id & (SESSION_BUCKETS - 1)];
+}
+
 struct session *session_by_id(struct server *s, uint64_t id)
 {
-    for (struct session *se = s->sessions; se; se = se->next)
+    for (struct session *se = *id_bucket(s, id); se; se = se->id_next)
         if (se->id == id)
             return se;
     return NULL;
@@ -746,6 +751,11 @@ static void session_close(struct server *s, struct session *se, const char *why)
         pp = &(*pp)->next;
     if (*pp)
         *pp = se->next;
+    for (pp = id_bucket(s, se->id); *pp; pp = &(*pp)->id_next)
+        if (*pp == se) {
+            *pp = se->id_next;
+            break;
+        }
     s->n_sessions--;
     log_debug("session %llu of pid %d ended (%s): %u regions released",
               (unsigned long long)se->id, (int)se->pid, why, se->n_regions);
@@ -809,6 +819,8 @@ int session_attach(struct server *s, int fd)
     }
     se->next = s->sessions;
     s->sessions = se;
+    se->id_next = *id_bucket(s, se->id);
+    *id_bucket(s, se->id) = se;
     s->n_sessions++;
     return 0;
 }

@@ -19,7 +19,9 @@
 #include "proto/rundir.h"
 #include "proto/status.h"
 
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <limits.h>
 
@@ -702,10 +704,64 @@ TEST(a_failed_device_stops_the_server)
     CHECK_NO_LEAKS();
 }
 
+/* session_by_id's buckets: sessions whose ids share a bucket (ids SESSION_BUCKETS
+ * apart) are each found, a closed one is gone from its bucket whether it
+ * was at the bucket's head or behind another, and an id never given is not
+ * found. */
+TEST(sessions_are_found_by_id_across_one_bucket)
+{
+    struct config cfg;
+    CHECK_EQ_INT(config_init(&cfg), 0);
+    cfg.max_sessions = 8;
+    struct backend *be = NULL;
+    struct loop *loop = NULL;
+    struct server *s = NULL;
+    CHECK_EQ_INT(backend_cpu_new(1, &be), 0);
+    CHECK_EQ_INT(loop_new(&loop), 0);
+    CHECK_EQ_INT(server_new(&cfg, &be, 1, loop, &s), 0);
+    enum { N = 4 };
+    int peer[N];
+    uint64_t id[N];
+    for (int i = 0; i < N; i++) {
+        /* ids 7, 7 + B, 7 + 2B, then 8: three in one bucket */
+        s->next_session_id = i < 3 ? 6 + (uint64_t)i * SESSION_BUCKETS : 7;
+        int sv[2];
+        CHECK_EQ_INT(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv), 0);
+        CHECK_EQ_INT(session_attach(s, sv[0]), 0);
+        peer[i] = sv[1];
+        id[i] = s->next_session_id;
+    }
+    CHECK(id[0] % SESSION_BUCKETS == id[2] % SESSION_BUCKETS && id[3] == 8);
+    for (int i = 0; i < N; i++)
+        CHECK(session_by_id(s, id[i]) && session_by_id(s, id[i])->id == id[i]);
+    CHECK(!session_by_id(s, 7 + 3 * SESSION_BUCKETS));
+    CHECK(!session_by_id(s, 0));
+    /* Close the middle of the shared bucket, then its head (the last
+     * attached): the loop notices each peer's end and closes the session. */
+    for (int c = 1; c <= 2; c++) {
+        close(peer[c]);
+        for (int t = 0; t < 100 && session_by_id(s, id[c]); t++)
+            loop_run_once(loop, 10);
+        CHECK(!session_by_id(s, id[c]));
+        for (int i = 0; i < N; i++)
+            if (i > c || i == 0)
+                CHECK(session_by_id(s, id[i]) && session_by_id(s, id[i])->id == id[i]);
+    }
+    CHECK_EQ_INT((int)s->n_sessions, 2);
+    server_free(&s);
+    loop_free(&loop);
+    backend_free(&be);
+    config_done(&cfg);
+    close(peer[0]);
+    close(peer[3]);
+    CHECK_NO_LEAKS();
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
         TEST_CASE(hist_buckets),
+        TEST_CASE(sessions_are_found_by_id_across_one_bucket),
         TEST_CASE(hist_quantiles),
         TEST_CASE(hist_quantile_clamped_to_max),
         TEST_CASE(ring_quantiles_exact),
