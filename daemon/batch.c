@@ -31,7 +31,6 @@
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <sched.h>
 #include <string.h>
 
 #include "daemon/log.h"
@@ -63,16 +62,11 @@ struct batch_job {
     uint32_t n_items, cap_items;
     uint64_t tokens;
     uint64_t compute_us;
-    /* The cycle's phases (stats.h): submitted by the loop, started and
-     * ended on the compute thread. */
-    uint64_t t_submit, t_start, t_end;
+    /* The cycle's phases (stats.h): submitted by the loop; started, ended
+     * and answered (batch_after) on the compute thread. */
+    uint64_t t_submit, t_start, t_end, t_replied;
     int rc;                   /* a failure of the whole batch */
     char err[192];
-    /* Replies sent as the batch ends, by the compute thread and the loop
-     * thread together (batch_reply_share): the next item to take, and
-     * whether the compute thread is still at it. */
-    atomic_uint claim;
-    atomic_bool helping;
 };
 
 void request_free(struct request *req)
@@ -486,17 +480,19 @@ static void run_gemm(struct batch_job *bj)
 
 /*
  * Replies as the batch ends. Sending one costs a few microseconds, mostly
- * the wake-up of its client, and a batch of 32 clients' requests would
- * have them wait in turn behind the loop thread; so the compute thread,
- * awake anyway, sends replies too, from the moment the device is done,
- * while the loop thread notices the batch. Each takes the next item
- * (claim) until none is left. Only the replies that need nothing of the
- * loop thread go this way: a request whole in this batch (cancels and
- * expiries touch queued requests only) that succeeded, to its session's
- * reply socket (held through chan, so the socket outlives a session that
- * ends meanwhile) while the loop thread holds no replies for that socket
- * (chan->direct), sent if the socket has room at once. Everything else, and
- * whatever did not go, batch_done answers as before.
+ * the wake-up of its client, and the clients' next requests come back
+ * while the rest are sent. So the compute thread, awake anyway, sends them
+ * from the moment the device is done (the worker's after(), before the job
+ * is handed back), while the loop thread reads and queues the requests
+ * that come back meanwhile: before, the loop thread sent half the replies
+ * and read the first requests back only once the last reply had gone.
+ * Only the replies that need nothing of the loop thread go this way: a
+ * request whole in this batch (cancels and expiries touch queued requests
+ * only) that succeeded, to its session's reply socket (held through chan,
+ * so the socket outlives a session that ends meanwhile) while the loop
+ * thread holds no replies for that socket (chan->direct), sent if the
+ * socket has room at once. Everything else, and whatever did not go,
+ * batch_done answers as before.
  */
 static bool item_reply_now(struct batch_job *bj, struct batch_item *it)
 {
@@ -511,19 +507,13 @@ static bool item_reply_now(struct batch_job *bj, struct batch_item *it)
     return reply_chan_send(it->chan, &rep) == 0;
 }
 
-static void batch_reply_share(struct batch_job *bj)
-{
-    uint32_t i;
-    while ((i = atomic_fetch_add_explicit(&bj->claim, 1, memory_order_relaxed)) < bj->n_items)
-        bj->items[i].replied = item_reply_now(bj, &bj->items[i]);
-}
-
-/* Compute thread, once the batch is handed back (worker.h). */
+/* Compute thread, after batch_run and before batch_done (worker.h). */
 static void batch_after(struct job *job)
 {
     struct batch_job *bj = (struct batch_job *)job;
-    batch_reply_share(bj);
-    atomic_store_explicit(&bj->helping, false, memory_order_release); /* bj is done's now */
+    for (uint32_t i = 0; i < bj->n_items; i++)
+        bj->items[i].replied = item_reply_now(bj, &bj->items[i]);
+    bj->t_replied = now_us();
 }
 
 static void batch_run(struct job *job)
@@ -544,7 +534,6 @@ static void batch_run(struct job *job)
             snprintf(req->message, sizeof(req->message), "%s", bj->err);
         }
     }
-    atomic_store_explicit(&bj->helping, true, memory_order_relaxed); /* batch_after's */
 }
 
 /* ---- loop thread ---------------------------------------------------------- */
@@ -555,15 +544,6 @@ static void batch_done(struct job *job)
     struct server *s = bj->s;
     struct stats *st = &s->stats;
     uint64_t t_seen = now_us();
-    batch_reply_share(bj);
-    /* The compute thread's last send: microseconds, unless it was
-     * preempted; then give it the core. */
-    for (unsigned spins = 0; atomic_load_explicit(&bj->helping, memory_order_acquire); spins++) {
-        if (spins < 4096)
-            cpu_relax();
-        else
-            sched_yield();
-    }
     /* Requests are freed below; keep their sessions for the wait. */
     for (uint32_t i = 0; i < bj->n_items; i++)
         bj->items[i].session_id = bj->items[i].req->session_id;
@@ -623,8 +603,9 @@ static void batch_done(struct job *job)
         ring_add(&st->return_us, bj->t_submit > st->prev_replied_us
                                      ? bj->t_submit - st->prev_replied_us : 0);
     }
-    ring_add(&st->notice_us, t_seen - bj->t_end);
-    ring_add(&st->reply_us, t_replied - t_seen);
+    /* The compute thread's replies, then the loop's (batch_after). */
+    ring_add(&st->notice_us, t_seen - bj->t_replied);
+    ring_add(&st->reply_us, (bj->t_replied - bj->t_end) + (t_replied - t_seen));
     ring_add(&st->launch_us, bj->t_start - bj->t_submit);
     st->prev_end_us = bj->t_end;
     st->prev_replied_us = t_replied;

@@ -40,10 +40,14 @@ struct stats {
     struct hist batch_requests, batch_tokens;
     struct ring queue_wait_us, compute_us;
     /* A batch cycle under load: the device idles from one batch's end to
-     * the next one's start (idle_us, gaps under 10 ms); of that, the loop
-     * notices the end (notice_us), answers the batch's requests (reply_us),
-     * waits for the next requests (return_us: from the last reply to the
-     * next submit) and the compute thread starts (launch_us). */
+     * the next one's start (idle_us, gaps under 10 ms); of that, the
+     * daemon answers the batch's requests (reply_us: the compute thread's
+     * replies from the end, then any the loop thread sends), the loop
+     * thread takes the batch back after the compute thread's replies
+     * (notice_us), waits for the rest of the next requests (return_us:
+     * from the last reply to the next submit; requests that came back
+     * while replies went out were read meanwhile) and the compute thread
+     * starts (launch_us). */
     struct ring idle_us, notice_us, reply_us, return_us, launch_us;
     uint64_t prev_end_us, prev_replied_us;
 };

@@ -32,6 +32,7 @@ struct worker {
     /* The loop thread is spinning in worker_poll(): a finished job needs no
      * eventfd write, whose wake-up would find nothing (see worker_poll). */
     atomic_bool polling;
+    atomic_bool in_after;   /* the running job is in its after() */
     atomic_uint spin_us;    /* set after the thread starts (worker_set_spin) */
     int efd;
     struct loop *loop;
@@ -68,7 +69,11 @@ static void *worker_main(void *arg)
         pthread_mutex_unlock(&w->mu);
 
         j->run(j);
-        void (*after)(struct job *) = j->after; /* j may be done() with below */
+        if (j->after) {
+            atomic_store(&w->in_after, true);
+            j->after(j);
+            atomic_store(&w->in_after, false);
+        }
 
         pthread_mutex_lock(&w->mu);
         w->busy_since_us = 0;
@@ -86,8 +91,6 @@ static void *worker_main(void *arg)
             ssize_t r = write(w->efd, &one, sizeof(one));
             (void)r;
         }
-        if (after)
-            after(j);
         pthread_mutex_lock(&w->mu);
     }
     pthread_mutex_unlock(&w->mu);
@@ -201,7 +204,8 @@ bool worker_poll(struct worker *w, unsigned spin_us)
 {
     uint64_t until = now_us() + spin_us;
     atomic_store(&w->polling, true);
-    while (!atomic_load_explicit(&w->finished_n, memory_order_acquire) && now_us() < until)
+    while (!atomic_load_explicit(&w->finished_n, memory_order_acquire) &&
+           !atomic_load_explicit(&w->in_after, memory_order_relaxed) && now_us() < until)
         cpu_relax();
     atomic_store(&w->polling, false);
     if (!atomic_load(&w->finished_n))

@@ -19,9 +19,10 @@ struct worker;
 struct job {
     void (*run)(struct job *job);
     void (*done)(struct job *job);
-    /* Optional: runs on the worker thread right after the job is handed
-     * back, alongside done() on the loop thread; the job must stay alive
-     * until it returns (done() waits for it). */
+    /* Optional: runs on the worker thread right after run(), before the
+     * job is handed back: done() runs after it has returned. Meanwhile
+     * worker_poll() no longer spins for the job, so the loop thread goes
+     * back to its other events. */
     void (*after)(struct job *job);
     struct job *next; /* owned by the worker while queued */
 };
@@ -39,7 +40,8 @@ void worker_submit(struct worker *w, struct job *job);
 void worker_set_spin(struct worker *w, unsigned us);
 
 /* Loop thread: spin up to spin_us for a job to finish; if one did, run its
- * done() now and return true (the eventfd's later wake-up finds nothing). */
+ * done() now and return true (the eventfd's later wake-up finds nothing).
+ * Returns false at once once the running job is in its after(). */
 bool worker_poll(struct worker *w, unsigned spin_us);
 
 /* Jobs submitted whose done() has not yet run. Loop thread only. */
