@@ -648,10 +648,12 @@ int cmd_stats(const char *rt, int argc, char **argv)
            (unsigned long long)s.queue_wait_p50_us, (unsigned long long)s.queue_wait_p99_us,
            (unsigned long long)s.compute_p50_us, (unsigned long long)s.compute_p99_us,
            (double)s.compute_us_total / 1e6);
-    printf("between batches under load: device idle p50 %llu us p99 %llu us; p50s: notice %llu, "
-           "reply %llu, return %llu, launch %llu us\n",
+    /* In the cycle's order (stats.h): replies, the loop taking the batch
+     * back, the rest of the next requests, the launch. */
+    printf("between batches under load: device idle p50 %llu us p99 %llu us; p50s: reply %llu, "
+           "notice %llu, return %llu, launch %llu us\n",
            (unsigned long long)s.idle_p50_us, (unsigned long long)s.idle_p99_us,
-           (unsigned long long)s.notice_p50_us, (unsigned long long)s.reply_p50_us,
+           (unsigned long long)s.reply_p50_us, (unsigned long long)s.notice_p50_us,
            (unsigned long long)s.return_p50_us, (unsigned long long)s.launch_p50_us);
     printf("requests per batch:");
     for (int i = 0; i < s.n_batch_requests; i++)
