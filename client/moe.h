@@ -344,8 +344,9 @@ typedef struct moe_stats {
     uint64_t queue_wait_p50_us, queue_wait_p99_us;
     uint64_t compute_p50_us, compute_p99_us, compute_us_total;
     /* A batch cycle under load (p50s): the device's idle time between two
-     * batches, and of it the daemon noticing a batch's end, answering its
-     * requests, waiting for the next requests, starting the compute. */
+     * batches, and of it, in order, the daemon answering a batch's requests
+     * (reply), taking the batch back (notice), waiting for the rest of the
+     * next requests (return) and starting the compute (launch). */
     uint64_t idle_p50_us, idle_p99_us, notice_p50_us, reply_p50_us, return_p50_us,
         launch_p50_us;
     /* Histograms: count of batches with at most `le` requests / tokens. */

@@ -492,7 +492,7 @@ static void run_gemm(struct batch_job *bj)
  * so the socket outlives a session that ends meanwhile) while the loop
  * thread holds no replies for that socket (chan->direct), sent if the
  * socket has room at once. Everything else, and whatever did not go,
- * batch_done answers as before.
+ * batch_done answers.
  */
 static bool item_reply_now(struct batch_job *bj, struct batch_item *it)
 {

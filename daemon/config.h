@@ -27,7 +27,8 @@
  *   return_wait_us = 600      ; after a batch of several clients, wait up to this long for
  *                             ; those clients' next requests (0: never)
  *   batching = true           ; false: every request runs alone (for comparison)
- *   spin_us = auto            ; spin this long for a batch to finish instead of sleeping
+ *   spin_us = auto            ; spin this long instead of sleeping: the loop for a batch's
+ *                             ; compute to end, the compute thread for the next batch
  *                             ; (auto: 200 with a GPU, 0 on the CPU backend)
  *
  *   [limits]

@@ -438,8 +438,11 @@ int server_handle_message(struct server *s, const uint8_t *rid, size_t rlen,
                            "request of %zu bytes could not be decoded as moe.Request", len);
         return 0;
     }
-    struct session *se = session_by_token(s, m->token.data, m->token.len);
-    if (on_socket && (!se || se->id != sid)) {
+    /* On a reply socket the session is known: its token is checked, not
+     * searched for (a walk of every session per request). */
+    struct session *se = on_socket ? session_by_id(s, sid)
+                                   : session_by_token(s, m->token.data, m->token.len);
+    if (on_socket && (!se || !session_token_ok(se, m->token.data, m->token.len))) {
         rc = -EACCES;
         goto out;
     }
@@ -597,8 +600,13 @@ static unsigned server_spin_us(const struct server *s)
 static void server_before_sleep(void *data)
 {
     struct server *s = data;
-    /* With a GPU a decode batch takes a few hundred microseconds: catching
-     * its end by spinning saves the wake-ups of two threads per request. */
+    /* With a GPU a decode batch takes a few hundred microseconds: the loop
+     * thread spins for its compute to end (worker_poll returns once the
+     * compute thread is in the batch's replies, and the loop serves the
+     * requests they bring back), so it is awake as they come: without the
+     * spin it took the batch back 51-63 us after its replies instead of
+     * 17-23, on an H100 host at 32 clients (tests/gpu/RESULTS.md). The
+     * compute thread spins for the next batch likewise (worker_set_spin). */
     unsigned spin = server_spin_us(s);
     if (spin && s->batch_running)
         worker_poll(s->compute, spin);

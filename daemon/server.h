@@ -3,7 +3,11 @@
  *
  * Everything here belongs to the loop thread, with two exceptions that the
  * worker threads own while a job runs: a batch's requests (their tensors'
- * bytes, not their references) and a load job's buffers.
+ * bytes, not their references) and a load job's buffers. As a batch ends,
+ * the compute thread also reads the reply fields of the requests whole in it
+ * (taken off their queues, so the loop thread no longer touches them) and
+ * sends on the reply sockets the batch holds references to (batch.c,
+ * batch_after).
  *
  *   session.c  the session socket: OpenSession, regions, client death
  *   server.c   the request socket: decode, authenticate, dispatch, reply
@@ -202,10 +206,11 @@ struct server {
     struct session *sessions;
     uint32_t n_sessions;
     /* The sessions again, by id: every request looks its session up, some
-     * several times, so a walk of the list cost each request O(sessions)
+     * several times, and a walk of the list cost each request O(sessions)
      * (3% of the loop thread at 64 clients). Ids count up from 1, so id
-     * modulo the bucket count spreads them evenly: one session a bucket up
-     * to SESSION_BUCKETS sessions, max_sessions / SESSION_BUCKETS at most. */
+     * modulo the bucket count spreads sessions opened together evenly (one
+     * a bucket up to SESSION_BUCKETS of them); long-lived sessions beside
+     * many later ones can share a bucket. */
     struct session *by_id[SESSION_BUCKETS];
     uint64_t next_session_id;
     uint64_t pinned_bytes;  /* client regions pinned (max_pinned_bytes) */
@@ -306,6 +311,8 @@ int session_listen(struct server *s, int fd_from_systemd);
 int session_attach(struct server *s, int fd);
 void session_close_all(struct server *s);
 struct session *session_by_token(struct server *s, const uint8_t *token, size_t len);
+/* Whether token is se's (constant time) and se is open. */
+bool session_token_ok(const struct session *se, const uint8_t *token, size_t len);
 struct session *session_by_id(struct server *s, uint64_t id);
 /* A compute request's Reply on the session's reply socket; 0, or -errno
  * when it has none or the reply could not go at once (the caller then uses

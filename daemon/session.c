@@ -36,19 +36,25 @@
 
 static void session_close(struct server *s, struct session *se, const char *why);
 
+bool session_token_ok(const struct session *se, const uint8_t *token, size_t len)
+{
+    if (len != SESSION_TOKEN_BYTES)
+        return false;
+    /* Constant time in the token's bytes: timing must not reveal how much
+     * of a guessed token matched. */
+    uint8_t diff = 0;
+    for (size_t i = 0; i < SESSION_TOKEN_BYTES; i++)
+        diff |= se->token[i] ^ token[i];
+    return diff == 0 && se->opened;
+}
+
 struct session *session_by_token(struct server *s, const uint8_t *token, size_t len)
 {
     if (len != SESSION_TOKEN_BYTES)
         return NULL;
-    for (struct session *se = s->sessions; se; se = se->next) {
-        /* Constant time in the token's bytes: timing must not reveal how
-         * much of a guessed token matched. */
-        uint8_t diff = 0;
-        for (size_t i = 0; i < SESSION_TOKEN_BYTES; i++)
-            diff |= se->token[i] ^ token[i];
-        if (diff == 0 && se->opened)
+    for (struct session *se = s->sessions; se; se = se->next)
+        if (session_token_ok(se, token, len))
             return se;
-    }
     return NULL;
 }
 
@@ -264,7 +270,11 @@ void session_send_reply(struct server *s, uint64_t session_id, void *reply)
     m->id = ((Moe__Reply *)reply)->id;
     m->n = moe__reply__pack(reply, m->data);
     if (!se->outq) {
-        /* Replies wait here now: the compute thread must not pass them. */
+        /* Replies wait here now, and the compute thread leaves this
+         * socket's to the loop from here on. A send of its that began
+         * before this store may still go first: replies carry their
+         * request's id and clients match them by it, so the order of
+         * replies to different requests is not promised. */
         atomic_store_explicit(&se->chan->direct, false, memory_order_release);
         if (!reply_socket_watch(s, se, EPOLLOUT)) {
             free(m);

@@ -705,9 +705,9 @@ TEST(a_failed_device_stops_the_server)
 }
 
 /* session_by_id's buckets: sessions whose ids share a bucket (ids SESSION_BUCKETS
- * apart) are each found, a closed one is gone from its bucket whether it
- * was at the bucket's head or behind another, and an id never given is not
- * found. */
+ * apart) are each found, a closed one is gone from its bucket wherever it
+ * was in it (middle, head, tail, alone), an emptied bucket takes a session
+ * again, and an id never given is not found. */
 TEST(sessions_are_found_by_id_across_one_bucket)
 {
     struct config cfg;
@@ -736,24 +736,40 @@ TEST(sessions_are_found_by_id_across_one_bucket)
         CHECK(session_by_id(s, id[i]) && session_by_id(s, id[i])->id == id[i]);
     CHECK(!session_by_id(s, 7 + 3 * SESSION_BUCKETS));
     CHECK(!session_by_id(s, 0));
-    /* Close the middle of the shared bucket, then its head (the last
-     * attached): the loop notices each peer's end and closes the session. */
-    for (int c = 1; c <= 2; c++) {
+    /* Close the shared bucket's middle (id[1]), its head (id[2], the last
+     * attached), its tail (id[0]), then the session alone in its bucket
+     * (id[3]): the loop notices each peer's end and closes the session;
+     * the others stay found. */
+    const int order[N] = {1, 2, 0, 3};
+    bool open[N] = {true, true, true, true};
+    for (int o = 0; o < N; o++) {
+        const int c = order[o];
         close(peer[c]);
+        open[c] = false;
         for (int t = 0; t < 100 && session_by_id(s, id[c]); t++)
             loop_run_once(loop, 10);
         CHECK(!session_by_id(s, id[c]));
         for (int i = 0; i < N; i++)
-            if (i > c || i == 0)
+            if (open[i])
                 CHECK(session_by_id(s, id[i]) && session_by_id(s, id[i])->id == id[i]);
     }
-    CHECK_EQ_INT((int)s->n_sessions, 2);
+    CHECK_EQ_INT((int)s->n_sessions, 0);
+    /* No bucket holds a closed session (a lookup might not tell: the freed
+     * memory need not keep its id). */
+    for (int b = 0; b < SESSION_BUCKETS; b++)
+        CHECK(s->by_id[b] == NULL);
+    /* The emptied bucket takes a new session. */
+    s->next_session_id = 6 + 3 * SESSION_BUCKETS;
+    int sv[2];
+    CHECK_EQ_INT(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv), 0);
+    CHECK_EQ_INT(session_attach(s, sv[0]), 0);
+    CHECK(session_by_id(s, 7 + 3 * SESSION_BUCKETS) != NULL);
+    CHECK(!session_by_id(s, id[0]));
     server_free(&s);
     loop_free(&loop);
     backend_free(&be);
     config_done(&cfg);
-    close(peer[0]);
-    close(peer[3]);
+    close(sv[1]);
     CHECK_NO_LEAKS();
 }
 
