@@ -54,11 +54,19 @@ namespace {
  * and 8-11% at 192 rows, where its groups split into two tiles of 96. The
  * sweeps in RESULTS.md are the evidence; the tuner's sweeps at 64 rows per
  * group (mixtral T=256, qwen3 T=1024, deepseek T=2048) put 128 first, 30%
- * ahead of the 32 that a choice among 16, 32 and 64 made. A card's tile
- * table (tune.cu) overrides this. */
-int pick_tile(double avg, bool two)
+ * ahead of the 32 that a choice among 16, 32 and 64 made. From 80 to 128
+ * rows the 144-row tile too where the card's DRAM is fast (`mid`: 4 TB/s
+ * or more, L->mid144): on the H200 mixtral T=320, 384 and 512 (80, 96 and
+ * 128 rows) 1.8%, 4.8-5.2% and 4.2% faster, deepseek T=3072 and 4096 (96
+ * and 128) 6.7% and 2.2-2.4%, but mixtral T=576 (144) 16% slower; on an
+ * H100, DRAM-bound there, even at mixtral T=320-512 and 1.0-5.2% slower
+ * at deepseek T=3072-4096 (RESULTS.md, runs 49-50). A card's tile table
+ * (tune.cu) overrides this. */
+int pick_tile(double avg, bool two, bool mid)
 {
     if (two && avg >= 240 && avg < 768)
+        return 144;
+    if (two && mid && avg >= 80 && avg <= 128)
         return 144;
     if (avg >= 192)
         return 256;
@@ -159,7 +167,7 @@ int moe_tile(const moek_cuda_moe_layer *L, int T)
     if (!bn) {
         const double hit = fmax(moe_hit(L->shape, T), 1.0);
         bn = pick_tile((double)T * L->shape.topk / hit,
-                       fit_tile(144, t1, t2, true) == 144);
+                       fit_tile(144, t1, t2, true) == 144, L->mid144);
     }
     return fit_tile(bn, t1, t2, true);
 }
@@ -986,7 +994,7 @@ int moek_cuda_grouped_gemm(moek_cuda_gemm_weights *W, moek_cuda_workspace *ws,
         } else {
             const double g = (double)(total_m < W->groups ? total_m : W->groups);
             /* the 144-row tile was measured on MoE forwards alone */
-            bn = pick_tile((double)total_m / g, false);
+            bn = pick_tile((double)total_m / g, false, false);
         }
         bn = fit_tile(bn, n_tiles, n_tiles, false);
     }

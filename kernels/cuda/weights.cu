@@ -130,7 +130,9 @@ int device_setup(int device, int *sms, int *cc)
  * layer.cu), MOEK_CUDA_NO_PREFETCH_EVERY=1 drops the one of every
  * expert's first blocks (fewer rows a group; layer.cu) and
  * MOEK_CUDA_UPLOAD_KB=N bounds the staging buffer that grouped GEMM
- * weights go up through (64 MiB unless set; one group at least).
+ * weights go up through (64 MiB unless set; one group at least),
+ * MOEK_CUDA_MID144=1 or 0 gives groups of 80-128 rows the 144-row tile or
+ * not, whatever the card's DRAM rate (layer.cu, pick_tile).
  * Read once, when a layer or weight set is made. */
 bool env_off(const char *name)
 {
@@ -150,6 +152,22 @@ int env_int(const char *name, int def, int max)
     char *end;
     long v = strtol(e, &end, 10);
     return *end || v < 1 || v > max ? def : (int)v;
+}
+
+/* The device's peak DRAM rate in GB/s from its memory clock and bus
+ * width (double data rate), 0 when it does not say: 3355 on an H100 SXM,
+ * 4915 on an H200. */
+static double dram_gbs(int device)
+{
+    int khz = 0, bits = 0;
+    if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device) !=
+            cudaSuccess ||
+        cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth,
+                               device) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return 2.0 * khz * 1e3 * (bits / 8) / 1e9;
 }
 
 /* MOEK_CUDA_SPLIT_MIN_KB=N: the K blocks an item of a split GEMM keeps at
@@ -232,6 +250,11 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
      * switch's power of two. */
     L->route_cl = moek_route_cluster_cap(
         shape->experts, L->cc, env_int("MOEK_CUDA_ROUTE_CLUSTER", 8, 16));
+    /* MOEK_CUDA_MID144=0 or 1 decides for measuring. */
+    {
+        const char *m = getenv("MOEK_CUDA_MID144");
+        L->mid144 = m && *m ? *m != '0' : dram_gbs(device) >= 4000;
+    }
     int l2 = 0;
     if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) !=
         cudaSuccess) {
