@@ -544,9 +544,6 @@ static void batch_done(struct job *job)
     struct server *s = bj->s;
     struct stats *st = &s->stats;
     uint64_t t_seen = now_us();
-    /* Requests are freed below; keep their sessions for the wait. */
-    for (uint32_t i = 0; i < bj->n_items; i++)
-        bj->items[i].session_id = bj->items[i].req->session_id;
     st->batches++;
     hist_add(&st->batch_requests, bj->n_items);
     hist_add(&st->batch_tokens, bj->tokens);
@@ -578,7 +575,8 @@ static void batch_done(struct job *job)
         else if (!req->queued && req->rows_done == req->next_row)
             request_finish(s, req);
     }
-    /* Remember who was served, to wait for them (see the top). */
+    /* Remember who was served, to wait for them (see the top); the items
+     * hold their sessions' ids, as the requests may be freed above. */
     s->n_awaited = 0;
     s->awaited_back = 0;
     if (bj->n_items >= 2 && s->cfg->return_wait_us && s->cfg->batching) {
@@ -596,7 +594,7 @@ static void batch_done(struct job *job)
     }
     /* Where the device's time between two batches goes, counted while the
      * device is kept busy (gaps under 10 ms). */
-    uint64_t t_replied = now_us();
+    uint64_t t_loop_done = now_us(); /* and the loop's replies with it */
     if (st->prev_end_us && bj->t_start > st->prev_end_us &&
         bj->t_start - st->prev_end_us < 10000) {
         ring_add(&st->idle_us, bj->t_start - st->prev_end_us);
@@ -605,10 +603,10 @@ static void batch_done(struct job *job)
     }
     /* The compute thread's replies, then the loop's (batch_after). */
     ring_add(&st->notice_us, t_seen - bj->t_replied);
-    ring_add(&st->reply_us, (bj->t_replied - bj->t_end) + (t_replied - t_seen));
+    ring_add(&st->reply_us, (bj->t_replied - bj->t_end) + (t_loop_done - t_seen));
     ring_add(&st->launch_us, bj->t_start - bj->t_submit);
     st->prev_end_us = bj->t_end;
-    st->prev_replied_us = t_replied;
+    st->prev_replied_us = t_loop_done;
     for (uint32_t i = 0; i < bj->n_items; i++)
         reply_chan_unref(&bj->items[i].chan);
     layer_unref(s, &bj->layer);
