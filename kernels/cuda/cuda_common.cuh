@@ -219,6 +219,10 @@ struct moek_gemm_args {
     int dep_mode;
     int *dep;
     int dep_tiles, dep_ctas;
+    /* modes 1 and 3: the counts go out from the CTA's counting warp
+     * (gemm_wgmma.cu, sig_counts); 0: each consumer warpgroup makes its
+     * own (layer.cu chooses) */
+    int sig;
     /* GEMM 1 of a MoE forward, tiled weights: before waiting for the
      * routing, each CTA sends the first pf_kb K blocks of the item it would
      * run first to L2, on the guess that every group has pf_cnt rows (so
@@ -563,6 +567,9 @@ struct moek_cuda_moe_layer {
     bool early; /* GEMM 2 loads weights before GEMM 1 ends (early_a) */
     bool dep;   /* and may start per group (moek_dep; layer.cu) */
     bool both;  /* and run both GEMMs in one launch there (mode 3) */
+    /* GEMM 1's moek_dep counts from a warp of their own (sig_counts):
+     * in mode 3, and in mode 1 */
+    bool sig, sig1;
     bool tiny;  /* decode batches take route_align_tiny */
     int route_cl; /* aa.route_cl of its calls */
     bool tiled; /* w13 and w2p in tiles (moek_wt_index) */

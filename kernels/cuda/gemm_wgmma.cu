@@ -8,7 +8,8 @@
  * whole weight tiles at full width, and the same kernel grows into a
  * 128 x 256 prefill tile.
  *
- * Per CTA (384 threads, one per SM):
+ * Per CTA (384 threads, one per SM; 416 where GEMM 1 counts for moek_dep,
+ * below):
  *   warpgroup 0, producer: for each work item (cuda_common.cuh) and each
  *     64-wide K block, waits for a free stage, bulk-copies the 128 x 64
  *     weight tile (16 KB, stored pre-swizzled and contiguous: weights.cu;
@@ -63,7 +64,10 @@
  * about 4.5 us between them); both groups' cg_before sit in shared memory
  * (up to SB3_GROUPS groups), and GEMM 2 adds into acc once every CTA has
  * zeroed its slice, which only a launch that keeps every CTA resident may
- * wait for. DEP 0, every other call, compiles as it did before them.
+ * wait for. Modes 1 and 3 have a thirteenth warp, which makes GEMM 1's
+ * counts where a.sig says so (sig_counts), so the consumers do not wait
+ * for the count's fence.
+ * DEP 0, every other call, compiles as it did before them.
  *
  * Variants are template instances by token tile BN; moek_launch_gemm_wgmma
  * picks one. The kernel body exists only in the sm_90a pass
@@ -115,6 +119,33 @@ __host__ __device__ constexpr bool ring(int bn, int cl, int dep)
 constexpr int SB3_GROUPS = 256;
 constexpr int SB3_INTS = 260; /* SB3_GROUPS + 1, in 16-byte steps */
 
+/*
+ * moek_dep's counts (modes 1 and 3, GEMM 1) go out from a warp of their
+ * own, a thirteenth after the three warpgroups: the count's release fence
+ * waits until the SM's stores are performed, 6.4 us an item in qwen3
+ * T=8's GEMM 1 on an H100 (its epilogue 6.72 us with the count, 0.35
+ * without: kernels/bench/RESULTS.md, run 51), all of which the consumers
+ * stood idle for when they made the count themselves. Now each consumer
+ * warpgroup, its stores behind its barrier, posts the item's group in a
+ * ring of SIG_SLOTS slots (full: both warpgroups' arrivals, a release;
+ * empty: the counting warp's), and that warp makes one count of two
+ * for both; a group of -1 ends it. Where a.sig is 0 (layer.cu chooses by
+ * mode) the consumers count as before and the warp does nothing.
+ */
+constexpr int SIG_SLOTS = 4;
+struct sig_ring {
+    uint64_t full[SIG_SLOTS], empty[SIG_SLOTS];
+    int g[SIG_SLOTS];
+};
+__host__ __device__ constexpr bool counts(int dep)
+{
+    return dep == 1 || dep == 3;
+}
+__host__ __device__ constexpr int cta_threads(int dep)
+{
+    return counts(dep) ? 416 : 384;
+}
+
 /* DEP: the kernel's moek_dep mode (moek_gemm_args.dep_mode); ticketed
  * GEMM 2 (modes 2 and 3) has the item ring at every width, and its
  * ticket. */
@@ -136,11 +167,13 @@ template <int BN, int DEP = 0> struct tile_cfg {
                                 (DEP == 2 || DEP == 3 ? 16 : 0);
     /* cg_before in shared memory: one list, or mode 3's two */
     static constexpr int SBB = DEP == 3 ? 2 * SB3_INTS * 4 : SB_BYTES;
+    /* the counts' ring, 8-byte aligned after the item ring */
+    static constexpr int SIG = counts(DEP) ? (int)sizeof(sig_ring) + 8 : 0;
     static constexpr int FIT =
-        (SMEM_MAX - 2048 - STG_BYTES - SBB - EPI_BYTES - INFO) / STAGE;
+        (SMEM_MAX - 2048 - STG_BYTES - SBB - EPI_BYTES - INFO - SIG) / STAGE;
     static constexpr int STAGES = FIT > 12 ? 12 : FIT;
     static constexpr int SMEM = STAGES * STAGE + 1024 + 2 * STAGES * 8 +
-                                STG_BYTES + SBB + EPI_BYTES + INFO;
+                                STG_BYTES + SBB + EPI_BYTES + INFO + SIG;
     static_assert(STAGE % 1024 == 0 && EPI_BYTES % 1024 == 0,
                   "stages and the staging buffer keep 1024-byte alignment");
     static_assert(SMEM <= SMEM_MAX, "shared memory");
@@ -996,6 +1029,36 @@ __device__ __forceinline__ void release(uint64_t *empty, int s)
         mbar_arrive_peer(&empty[s], cluster_rank() ^ 1);
 }
 
+/* Post item n's group g (-1: the end) to the counting warp; one thread
+ * of each consumer warpgroup, after the warpgroup's barrier. */
+__device__ __forceinline__ void sig_post(sig_ring *r, int n, int cw, int g)
+{
+    const int j = n % SIG_SLOTS;
+    moek_mbar_wait(&r->empty[j], ((n / SIG_SLOTS) & 1) ^ 1);
+    if (cw == 0)
+        r->g[j] = g;
+    moek_mbar_arrive(&r->full[j]);
+}
+
+/* The counting warp: each posted item's count, for both warpgroups. */
+__device__ __forceinline__ void sig_counts(const moek_gemm_args &a,
+                                           sig_ring *r)
+{
+    const int lane = threadIdx.x & 31;
+    for (int n = 0;; n++) {
+        const int j = n % SIG_SLOTS;
+        moek_mbar_wait(&r->full[j], (n / SIG_SLOTS) & 1);
+        const int g = r->g[j];
+        if (g < 0)
+            return;
+        if (lane == 0) {
+            moek_dep_add(a.dep + MOEK_DEP_GROUP + g, 2);
+            moek_mbar_arrive(&r->empty[j]);
+        }
+        __syncwarp();
+    }
+}
+
 /* Consumer warpgroup cw, one tile class: weight rows 64 cw .. 64 cw + 63 of
  * each tile against its N token rows, then the epilogue; where a CTA takes
  * two weight tiles (moek_wtiles), all 128 rows of tile nt + cw, as two
@@ -1012,7 +1075,7 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
                                         int ncg, int split, const cta_span &sp,
                                         pipe_pos &pp, const int *sb,
                                         uint8_t *epi_buf, const moek_item *info,
-                                        const CUtensorMap *omap)
+                                        const CUtensorMap *omap, sig_ring *sig)
 {
     using C = tile_cfg<BN, L>;
     constexpr bool RING = ring(BN, CL, DEP);
@@ -1021,6 +1084,7 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
     const int tid = threadIdx.x, cw = (tid >> 7) - 1;
     const int warp = (tid >> 5) & 3, lane = tid & 31;
     float d[N / 2], d1[W == 2 ? N / 2 : 1];
+    int nsig = 0; /* DEP 1: items posted to the counting warp */
     /* COMBINE and SLOT: the routing weight, staged with the token */
     const bool comb = a.epi == MOEK_EPI_COMBINE || a.epi == MOEK_EPI_SLOT;
     int2 *stg_base = reinterpret_cast<int2 *>(empty + C::STAGES) + cw * 2 * BN;
@@ -1176,10 +1240,18 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
             epilogue(d1, 1, iw);
         if constexpr (DEP == 1) { /* every thread's stores before the count */
             asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
-            if ((tid & 127) == 0)
-                moek_dep_add(a.dep + MOEK_DEP_GROUP + it.g, 1);
+            if ((tid & 127) == 0) {
+                if (a.sig)
+                    sig_post(sig, nsig, cw, it.g);
+                else
+                    moek_dep_add(a.dep + MOEK_DEP_GROUP + it.g, 1);
+            }
+            nsig++;
         }
     }
+    if constexpr (DEP == 1)
+        if ((tid & 127) == 0 && a.sig)
+            sig_post(sig, nsig, cw, -1);
 }
 #endif
 
@@ -1251,7 +1323,7 @@ second_args(const gemm_pair &p)
 }
 
 template <typename T, int BN, int CL, int DEP>
-__global__ void __launch_bounds__(384, 1)
+__global__ void __launch_bounds__(cta_threads(DEP), 1)
     gemm_wgmma_kernel(const __grid_constant__ CUtensorMap tmap,
                       const __grid_constant__ tmaps_b_t<CL> tmaps_b,
                       const __grid_constant__ omap_t<BN> tmap_o,
@@ -1285,8 +1357,19 @@ __global__ void __launch_bounds__(384, 1)
     uint64_t *full = reinterpret_cast<uint64_t *>(epi_buf + C::EPI_BYTES);
     uint64_t *empty = full + C::STAGES;
     const int tid = threadIdx.x, wg = tid >> 7;
+    sig_ring *sig = nullptr;
+    if constexpr (counts(DEP))
+        sig = reinterpret_cast<sig_ring *>(
+            (reinterpret_cast<uintptr_t>(epi_buf) + C::EPI_BYTES +
+             2 * C::STAGES * 8 + C::STG_BYTES + C::SBB + C::INFO + 7) &
+            ~(uintptr_t)7);
 
     if (tid == 0) {
+        if constexpr (counts(DEP))
+            for (int j = 0; j < SIG_SLOTS; j++) {
+                moek_mbar_init(&sig->full[j], 2);
+                moek_mbar_init(&sig->empty[j], 1);
+            }
         for (int s = 0; s < C::STAGES; s++) {
             /* full: the producer's expect-tx arrival, plus (CL = 1) one
              * no-increment arrival per producer thread's cp.async;
@@ -1343,7 +1426,8 @@ __global__ void __launch_bounds__(384, 1)
     int sbv[SB_PER], sbv2[DEP == 3 ? SB_PER : 1];
 #pragma unroll
     for (int j = 0; j < SB_PER; j++) {
-        const int i = tid + 384 * j;
+        /* the three warpgroups (not the counting warp) */
+        const int i = tid < 384 ? tid + 384 * j : nsb;
         sbv[j] = i < nsb ? __ldg(a.cg_before + i) : 0;
         if constexpr (DEP == 3)
             sbv2[j] = i < nsb ? __ldg(a2.cg_before + i) : 0;
@@ -1374,7 +1458,7 @@ __global__ void __launch_bounds__(384, 1)
         if (ncg < nsb) {
 #pragma unroll
             for (int j = 0; j < SB_PER; j++)
-                if (tid + 384 * j <= ncg) {
+                if (tid < 384 && tid + 384 * j <= ncg) {
                     sb_mem[tid + 384 * j] = sbv[j];
                     if constexpr (DEP == 3)
                         sb_mem[SB3_INTS + tid + 384 * j] = sbv2[j];
@@ -1470,6 +1554,9 @@ __global__ void __launch_bounds__(384, 1)
                     sb, info, cb[J], cb[J + 1], sk, ticket0);
             });
         }
+    } else if (counts(DEP) && wg == 3) {
+        if (a.sig)
+            sig_counts(a, sig);
     } else {
         if constexpr (W == 2)
             asm volatile("setmaxnreg.inc.sync.aligned.u32 208;" ::: "memory");
@@ -1493,7 +1580,7 @@ __global__ void __launch_bounds__(384, 1)
         if constexpr (DEP == 3) {
             consume<T, BN, BN, 1, 1, 3>(a, smem, full, empty, ncg, split,
                                         span(0), pp, sb, epi_buf, info,
-                                        nullptr);
+                                        nullptr, sig);
             /* GEMM 2 adds into acc once every CTA's slice is zero (all
              * resident: a cooperative launch) */
             if (tid == 128)
@@ -1501,13 +1588,13 @@ __global__ void __launch_bounds__(384, 1)
             asm volatile("bar.sync 3, 256;" ::: "memory");
             consume<T, BN, BN, 1, 2, 3>(a2, smem, full, empty, ncg,
                                         split2, span(0), pp, sb2, epi_buf,
-                                        info, nullptr);
+                                        info, nullptr, nullptr);
         } else {
             each_class<BN>([&](auto c) {
                 constexpr int J = decltype(c)::value;
                 consume<T, BN, moek_class_width(BN, J), CL, DEP>(
                     a, smem, full, empty, ncg, split, span(J), pp, sb,
-                    epi_buf, info, omap_ptr(tmap_o));
+                    epi_buf, info, omap_ptr(tmap_o), sig);
             });
         }
         /* the staged epilogues' TMA stores done before the CTA (and its
@@ -1548,7 +1635,8 @@ cudaError_t launch_bn(const void *tmap, const tmaps_b_t<CL> &tmaps_b,
         return cudaErrorInvalidValue;
     }
     return moek_launch_cl(gemm_wgmma_kernel<T, BN, CL, DEP>, dim3(grid),
-                          dim3(384), (size_t)tile_cfg<BN, DEP>::SMEM, stream,
+                          dim3(cta_threads(DEP)),
+                          (size_t)tile_cfg<BN, DEP>::SMEM, stream,
                           pdl, DEP == 3 ? -1 : CL,
                           *reinterpret_cast<const CUtensorMap *>(tmap),
                           tmaps_b, o, ka);

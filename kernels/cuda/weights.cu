@@ -132,7 +132,11 @@ int device_setup(int device, int *sms, int *cc)
  * MOEK_CUDA_UPLOAD_KB=N bounds the staging buffer that grouped GEMM
  * weights go up through (64 MiB unless set; one group at least),
  * MOEK_CUDA_MID144=1 or 0 gives groups of 80-128 rows the 144-row tile or
- * not, whatever the card's DRAM rate (layer.cu, pick_tile).
+ * not, whatever the card's DRAM rate (layer.cu, pick_tile),
+ * MOEK_CUDA_NO_SIG_WARP=1 has the consumers of both GEMMs' one launch make
+ * GEMM 1's moek_dep counts themselves, and MOEK_CUDA_SIG_WARP_MODE1=1 has
+ * the counting warp make them where GEMM 1 runs alone too (gemm_wgmma.cu,
+ * sig_counts; layer.cu).
  * Read once, when a layer or weight set is made. */
 bool env_off(const char *name)
 {
@@ -232,6 +236,8 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
     L->early = !env_off("MOEK_CUDA_NO_EARLY");
     L->dep = !env_off("MOEK_CUDA_NO_DEP");
     L->both = !env_off("MOEK_CUDA_NO_BOTH");
+    L->sig = !env_off("MOEK_CUDA_NO_SIG_WARP");
+    L->sig1 = env_off("MOEK_CUDA_SIG_WARP_MODE1");
     L->tiny = !env_off("MOEK_CUDA_NO_TINY");
     L->tiled = !env_off("MOEK_CUDA_ROW_MAJOR");
     L->l2_hint = !env_off("MOEK_CUDA_NO_L2_HINT");

@@ -985,7 +985,10 @@ TEST(moe_stream_k)
 /* GEMM 2 starting per group (moek_dep, layer.cu: where GEMM 1 fills the
  * card, each GEMM 2 item waits for its group's GEMM 1 items, not for the
  * whole of GEMM 1, and GEMM 2's CTAs take their work from a counter), then
- * the same cases with MOEK_CUDA_NO_DEP=1: 8 tokens over 64 experts in
+ * the same cases with MOEK_CUDA_NO_DEP=1, and again with GEMM 1's counts
+ * made by the consumers themselves (MOEK_CUDA_NO_SIG_WARP=1) and by the
+ * counting warp in both forms of the mode (MOEK_CUDA_SIG_WARP_MODE1=1):
+ * 8 tokens over 64 experts in
  * 16-row tiles (2176 GEMM 1 items, whole GEMM 2 items); one token whose
  * 192 GEMM 1 items leave SMs idle in their last round (GEMM 2 in stream-K,
  * top-4); 64 tokens in forced 64-row tiles with whole GEMM 2 items (the
@@ -1008,13 +1011,21 @@ TEST(moe_dep_groups)
         {{128, 8, 512, 2048}, MOEK_DTYPE_BF16, 64, ROUTE_GIVEN, false, 0, 32,
          {64, false}, false, true, NULL},
     };
-    for (int off = 0; off < 2; off++) {
-        char *keep = env_set("MOEK_CUDA_NO_DEP", off ? "1" : NULL);
+    /* 0: the mode as it runs by default; 1: no mode; 2: GEMM 1's counts
+     * made by the consumers in both forms of the mode; 3: by the counting
+     * warp in both */
+    for (int v = 0; v < 4; v++) {
+        char *keep = env_set("MOEK_CUDA_NO_DEP", v == 1 ? "1" : NULL);
+        char *keep_sig = env_set("MOEK_CUDA_NO_SIG_WARP", v == 2 ? "1" : NULL);
+        char *keep_sig1 =
+            env_set("MOEK_CUDA_SIG_WARP_MODE1", v == 3 ? "1" : NULL);
         int taken = 0;
         const tile_opts to = {.dep_calls = &taken};
         for (size_t i = 0; i < ARRAY_LEN(cases); i++)
             run_moe_tiles(&cases[i], &to, &rng);
-        CHECK(off ? taken == 0 : taken > 0 || device_cc() != 90);
+        CHECK(v == 1 ? taken == 0 : taken > 0 || device_cc() != 90);
+        env_restore("MOEK_CUDA_SIG_WARP_MODE1", keep_sig1);
+        env_restore("MOEK_CUDA_NO_SIG_WARP", keep_sig);
         env_restore("MOEK_CUDA_NO_DEP", keep);
     }
 }
