@@ -489,24 +489,23 @@ bool moe_stream_k(const moek_cuda_moe_layer *L, int bn, int T)
  * reads), nor without early weight loads (MOEK_CUDA_NO_DEP=1 turns it
  * off). Measured on the H200 against the same build with it off
  * (kernels/bench/RESULTS.md, run 26): GEMM 2 in whole items gains
- * (deepseek T=3 to 512 0.9-2.4%), but where they are short (qwen3's 12 K
- * blocks) only while experts get few rows (qwen3 T=8 to 64, up to 4 slots
- * an expert: 0.7-1.9%; T=100 even, T=512 0.4% lost); in stream-K it
+ * (deepseek T=3 to 512 0.9-2.4%, qwen3 T=8 to 64 0.7-1.9%). Run 26 found
+ * it even or slower where GEMM 2's items are short and experts get more
+ * than 4 rows (qwen3 T=100 even, T=512 0.4% lost), and the mode stayed off
+ * there until run 51 measured it again on an H100: qwen3 T=80, 100, 128,
+ * 256, 384, 512 and 640 2.1-3.6% faster with it, GEMM 2's first items no
+ * longer waiting for GEMM 1's last CTA (at T=512 they had started 3 us
+ * after it, 85 us after the first one left). In stream-K it
  * loses (mixtral T=8 and 64 1.2% and 1.3%, deepseek T=1 2%) but for one
  * token whose GEMM 1 item count is known and whose last round of GEMM 1
  * leaves a third of the SMs idle (mixtral T=1's 448 items on 132 SMs leave
  * 80: 1.0% gained; deepseek T=1's 256 leave 8).
  */
-constexpr int DEP_MIN_KB = 32, DEP_SHORT_SLOTS = 4;
 bool moe_dep(const moek_cuda_moe_layer *L, int bn, int T)
 {
     const long long items1 = moe_items1(L, bn, T);
     if (!moe_wgmma(L) || !L->dep || !L->early || items1 < L->sms ||
         moek_classes(bn) != 1)
-        return false;
-    const long long slots = (long long)T * L->shape.topk;
-    if (moe_kblocks2(L) < DEP_MIN_KB &&
-        slots > DEP_SHORT_SLOTS * (long long)L->shape.experts)
         return false;
     /* GEMM 1 runs on every SM: its last round's items */
     const long long last1 = items1 % L->sms;
