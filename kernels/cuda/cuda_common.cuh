@@ -219,9 +219,9 @@ struct moek_gemm_args {
     int dep_mode;
     int *dep;
     int dep_tiles, dep_ctas;
-    /* modes 1 and 3: the counts go out from the CTA's counting warp
-     * (gemm_wgmma.cu, sig_counts); 0: each consumer warpgroup makes its
-     * own (layer.cu chooses) */
+    /* In modes 1 and 3, non-zero: GEMM 1's counts go out from the CTA's
+     * counting warp (gemm_wgmma.cu, sig_counts); 0: each consumer
+     * warpgroup makes its own (layer.cu chooses). */
     int sig;
     /* GEMM 1 of a MoE forward, tiled weights: before waiting for the
      * routing, each CTA sends the first pf_kb K blocks of the item it would

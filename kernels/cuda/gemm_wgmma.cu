@@ -167,7 +167,7 @@ template <int BN, int DEP = 0> struct tile_cfg {
                                 (DEP == 2 || DEP == 3 ? 16 : 0);
     /* cg_before in shared memory: one list, or mode 3's two */
     static constexpr int SBB = DEP == 3 ? 2 * SB3_INTS * 4 : SB_BYTES;
-    /* the counts' ring, 8-byte aligned after the item ring */
+    /* the counts' ring after INFO, rounded up to 8 bytes (room for it) */
     static constexpr int SIG = counts(DEP) ? (int)sizeof(sig_ring) + 8 : 0;
     static constexpr int FIT =
         (SMEM_MAX - 2048 - STG_BYTES - SBB - EPI_BYTES - INFO - SIG) / STAGE;
@@ -1048,7 +1048,12 @@ __device__ __forceinline__ void sig_counts(const moek_gemm_args &a,
     for (int n = 0;; n++) {
         const int j = n % SIG_SLOTS;
         moek_mbar_wait(&r->full[j], (n / SIG_SLOTS) & 1);
-        const int g = r->g[j];
+        /* lane 0 reads the slot before its release frees it; the others
+         * take the group from lane 0 */
+        int g = 0;
+        if (lane == 0)
+            g = r->g[j];
+        g = __shfl_sync(0xffffffffu, g, 0);
         if (g < 0)
             return;
         if (lane == 0) {
@@ -1352,7 +1357,7 @@ __global__ void __launch_bounds__(cta_threads(DEP), 1)
         (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~(uintptr_t)1023);
     /* stages, the staging buffer of SWIGLU and SLOT (1024-byte aligned, as
      * TMA's swizzle wants), barriers, COMBINE's and SLOT's pairs,
-     * cg_before, the item ring */
+     * cg_before, the item ring and mode 2's ticket, the counts' ring */
     uint8_t *epi_buf = smem + C::STAGES * C::STAGE;
     uint64_t *full = reinterpret_cast<uint64_t *>(epi_buf + C::EPI_BYTES);
     uint64_t *empty = full + C::STAGES;

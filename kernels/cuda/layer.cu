@@ -860,11 +860,12 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
         g1.dep_mode = L->both && g1.pf_kb == 0 && moek_wgmma_both_ok(g1, g2) ? 3 : 1;
         /* GEMM 1's counts from the CTA's counting warp (gemm_wgmma.cu,
          * sig_counts), not by the consumers, who waited 6.4 us an item for
-         * the count's fence (qwen3 T=8's GEMM 1 on an H100). On an H100,
-         * where the one launch runs, mixtral T=1 1.3% faster, deepseek
+         * the count's fence (qwen3 T=8's GEMM 1 on an H100). On H100s,
+         * where the one launch runs, mixtral T=1 0.5-1.4% faster, deepseek
          * T=8 and qwen3 T=3 even; where GEMM 1 runs alone (mode 1), qwen3
-         * T=8 0.7% slower, T=16 and T=64 even, so there the consumers
-         * count unless MOEK_CUDA_SIG_WARP_MODE1=1 (RESULTS.md, run 51). */
+         * T=8 0.7-1.0% slower, T=16, T=64 and T=128-512 even, so there the
+         * consumers count unless MOEK_CUDA_SIG_WARP_MODE1=1 (RESULTS.md,
+         * run 51). */
         g1.sig = g1.dep_mode == 3 ? L->sig : L->sig1;
     }
 

@@ -985,10 +985,10 @@ TEST(moe_stream_k)
 /* GEMM 2 starting per group (moek_dep, layer.cu: where GEMM 1 fills the
  * card, each GEMM 2 item waits for its group's GEMM 1 items, not for the
  * whole of GEMM 1, and GEMM 2's CTAs take their work from a counter), then
- * the same cases with MOEK_CUDA_NO_DEP=1, and again with GEMM 1's counts
- * made by the consumers themselves (MOEK_CUDA_NO_SIG_WARP=1) and by the
- * counting warp in both forms of the mode (MOEK_CUDA_SIG_WARP_MODE1=1):
- * 8 tokens over 64 experts in
+ * the same cases with MOEK_CUDA_NO_DEP=1, and the mode's other forms
+ * (both GEMMs in one launch or two kernels, GEMM 1's counts made by the
+ * consumers or by the counting warp: see the loop): 8 tokens over 64
+ * experts in
  * 16-row tiles (2176 GEMM 1 items, whole GEMM 2 items); one token whose
  * 192 GEMM 1 items leave SMs idle in their last round (GEMM 2 in stream-K,
  * top-4); 64 tokens in forced 64-row tiles with whole GEMM 2 items (the
@@ -1011,20 +1011,25 @@ TEST(moe_dep_groups)
         {{128, 8, 512, 2048}, MOEK_DTYPE_BF16, 64, ROUTE_GIVEN, false, 0, 32,
          {64, false}, false, true, NULL},
     };
-    /* 0: the mode as it runs by default; 1: no mode; 2: GEMM 1's counts
-     * made by the consumers in both forms of the mode; 3: by the counting
-     * warp in both */
-    for (int v = 0; v < 4; v++) {
+    /* These cases prefetch nothing, so they take both GEMMs in one launch
+     * (mode 3) unless MOEK_CUDA_NO_BOTH=1 makes it two (mode 1). 0: the
+     * mode as it runs by default (one launch, the counting warp); 1: no
+     * mode; 2: one launch, the consumers counting; 3: two kernels, the
+     * consumers counting (mode 1's default); 4: two kernels, the counting
+     * warp. */
+    for (int v = 0; v < 5; v++) {
         char *keep = env_set("MOEK_CUDA_NO_DEP", v == 1 ? "1" : NULL);
         char *keep_sig = env_set("MOEK_CUDA_NO_SIG_WARP", v == 2 ? "1" : NULL);
+        char *keep_both = env_set("MOEK_CUDA_NO_BOTH", v >= 3 ? "1" : NULL);
         char *keep_sig1 =
-            env_set("MOEK_CUDA_SIG_WARP_MODE1", v == 3 ? "1" : NULL);
+            env_set("MOEK_CUDA_SIG_WARP_MODE1", v == 4 ? "1" : NULL);
         int taken = 0;
         const tile_opts to = {.dep_calls = &taken};
         for (size_t i = 0; i < ARRAY_LEN(cases); i++)
             run_moe_tiles(&cases[i], &to, &rng);
         CHECK(v == 1 ? taken == 0 : taken > 0 || device_cc() != 90);
         env_restore("MOEK_CUDA_SIG_WARP_MODE1", keep_sig1);
+        env_restore("MOEK_CUDA_NO_BOTH", keep_both);
         env_restore("MOEK_CUDA_NO_SIG_WARP", keep_sig);
         env_restore("MOEK_CUDA_NO_DEP", keep);
     }
