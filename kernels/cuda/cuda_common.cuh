@@ -581,8 +581,12 @@ struct moek_cuda_moe_layer {
     int split_min_kb;
     int pf1_kb;     /* moek_gemm_args.pf_kb of GEMM 1, where it applies */
     bool pf_every;  /* GEMM 1's prefetch of every expert's first blocks */
-    /* Groups of 80-128 rows take the 144-row tile (pick_tile): a card
-     * whose DRAM reads 4 TB/s or more (weights.cu, dram_gbs). */
+    /* DRAM that reads 4 TB/s or more (weights.cu, dram_gbs: the H200,
+     * not an H100 SXM): moek_dep keeps off GEMM 2 items of fewer than 32 K
+     * blocks where experts get more than 4 slots (layer.cu, moe_dep). */
+    bool fast_dram;
+    /* Groups of 80-128 rows may take the 144-row tile (pick_tile): such a
+     * card, unless MOEK_CUDA_MID144 says otherwise. */
     bool mid144;
     /* The token-tile table (moek_cuda_moe_layer_set_tiles): n_rules rules,
      * min_tokens ascending. */

@@ -57,10 +57,17 @@ namespace {
  * ahead of the 32 that a choice among 16, 32 and 64 made. From 80 to 128
  * rows the 144-row tile too where the card's DRAM is fast (`mid`: 4 TB/s
  * or more, L->mid144): on the H200 mixtral T=320, 384 and 512 (80, 96 and
- * 128 rows) 1.8%, 4.8-5.2% and 4.2% faster, deepseek T=3072 and 4096 (96
+ * 128 rows; T=512 at run 50's seed 1) 1.8%, 4.8-5.2% and 4.2% faster,
+ * deepseek T=3072 and 4096 (96
  * and 128) 6.7% and 2.2-2.4%, but mixtral T=576 (144) 16% slower; on an
  * H100, DRAM-bound there, even at mixtral T=320-512 and 1.0-5.2% slower
- * at deepseek T=3072-4096 (RESULTS.md, runs 49-50). A card's tile table
+ * at deepseek T=3072-4096 (RESULTS.md, runs 49-50). But a group over 144
+ * rows splits in two, and where GEMM 2 has few runs (mixtral: 128 for 132
+ * SMs) the extra ones add a round: on the H200 at mixtral T=512's default
+ * inputs 144 was 2.7% slower than 192, where deepseek T=4096 gained 1.5%
+ * and qwen3 T=1536 and 2048 6.4% and 2.8% (run 52). So the caller passes
+ * `mid` only where no group is likely to split (avg + 3 sigma <= 144) or
+ * GEMM 2 has four rounds of runs or more (moe_tile). A card's tile table
  * (tune.cu) overrides this. */
 int pick_tile(double avg, bool two, bool mid)
 {
@@ -166,8 +173,12 @@ int moe_tile(const moek_cuda_moe_layer *L, int T)
             bn = L->rules[i].token_tile;
     if (!bn) {
         const double hit = fmax(moe_hit(L->shape, T), 1.0);
-        bn = pick_tile((double)T * L->shape.topk / hit,
-                       fit_tile(144, t1, t2, true) == 144, L->mid144);
+        const double avg = (double)T * L->shape.topk / hit;
+        /* pick_tile's 80-128 rows: no split likely, or splits spread over
+         * many rounds of GEMM 2's runs (two weight tiles each) */
+        const bool mid = L->mid144 && (avg + 3 * sqrt(avg) <= 144 ||
+                                       hit * t2 / 2 >= 4.0 * L->sms);
+        bn = pick_tile(avg, fit_tile(144, t1, t2, true) == 144, mid);
     }
     return fit_tile(bn, t1, t2, true);
 }
@@ -495,17 +506,25 @@ bool moe_stream_k(const moek_cuda_moe_layer *L, int bn, int T)
  * there until run 51 measured it again on an H100: qwen3 T=80, 100, 128,
  * 256, 384, 512 and 640 2.1-3.6% faster with it, GEMM 2's first items no
  * longer waiting for GEMM 1's last CTA (at T=512 they had started 3 us
- * after it, 85 us after the first one left). In stream-K it
+ * after it, 85 us after the first one left). On the H200 the same build
+ * was 0.4% (T=128) and 2.3% (T=512) slower with it (1.0% at T=512 with
+ * GEMM 1's counting warp), so the bound stays on cards whose DRAM reads 4
+ * TB/s or more (L->fast_dram). In stream-K it
  * loses (mixtral T=8 and 64 1.2% and 1.3%, deepseek T=1 2%) but for one
  * token whose GEMM 1 item count is known and whose last round of GEMM 1
  * leaves a third of the SMs idle (mixtral T=1's 448 items on 132 SMs leave
  * 80: 1.0% gained; deepseek T=1's 256 leave 8).
  */
+constexpr int DEP_MIN_KB = 32, DEP_SHORT_SLOTS = 4;
 bool moe_dep(const moek_cuda_moe_layer *L, int bn, int T)
 {
     const long long items1 = moe_items1(L, bn, T);
     if (!moe_wgmma(L) || !L->dep || !L->early || items1 < L->sms ||
         moek_classes(bn) != 1)
+        return false;
+    const long long slots = (long long)T * L->shape.topk;
+    if (L->fast_dram && moe_kblocks2(L) < DEP_MIN_KB &&
+        slots > DEP_SHORT_SLOTS * (long long)L->shape.experts)
         return false;
     /* GEMM 1 runs on every SM: its last round's items */
     const long long last1 = items1 % L->sms;

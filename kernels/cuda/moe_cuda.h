@@ -354,9 +354,10 @@ bool moek_cuda_moe_layer_uses_stream_k(const moek_cuda_moe_layer *layer,
 
 /* Whether such a call on a stream of its own (PDL) starts GEMM 2 per group
  * (layer.cu, moe_dep: sm_90, one-class tiles, where GEMM 1 fills every SM
- * and GEMM 2 does not run stream-K, T = 1 aside; not on a layer made
- * with MOEK_CUDA_NO_DEP=1 or MOEK_CUDA_NO_EARLY=1, nor, though this does
- * not look at it, MOEK_CUDA_NO_PDL=1). */
+ * and GEMM 2 does not run stream-K, T = 1 aside; on a card whose DRAM
+ * reads 4 TB/s or more, not where GEMM 2 has fewer than 32 K blocks and
+ * experts more than 4 slots each; not on a layer made with MOEK_CUDA_NO_DEP=1 or MOEK_CUDA_NO_EARLY=1, nor,
+ * though this does not look at it, MOEK_CUDA_NO_PDL=1). */
 bool moek_cuda_moe_layer_uses_dep(const moek_cuda_moe_layer *layer,
                                   int tokens);
 
