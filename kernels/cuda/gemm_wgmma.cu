@@ -1089,7 +1089,7 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
     const int tid = threadIdx.x, cw = (tid >> 7) - 1;
     const int warp = (tid >> 5) & 3, lane = tid & 31;
     float d[N / 2], d1[W == 2 ? N / 2 : 1];
-    int nsig = 0; /* DEP 1: items posted to the counting warp */
+    int nsig = 0; /* DEP 1: items thread 0 of cw posted to the counting warp */
     /* COMBINE and SLOT: the routing weight, staged with the token */
     const bool comb = a.epi == MOEK_EPI_COMBINE || a.epi == MOEK_EPI_SLOT;
     int2 *stg_base = reinterpret_cast<int2 *>(empty + C::STAGES) + cw * 2 * BN;
@@ -1247,11 +1247,10 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
             asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
             if ((tid & 127) == 0) {
                 if (a.sig)
-                    sig_post(sig, nsig, cw, it.g);
+                    sig_post(sig, nsig++, cw, it.g);
                 else
                     moek_dep_add(a.dep + MOEK_DEP_GROUP + it.g, 1);
             }
-            nsig++;
         }
     }
     if constexpr (DEP == 1)
@@ -1361,13 +1360,15 @@ __global__ void __launch_bounds__(cta_threads(DEP), 1)
     uint8_t *epi_buf = smem + C::STAGES * C::STAGE;
     uint64_t *full = reinterpret_cast<uint64_t *>(epi_buf + C::EPI_BYTES);
     uint64_t *empty = full + C::STAGES;
-    const int tid = threadIdx.x, wg = tid >> 7;
+    int *sb_mem = reinterpret_cast<int *>(
+        reinterpret_cast<uint8_t *>(empty + C::STAGES) + C::STG_BYTES);
+    moek_item *info = reinterpret_cast<moek_item *>(
+        reinterpret_cast<uint8_t *>(sb_mem) + C::SBB);
     sig_ring *sig = nullptr;
     if constexpr (counts(DEP))
         sig = reinterpret_cast<sig_ring *>(
-            (reinterpret_cast<uintptr_t>(epi_buf) + C::EPI_BYTES +
-             2 * C::STAGES * 8 + C::STG_BYTES + C::SBB + C::INFO + 7) &
-            ~(uintptr_t)7);
+            (reinterpret_cast<uintptr_t>(info) + C::INFO + 7) & ~(uintptr_t)7);
+    const int tid = threadIdx.x, wg = tid >> 7;
 
     if (tid == 0) {
         if constexpr (counts(DEP))
@@ -1454,8 +1455,6 @@ __global__ void __launch_bounds__(cta_threads(DEP), 1)
      * after it, a few groups (decode) searched global memory in three
      * steps or less instead (measured: qwen3 T=1 33.5 us without the copy,
      * 35.0 with it, when the copy was a round trip of its own). */
-    int *sb_mem = reinterpret_cast<int *>(
-        reinterpret_cast<uint8_t *>(empty + C::STAGES) + C::STG_BYTES);
     const int *sb =
         ncg < nsb || (DEP != 3 && ncg > 8 && ncg <= SB_GROUPS) ? sb_mem
                                                                : nullptr;
@@ -1496,8 +1495,6 @@ __global__ void __launch_bounds__(cta_threads(DEP), 1)
     const auto span = [&](int c) {
         return class_span(cb[c], cb[c + 1], sk, a.kblocks, W);
     };
-    moek_item *info = reinterpret_cast<moek_item *>(
-        reinterpret_cast<uint8_t *>(sb_mem) + C::SBB);
     pipe_pos pp = {0, 0, 0, 0};
     /* mode 3's GEMM 2: its split, item count (one class) and list (global
      * when the groups did not fit shared memory) */
