@@ -97,6 +97,39 @@ struct test_case {
         exit(TEST_EXIT_SKIP);                                                 \
     } while (0)
 
+/* Cleanups a case registers for its scratch files (test_on_exit): they run
+ * as the case's process ends, whether it passed (the harness then ends it
+ * with _exit(), which skips atexit handlers) or failed (exit(1), through
+ * atexit). Each runs once. */
+#define TEST_CLEANUPS 8
+struct test_cleanup_list {
+    void (*fn[TEST_CLEANUPS])(void);
+    int n;
+};
+static inline struct test_cleanup_list *test_cleanup_list(void)
+{
+    static struct test_cleanup_list list;
+    return &list;
+}
+static inline void test_run_cleanups(void)
+{
+    struct test_cleanup_list *l = test_cleanup_list();
+    while (l->n > 0)
+        l->fn[--l->n]();
+}
+static inline void test_on_exit(void (*fn)(void))
+{
+    struct test_cleanup_list *l = test_cleanup_list();
+    static int hooked;
+    for (int i = 0; i < l->n; i++)
+        if (l->fn[i] == fn)
+            return;
+    CHECK_MSG(l->n < TEST_CLEANUPS, "more than %d cleanups", TEST_CLEANUPS);
+    if (!hooked)
+        hooked = atexit(test_run_cleanups) == 0;
+    l->fn[l->n++] = fn;
+}
+
 /* A storm of signals: test_signal_storm(period_us) sends this process
  * SIGUSR1 every period_us, to a handler installed without SA_RESTART, so
  * that system calls that can fail with EINTR do (poll and ZeroMQ's calls
@@ -153,6 +186,7 @@ static inline int test_main(int argc, char **argv, const struct test_case *cases
         if (pid == 0) {
             alarm(tc->timeout_s ? tc->timeout_s : 120);
             tc->fn();
+            test_run_cleanups();
             fflush(stdout);
             fflush(stderr);
             _exit(0);

@@ -28,7 +28,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 static char dir[64], file[96];
 static char *allowed[1];
 
-static void cleanup(void)
+/* Run at exit, and by replay.c as each case ends (so twice there). */
+void fuzz_target_cleanup(void);
+void fuzz_target_cleanup(void)
 {
     unlink(file);
     rmdir(dir);
@@ -38,7 +40,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 {
     if (allowed[0])
         return 0;
-    atexit(cleanup);
+    atexit(fuzz_target_cleanup);
     snprintf(dir, sizeof(dir), "/tmp/moed-fuzz-st.%d", (int)getpid());
     mkdir(dir, 0700);
     snprintf(file, sizeof(file), "%s/w.safetensors", dir);

@@ -21,6 +21,10 @@
 
 int LLVMFuzzerInitialize(int *argc, char ***argv);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+/* A target's teardown, where it has one (fuzz_safetensors: its scratch
+ * directory; libFuzzer's process runs it at exit), run here as each case
+ * ends: the harness ends a passing case by _exit(). */
+void fuzz_target_cleanup(void) __attribute__((weak));
 
 static char current[1024];
 
@@ -92,6 +96,8 @@ static void start(void)
     signal(SIGSEGV, on_fatal);
     signal(SIGBUS, on_fatal);
     LLVMFuzzerInitialize(NULL, NULL);
+    if (fuzz_target_cleanup)
+        test_on_exit(fuzz_target_cleanup);
 }
 
 static void run_one_dir(const char *kind, bool must_exist)

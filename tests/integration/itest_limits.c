@@ -10,10 +10,19 @@
 
 #include "tests/integration/raw.h"
 
+static char conf_path[300];
+
+static void remove_conf(void)
+{
+    unlink(conf_path);
+}
+
+/* The case's config file, removed as the case ends. */
 static const char *write_conf(const char *text)
 {
-    static char path[300];
-    snprintf(path, sizeof(path), "/tmp/moed-limits-%d.conf", (int)getpid());
+    char *path = conf_path;
+    snprintf(conf_path, sizeof(conf_path), "/tmp/moed-limits-%d.conf", (int)getpid());
+    test_on_exit(remove_conf);
     FILE *f = fopen(path, "w");
     CHECK(f && fputs(text, f) >= 0);
     fclose(f);

@@ -40,12 +40,12 @@ static inline void tmp_cleanup(void)
 }
 
 /* A fresh directory /tmp/moed-test-<tag>-XXXXXX for this case; removed by
- * tmp_cleanup() or at exit. */
+ * tmp_cleanup() or as the case ends (test_on_exit). */
 static inline const char *tmp_dir_new(const char *tag)
 {
     snprintf(tmp_root, sizeof(tmp_root), "/tmp/moed-test-%s-XXXXXX", tag);
     CHECK(mkdtemp(tmp_root) != NULL);
-    atexit(tmp_cleanup);
+    test_on_exit(tmp_cleanup);
     return tmp_root;
 }
 
