@@ -134,6 +134,9 @@ int device_setup(int device, int *sms, int *cc)
  * MOEK_CUDA_MID144=0 keeps groups of 80-128 rows off the 144-row tile and
  * =1 lets them take it (where moe_tile's split rule allows), whatever the
  * card's DRAM rate (layer.cu, pick_tile; --tile 144 forces it),
+ * MOEK_CUDA_FAST_DRAM=0 or 1 measures a card as one whose DRAM reads
+ * under or over 4 TB/s (the rate that decides mid144 unless set, and
+ * moek_dep's bound on short GEMM 2 items: layer.cu, moe_dep),
  * MOEK_CUDA_NO_SIG_WARP=1 has the consumers of both GEMMs' one launch make
  * GEMM 1's moek_dep counts themselves, and MOEK_CUDA_SIG_WARP_MODE1=1 has
  * the counting warp make them where GEMM 1 runs alone too (gemm_wgmma.cu,
@@ -258,9 +261,12 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
     L->route_cl = moek_route_cluster_cap(
         shape->experts, L->cc, env_int("MOEK_CUDA_ROUTE_CLUSTER", 8, 16));
     /* MOEK_CUDA_MID144=0 or 1 decides mid144 for measuring (not
-     * fast_dram, moek_dep's bound). */
+     * fast_dram, moek_dep's bound); MOEK_CUDA_FAST_DRAM=0 or 1 decides
+     * fast_dram (both rules), also for measuring. */
     const char *mid = getenv("MOEK_CUDA_MID144");
-    L->fast_dram = dram_gbs(device) >= 4000;
+    const char *fast = getenv("MOEK_CUDA_FAST_DRAM");
+    L->fast_dram = fast && *fast ? env_off("MOEK_CUDA_FAST_DRAM")
+                                 : dram_gbs(device) >= 4000;
     L->mid144 = mid && *mid ? env_off("MOEK_CUDA_MID144") : L->fast_dram;
     int l2 = 0;
     if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) !=
