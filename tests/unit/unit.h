@@ -21,7 +21,12 @@
 #define CHECK_NO_LEAKS() ((void)0)
 #endif
 
+/* The case's scratch directories (a case may make more than one: a
+ * daemon's runtime directory beside its own); tmp_root is the newest. */
+#define TMP_DIRS 4
 static char tmp_root[64];
+static char tmp_dirs[TMP_DIRS][64];
+static int tmp_ndirs;
 
 static inline int tmp_rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
 {
@@ -34,17 +39,20 @@ static inline int tmp_rm_entry(const char *path, const struct stat *st, int flag
 
 static inline void tmp_cleanup(void)
 {
-    if (tmp_root[0])
-        nftw(tmp_root, tmp_rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    while (tmp_ndirs > 0)
+        nftw(tmp_dirs[--tmp_ndirs], tmp_rm_entry, 16, FTW_DEPTH | FTW_PHYS);
     tmp_root[0] = '\0';
 }
 
-/* A fresh directory /tmp/moed-test-<tag>-XXXXXX for this case; removed by
- * tmp_cleanup() or as the case ends (test_on_exit). */
+/* A fresh directory /tmp/moed-test-<tag>-XXXXXX for this case; removed,
+ * with the case's others, by tmp_cleanup() or as the case ends
+ * (test_on_exit). */
 static inline const char *tmp_dir_new(const char *tag)
 {
+    CHECK_MSG(tmp_ndirs < TMP_DIRS, "more than %d scratch directories", TMP_DIRS);
     snprintf(tmp_root, sizeof(tmp_root), "/tmp/moed-test-%s-XXXXXX", tag);
     CHECK(mkdtemp(tmp_root) != NULL);
+    snprintf(tmp_dirs[tmp_ndirs++], sizeof(tmp_dirs[0]), "%s", tmp_root);
     test_on_exit(tmp_cleanup);
     return tmp_root;
 }
