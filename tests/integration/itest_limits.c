@@ -20,13 +20,12 @@ static void remove_conf(void)
 /* The case's config file, removed as the case ends. */
 static const char *write_conf(const char *text)
 {
-    char *path = conf_path;
     snprintf(conf_path, sizeof(conf_path), "/tmp/moed-limits-%d.conf", (int)getpid());
     test_on_exit(remove_conf);
-    FILE *f = fopen(path, "w");
+    FILE *f = fopen(conf_path, "w");
     CHECK(f && fputs(text, f) >= 0);
     fclose(f);
-    return path;
+    return conf_path;
 }
 
 static struct itest_layer big_layer(void)
