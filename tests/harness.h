@@ -100,11 +100,14 @@ struct test_case {
 /* Cleanups a case registers for its scratch files (test_on_exit): they run
  * as the case's process ends, whether it passed (the harness then ends it
  * with _exit(), which skips atexit handlers) or failed (exit(1), through
- * atexit). Each runs once. */
+ * atexit). Each runs once, and only in the process that registered it: a
+ * child the case forks inherits the atexit handler, and its exit must not
+ * remove the case's files. */
 #define TEST_CLEANUPS 8
 struct test_cleanup_list {
     void (*fn[TEST_CLEANUPS])(void);
     int n;
+    pid_t pid;
 };
 static inline struct test_cleanup_list *test_cleanup_list(void)
 {
@@ -114,6 +117,8 @@ static inline struct test_cleanup_list *test_cleanup_list(void)
 static inline void test_run_cleanups(void)
 {
     struct test_cleanup_list *l = test_cleanup_list();
+    if (l->pid != getpid())
+        return;
     while (l->n > 0)
         l->fn[--l->n]();
 }
@@ -121,6 +126,10 @@ static inline void test_on_exit(void (*fn)(void))
 {
     struct test_cleanup_list *l = test_cleanup_list();
     static int hooked;
+    if (l->pid != getpid()) { /* a forked child's own: not its parent's */
+        l->n = 0;
+        l->pid = getpid();
+    }
     for (int i = 0; i < l->n; i++)
         if (l->fn[i] == fn)
             return;

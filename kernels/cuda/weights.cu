@@ -148,6 +148,14 @@ bool env_off(const char *name)
     return e && *e && *e != '0';
 }
 
+/* A switch that decides either way: env_off's reading when set, def when
+ * unset or empty. */
+bool env_bool(const char *name, bool def)
+{
+    const char *e = getenv(name);
+    return e && *e ? env_off(name) : def;
+}
+
 bool pdl_default(void) { return !env_off("MOEK_CUDA_NO_PDL"); }
 
 /* A positive integer setting from the environment, def when unset or not
@@ -263,11 +271,8 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
     /* MOEK_CUDA_MID144=0 or 1 decides mid144 for measuring (not
      * fast_dram, moek_dep's bound); MOEK_CUDA_FAST_DRAM=0 or 1 decides
      * fast_dram (both rules), also for measuring. */
-    const char *mid = getenv("MOEK_CUDA_MID144");
-    const char *fast = getenv("MOEK_CUDA_FAST_DRAM");
-    L->fast_dram = fast && *fast ? env_off("MOEK_CUDA_FAST_DRAM")
-                                 : dram_gbs(device) >= 4000;
-    L->mid144 = mid && *mid ? env_off("MOEK_CUDA_MID144") : L->fast_dram;
+    L->fast_dram = env_bool("MOEK_CUDA_FAST_DRAM", dram_gbs(device) >= 4000);
+    L->mid144 = env_bool("MOEK_CUDA_MID144", L->fast_dram);
     int l2 = 0;
     if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) !=
         cudaSuccess) {

@@ -97,6 +97,37 @@ static inline void itest_sleep_ms(int ms)
     nanosleep(&ts, NULL);
 }
 
+/* The case's config file (moed --config): made by its first
+ * itest_write_conf, written over by later ones, removed as the case ends. */
+static inline char *itest_conf_path(void)
+{
+    static char path[64];
+    return path;
+}
+
+static inline void itest_conf_remove(void)
+{
+    unlink(itest_conf_path());
+}
+
+static inline const char *itest_write_conf(const char *text)
+{
+    char *path = itest_conf_path();
+    int fd;
+    if (!path[0]) {
+        snprintf(path, 64, "/tmp/moed-itest-conf.XXXXXX");
+        fd = mkstemp(path);
+        CHECK_MSG(fd >= 0, "mkstemp: %s", strerror(errno));
+        test_on_exit(itest_conf_remove);
+    } else {
+        fd = open(path, O_WRONLY | O_TRUNC | O_CLOEXEC);
+        CHECK_MSG(fd >= 0, "%s: %s", path, strerror(errno));
+    }
+    const size_t n = strlen(text);
+    CHECK(write(fd, text, n) == (ssize_t)n && close(fd) == 0);
+    return path;
+}
+
 static inline void itest_daemon_spawn(struct itest_daemon *d, bool reuse_dir, va_list ap)
 {
     const char *argv[64];

@@ -26,16 +26,6 @@ static void wait_children(pid_t *pids, int n)
     }
 }
 
-static const char *write_conf(const char *text)
-{
-    static char path[300];
-    snprintf(path, sizeof(path), "/tmp/moed-test-%d.conf", (int)getpid());
-    FILE *f = fopen(path, "w");
-    CHECK(f && fputs(text, f) >= 0);
-    fclose(f);
-    return path;
-}
-
 /* Eight processes, single-token requests back to back: merged. */
 TEST(concurrent_requests_are_merged)
 {
@@ -154,9 +144,8 @@ TEST(full_queue_answers_busy_and_loses_nothing)
 {
     uint64_t seed = test_seed();
     struct itest_daemon d;
-    const char *conf = write_conf("[limits]\nmax_queued_requests = 3\n");
-    itest_daemon_start(&d, "--config", conf, NULL);
-    unlink(conf);
+    itest_daemon_start(&d, "--config", itest_write_conf("[limits]\nmax_queued_requests = 3\n"),
+                       NULL);
     moe_client *c = itest_connect(&d, "itest");
     struct itest_layer L = make_layer("busy", 8, 2, 256, 512);
     itest_layer_upload(c, &L, &seed);

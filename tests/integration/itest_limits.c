@@ -10,24 +10,6 @@
 
 #include "tests/integration/raw.h"
 
-static char conf_path[300];
-
-static void remove_conf(void)
-{
-    unlink(conf_path);
-}
-
-/* The case's config file, removed as the case ends. */
-static const char *write_conf(const char *text)
-{
-    snprintf(conf_path, sizeof(conf_path), "/tmp/moed-limits-%d.conf", (int)getpid());
-    test_on_exit(remove_conf);
-    FILE *f = fopen(conf_path, "w");
-    CHECK(f && fputs(text, f) >= 0);
-    fclose(f);
-    return conf_path;
-}
-
 static struct itest_layer big_layer(void)
 {
     struct itest_layer L = {.name = "L", .dt = MOE_DTYPE_BF16, .sh = {8, 2, 256, 512},
@@ -115,7 +97,7 @@ static void *late_connect_main(void *arg)
 TEST(sessions_are_capped)
 {
     struct itest_daemon d;
-    itest_daemon_start(&d, "--config", write_conf("[limits]\nmax_sessions = 3\n"), NULL);
+    itest_daemon_start(&d, "--config", itest_write_conf("[limits]\nmax_sessions = 3\n"), NULL);
     struct raw r[4];
     /* The start-up probe's session may not be gone yet: retry. */
     for (int i = 0; i < 3; i++) {
@@ -180,7 +162,7 @@ TEST(regions_and_mapped_bytes_are_capped)
 {
     struct itest_daemon d;
     itest_daemon_start(&d, "--config",
-                       write_conf("[limits]\nmax_regions = 3\nmax_region_bytes = 1048576\n"
+                       itest_write_conf("[limits]\nmax_regions = 3\nmax_region_bytes = 1048576\n"
                                   "max_session_bytes = 2097152\n"),
                        NULL);
     struct raw r;
@@ -222,7 +204,7 @@ TEST(unregistered_regions_count_until_their_requests_end)
     uint64_t seed = test_seed();
     struct itest_daemon d;
     itest_daemon_start(&d, "--max-slice-tokens", "4096", "--config",
-                       write_conf("[limits]\nmax_regions = 2\nmax_session_bytes = 8388608\n"), NULL);
+                       itest_write_conf("[limits]\nmax_regions = 2\nmax_session_bytes = 8388608\n"), NULL);
     moe_client *c = itest_connect(&d, "itest");
     struct itest_layer L = big_layer();
     itest_layer_upload(c, &L, &seed);
@@ -284,7 +266,7 @@ TEST(queues_are_capped_per_session_and_in_all)
     uint64_t seed = test_seed();
     struct itest_daemon d;
     itest_daemon_start(&d, "--max-slice-tokens", "4096", "--config",
-                       write_conf("[limits]\nmax_queued_requests = 4\nmax_queued_tokens = 8192\n"
+                       itest_write_conf("[limits]\nmax_queued_requests = 4\nmax_queued_tokens = 8192\n"
                                   "max_queued_total = 6\n"),
                        NULL);
     moe_client *c = itest_connect(&d, "itest");
@@ -368,7 +350,7 @@ TEST(queues_are_capped_per_session_and_in_all)
 TEST(message_size_is_capped)
 {
     struct itest_daemon d;
-    itest_daemon_start(&d, "--config", write_conf("[limits]\nmax_message_bytes = 4096\n"), NULL);
+    itest_daemon_start(&d, "--config", itest_write_conf("[limits]\nmax_message_bytes = 4096\n"), NULL);
     moe_client *c = itest_connect(&d, "itest");
     moe_server_info info;
     CHECK(moe_hello(c, &info) == 0);
@@ -400,7 +382,7 @@ TEST(pending_replies_are_capped)
     uint64_t seed = test_seed();
     struct itest_daemon d;
     itest_asan_small_quarantine();
-    itest_daemon_start(&d, "--config", write_conf("[limits]\nmax_pending_messages = 16\n"), NULL);
+    itest_daemon_start(&d, "--config", itest_write_conf("[limits]\nmax_pending_messages = 16\n"), NULL);
     moe_client *c = itest_connect(&d, "itest");
     struct itest_layer L = {.name = "s", .dt = MOE_DTYPE_BF16, .sh = {4, 2, 32, 64},
                             .routing = MOE_ROUTING_SOFTMAX, .renorm = true};
@@ -469,7 +451,7 @@ TEST(layers_and_loads_are_capped)
 {
     uint64_t seed = test_seed();
     struct itest_daemon d;
-    itest_daemon_start(&d, "--config", write_conf("[limits]\nmax_layers = 3\nmax_loads = 1\n"),
+    itest_daemon_start(&d, "--config", itest_write_conf("[limits]\nmax_layers = 3\nmax_loads = 1\n"),
                        NULL);
     moe_client *c = itest_connect(&d, "itest");
     /* Loads in flight: two large uploads back to back, the second refused

@@ -257,14 +257,8 @@ TEST(cli_load_random_refuses_shapes_too_large_to_address)
 TEST(cli_finds_layers_past_the_first_256)
 {
     enum { N_LAYERS = 300 };
-    char conf[] = "/tmp/moed-cli-conf.XXXXXX";
-    int fd = mkstemp(conf);
-    CHECK(fd >= 0);
-    const char text[] = "[limits]\nmax_layers = 400\n";
-    CHECK(write(fd, text, sizeof(text) - 1) == (ssize_t)(sizeof(text) - 1));
-    close(fd);
     struct itest_daemon d;
-    itest_daemon_start(&d, "--config", conf, NULL);
+    itest_daemon_start(&d, "--config", itest_write_conf("[limits]\nmax_layers = 400\n"), NULL);
     moe_client *c = itest_connect(&d, "itest");
     uint64_t seed = test_seed();
     for (int i = 0; i < N_LAYERS; i++) {
@@ -297,7 +291,6 @@ TEST(cli_finds_layers_past_the_first_256)
     CHECK_EQ_INT(cJSON_GetArraySize(cJSON_GetObjectItem(j, "layers")), N_LAYERS);
     cJSON_Delete(j);
     itest_daemon_stop(&d);
-    unlink(conf);
 }
 
 /* Start `moectl -r DIR bench ARGS...` with its output in log; its pid. */
@@ -408,12 +401,10 @@ TEST(cli_bench_fails_when_a_client_dies_before_it_is_ready)
  * of 3 clients would have been reported as one of 5). */
 TEST(cli_bench_fails_when_a_client_cannot_start)
 {
-    char conf[64], out[8192];
-    snprintf(conf, sizeof(conf), "/tmp/moectl-bench-%d.conf", (int)getpid());
-    FILE *fp = fopen(conf, "w");
-    CHECK(fp && fputs("[limits]\nmax_sessions = 3\n", fp) >= 0 && fclose(fp) == 0);
+    char out[8192];
     struct itest_daemon d;
-    itest_daemon_start(&d, "--demo", "--config", conf, NULL);
+    itest_daemon_start(&d, "--demo", "--config", itest_write_conf("[limits]\nmax_sessions = 3\n"),
+                       NULL);
     const char *b = itest_build();
     CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out),
                                "timeout 60 %s/moectl -r %s bench --clients 5 --seconds 1", b, d.dir),
@@ -425,7 +416,6 @@ TEST(cli_bench_fails_when_a_client_cannot_start)
     CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moectl -r %s stats", b, d.dir), 0);
     CHECK_MSG(strstr(out, "requests 0,"), "clients sent: %s", out);
     itest_daemon_stop(&d);
-    unlink(conf);
 }
 
 /* A daemon on its demo layers (*d) and a bench of two clients on it that

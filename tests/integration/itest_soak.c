@@ -491,13 +491,9 @@ TEST(soak)
     CHECK(secs > 0 && n > 0 && n <= 32);
     struct itest_daemon d;
     /* A small queue per session, so that BUSY is part of the mix. */
-    static char conf[300];
-    snprintf(conf, sizeof(conf), "/tmp/moed-soak-%d.conf", (int)getpid());
-    FILE *f = fopen(conf, "w");
-    CHECK(f && fputs("[limits]\nmax_queued_requests = 6\n", f) >= 0);
-    fclose(f);
     itest_asan_small_quarantine();
-    itest_daemon_start(&d, "--config", conf, NULL);
+    itest_daemon_start(&d, "--config", itest_write_conf("[limits]\nmax_queued_requests = 6\n"),
+                       NULL);
     moe_client *c = itest_connect(&d, "itest");
     itest_layer_upload(c, &Lsoft, &seed);
     itest_layer_upload(c, &Lgiven, &seed);
@@ -648,7 +644,6 @@ TEST(soak)
     long tol = 16 * 1024 + ITEST_RSS_SLACK_KIB;
     CHECK_MSG(rss_end - rss_warm <= tol, "VmRSS %ld KiB after warm-up, %ld at the end", rss_warm,
               rss_end);
-    unlink(conf);
     free(gemm_b);
     itest_layer_free(&Lsoft);
     itest_layer_free(&Lgiven);

@@ -22,8 +22,7 @@
 
 static const char *tmp_dir(void)
 {
-    tmp_dir_new("cfg");
-    return tmp_root;
+    return tmp_dir_new("cfg");
 }
 
 static void write_text(const char *path, const char *text)

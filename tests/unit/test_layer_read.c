@@ -30,12 +30,12 @@
 static const char *tmp_dir(void)
 {
     char sub[128];
-    tmp_dir_new("layer");
-    snprintf(sub, sizeof(sub), "%s/allowed", tmp_root);
+    const char *dir = tmp_dir_new("layer");
+    snprintf(sub, sizeof(sub), "%s/allowed", dir);
     CHECK(mkdir(sub, 0700) == 0);
-    snprintf(sub, sizeof(sub), "%s/outside", tmp_root);
+    snprintf(sub, sizeof(sub), "%s/outside", dir);
     CHECK(mkdir(sub, 0700) == 0);
-    return tmp_root;
+    return dir;
 }
 
 static void *xmalloc(size_t n)

@@ -20,11 +20,11 @@
 /* ---- helpers ------------------------------------------------------------ */
 
 
-/* A fresh directory for this case; removed by tmp_cleanup() or at exit. */
+/* A fresh directory for this case; removed by tmp_cleanup() or as the
+ * case ends. */
 static const char *tmp_dir(void)
 {
-    tmp_dir_new("st");
-    return tmp_root;
+    return tmp_dir_new("st");
 }
 
 static void *xmalloc(size_t n)

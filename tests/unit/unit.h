@@ -22,9 +22,8 @@
 #endif
 
 /* The case's scratch directories (a case may make more than one: a
- * daemon's runtime directory beside its own); tmp_root is the newest. */
+ * daemon's runtime directory beside its own). */
 #define TMP_DIRS 4
-static char tmp_root[64];
 static char tmp_dirs[TMP_DIRS][64];
 static int tmp_ndirs;
 
@@ -41,7 +40,6 @@ static inline void tmp_cleanup(void)
 {
     while (tmp_ndirs > 0)
         nftw(tmp_dirs[--tmp_ndirs], tmp_rm_entry, 16, FTW_DEPTH | FTW_PHYS);
-    tmp_root[0] = '\0';
 }
 
 /* A fresh directory /tmp/moed-test-<tag>-XXXXXX for this case; removed,
@@ -50,11 +48,12 @@ static inline void tmp_cleanup(void)
 static inline const char *tmp_dir_new(const char *tag)
 {
     CHECK_MSG(tmp_ndirs < TMP_DIRS, "more than %d scratch directories", TMP_DIRS);
-    snprintf(tmp_root, sizeof(tmp_root), "/tmp/moed-test-%s-XXXXXX", tag);
-    CHECK(mkdtemp(tmp_root) != NULL);
-    snprintf(tmp_dirs[tmp_ndirs++], sizeof(tmp_dirs[0]), "%s", tmp_root);
+    char *dir = tmp_dirs[tmp_ndirs];
+    snprintf(dir, sizeof(tmp_dirs[0]), "/tmp/moed-test-%s-XXXXXX", tag);
+    CHECK(mkdtemp(dir) != NULL);
+    tmp_ndirs++;
     test_on_exit(tmp_cleanup);
-    return tmp_root;
+    return dir;
 }
 
 #endif
