@@ -10,7 +10,9 @@
 # a hang ends the run early), bench (bench_moe --sweep --csv), variants (the
 # T=1 cases again without early weight loads, and without PDL), ab (builds
 # or switches against each other, interleaved: AB_RUNS over AB_CASES), ncu
-# (per-kernel times of one forward at NCU_TOKENS), peers (peers.py), test
+# (per-kernel times of one forward at NCU_TOKENS), bound (what binds each
+# GEMM of BOUND_CASES: ncu's throughputs, DRAM and L2 bytes, memory
+# tables and warp states), peers (peers.py), test
 # (the whole CUDA unit test), sanitize (compute-sanitizer over the unit
 # test's small cases), report (report.py). Logs and the tables go to $OUT
 # (8 files at most, or /tmp/moek-out); the report table prints last.
@@ -102,6 +104,23 @@ if has ncu; then
         awk '/^  [^ ].*\(/ {n=($1=="void"?$2:$1); sub(/\(.*/,"",n)} /gpu__time_duration.sum/ {print n, $(NF-1), $NF}' | tail -n 6
     done
   done | tee -a "$OUT/ncu.log"
+fi
+if has bound; then
+  # What binds the GEMMs of the first forward of each BOUND_CASES entry
+  # (MODEL:TOKENS[:ARGS], as AB_CASES), each GEMM alone: the summary
+  # lines here, the whole report in $OUT/bound.log (RESULTS.md, run 54).
+  for c in ${BOUND_CASES:-qwen3-30b-a3b:4096}; do
+    IFS=: read -r m t args <<<"$c"
+    echo "# bound $m T=$t $args"
+    timeout 300 /usr/local/cuda/bin/ncu --cache-control none --clock-control none \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis_Tables \
+      --section WarpStateStats \
+      --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum \
+      -k regex:gemm_wgmma -c 2 "$B/bench/bench_moe" --only "$m" --tokens "$t" \
+      ${args//,/ } 2>&1 | tee -a "$OUT/bound.log" |
+      grep -E "gemm_wgmma_kernel<|Duration|Throughput|dram__bytes|lts__t_bytes" |
+      sed 's/  */ /g' | cut -c1-100
+  done
 fi
 if has peers; then
   PYTHONUNBUFFERED=1 timeout 200 python3 kernels/bench/peers.py --out "$OUT/peers.txt" \
