@@ -141,19 +141,18 @@ int device_setup(int device, int *sms, int *cc)
  * GEMM 1's moek_dep counts themselves, and MOEK_CUDA_SIG_WARP_MODE1=1 has
  * the counting warp make them where GEMM 1 runs alone too (gemm_wgmma.cu,
  * sig_counts; layer.cu).
- * Read once, when a layer or weight set is made. */
-bool env_off(const char *name)
-{
-    const char *e = getenv(name);
-    return e && *e && *e != '0';
-}
-
-/* A switch that decides either way: env_off's reading when set, def when
- * unset or empty. */
+ * Read once, when a layer or weight set is made. env_bool: set and not
+ * starting with '0' is on; def when unset or empty. */
 bool env_bool(const char *name, bool def)
 {
     const char *e = getenv(name);
-    return e && *e ? env_off(name) : def;
+    return e && *e ? *e != '0' : def;
+}
+
+/* A switch that is off unless set. */
+bool env_off(const char *name)
+{
+    return env_bool(name, false);
 }
 
 bool pdl_default(void) { return !env_off("MOEK_CUDA_NO_PDL"); }

@@ -99,9 +99,10 @@ static inline void itest_sleep_ms(int ms)
 
 /* The case's config file (moed --config): made by its first
  * itest_write_conf, written over by later ones, removed as the case ends. */
+#define ITEST_CONF_PATH_MAX 64
 static inline char *itest_conf_path(void)
 {
-    static char path[64];
+    static char path[ITEST_CONF_PATH_MAX];
     return path;
 }
 
@@ -115,7 +116,7 @@ static inline const char *itest_write_conf(const char *text)
     char *path = itest_conf_path();
     int fd;
     if (!path[0]) {
-        snprintf(path, 64, "/tmp/moed-itest-conf.XXXXXX");
+        snprintf(path, ITEST_CONF_PATH_MAX, "/tmp/moed-itest-conf.XXXXXX");
         fd = mkstemp(path);
         CHECK_MSG(fd >= 0, "mkstemp: %s", strerror(errno));
         test_on_exit(itest_conf_remove);
