@@ -16,7 +16,14 @@ rotating input sets, median of per-replay event times:
               regime (tokens per expert), as vLLM's tuned tables would pick.
   grouped_mm  torch._grouped_mm over expert-sorted rows (FBGEMM style).
 
-Writes "model T triton_us grouped_us" lines (-1: failed) to --out, which
+At T=4096 also BENCH.md's per-expert cuBLAS loop on rows already sorted
+and balanced, and, as a reference rather than a peer, the same work as two
+strided-batched cuBLAS calls (torch.bmm over [E, T*k/E, H]): what cuBLAS
+reaches at the case's own GEMM shapes, with no routing, no imbalance and
+no launch per expert. Each bmm's rate alone is printed too.
+
+Writes "model T triton_us grouped_us loop_us bmm_us" lines (-1: failed or
+not run) to --out, which
 bench_moe --peers reads, and prints a table. The two peers are checked
 against each other on input set 0; report.py joins this file with
 bench_moe --csv into the report table.
@@ -193,6 +200,13 @@ def cublas_loop(xs, w13, w2, I):
     return ys
 
 
+def cublas_bmm(xs, w13t, w2t, I):
+    """The loop's work in two strided-batched GEMMs (xs: [E, m, H])."""
+    h = torch.bmm(xs, w13t)
+    a = torch.nn.functional.silu(h[..., :I]) * h[..., I:]
+    return torch.bmm(a, w2t)
+
+
 def time_graphs(fns, budget_ms=300.0):
     """Capture fns (one per input set) in graphs; median us per replay."""
     s = torch.cuda.Stream()
@@ -287,32 +301,50 @@ def main():
             except Exception as e:  # noqa: BLE001
                 print(f"# grouped_mm {name} T={T}: {e!r}"[:300],
                       file=sys.stderr, flush=True)
-            loop_us = -1.0
+            loop_us, bmm_us = -1.0, -1.0
             if T == LOOP_TOKENS and T * k % E == 0:
+                m, xl = T * k // E, None
                 try:
-                    m = T * k // E
                     xl = [torch.rand((E, m, H), device=dev).mul_(2).sub_(1)
                           .to(torch.bfloat16) for _ in range(NSETS)]
                     fns = [lambda x=x: cublas_loop(x, w13, w2, I) for x in xl]
                     loop_us = time_graphs(fns)
-                    del xl
                 except Exception as e:  # noqa: BLE001
                     print(f"# cublas loop {name} T={T}: {e!r}"[:300],
                           file=sys.stderr, flush=True)
+                try:
+                    if xl is None:
+                        raise RuntimeError("no input rows")
+                    fns = [lambda x=x: cublas_bmm(x, w13t, w2t, I) for x in xl]
+                    bmm_us = time_graphs(fns)
+                    al = [torch.rand((E, m, I), device=dev).to(torch.bfloat16)
+                          for _ in range(NSETS)]
+                    us1 = time_graphs([lambda x=x: torch.bmm(x, w13t) for x in xl])
+                    us2 = time_graphs([lambda a=a: torch.bmm(a, w2t) for a in al])
+                    f1, f2 = 2.0 * E * m * H * 2 * I, 2.0 * E * m * I * H
+                    print(f"# cublas bmm {name} T={T}: gate/up {us1:.1f} us "
+                          f"({f1 / us1 / 1e6:.1f} TFLOP/s), down {us2:.1f} us "
+                          f"({f2 / us2 / 1e6:.1f} TFLOP/s), both with SiLU*mul "
+                          f"{bmm_us:.1f} us", flush=True)
+                    del al
+                except Exception as e:  # noqa: BLE001
+                    print(f"# cublas bmm {name} T={T}: {e!r}"[:300],
+                          file=sys.stderr, flush=True)
+                del xl
             agree = float("nan")
             if tri_out is not None and gro_out is not None:
                 d = (tri_out.float() - gro_out.float()).norm()
                 agree = (d / gro_out.float().norm()).item()
-            rows.append((name, T, tri_us, gro_us, loop_us))
+            rows.append((name, T, tri_us, gro_us, loop_us, bmm_us))
             print(f"| {name} | {T} | {tri_us:.1f} | {best_cfg} | {gro_us:.1f} "
-                  f"| {loop_us:.1f} | {agree:.1e} |", flush=True)
+                  f"| {loop_us:.1f} | {bmm_us:.1f} | {agree:.1e} |", flush=True)
             del xs, ls
         del w13, w2, w13t, w2t
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
-        f.write("# model T triton_us grouped_mm_us cublas_loop_us\n")
+        f.write("# model T triton_us grouped_mm_us cublas_loop_us cublas_bmm_us\n")
         for r in rows:
-            f.write(f"{r[0]} {r[1]} {r[2]:.2f} {r[3]:.2f} {r[4]:.2f}\n")
+            f.write(f"{r[0]} {r[1]} {r[2]:.2f} {r[3]:.2f} {r[4]:.2f} {r[5]:.2f}\n")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """report.py: the benchmark report table (markdown) from bench_moe --csv
-output and peers.py's file; no GPU needed.
+output and peers.py's file; no GPU needed. The cuBLAS bmm column (peers.py:
+the per-expert loop's work as two strided-batched calls, balanced rows, no
+routing) is a reference for the GEMMs' shapes, not one of BENCH.md's peers:
+it is left out of "best peer / ours" and has its own ratio.
 
   python3 kernels/bench/report.py OURS.csv PEERS.txt
 """
@@ -16,7 +19,8 @@ def merge(ours_path, peers_path):
                 continue
             f = line.split()
             loop = float(f[4]) if len(f) > 4 else -1.0
-            peers[(f[0], int(f[1]))] = (float(f[2]), float(f[3]), loop)
+            bmm = float(f[5]) if len(f) > 5 else -1.0
+            peers[(f[0], int(f[1]))] = (float(f[2]), float(f[3]), loop, bmm)
     except OSError as e:
         print(f"# no peer figures: {e}")
     head = ""
@@ -31,16 +35,18 @@ def merge(ours_path, peers_path):
                      float(hit), float(err)))
     print(f"# {head}")
     print("| case | T | tile | us | floor us | % of floor | Triton us "
-          "| grouped_mm us | cuBLAS loop us | best peer / ours | rel err |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| grouped_mm us | cuBLAS loop us | best peer / ours | rel err "
+          "| cuBLAS bmm us | bmm / ours |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for m, t, tile, us, fl, hit, err in rows:
-        tri, gro, loop = peers.get((m, t), (-1.0, -1.0, -1.0))
+        tri, gro, loop, bmm = peers.get((m, t), (-1.0, -1.0, -1.0, -1.0))
         cands = [p for p in (tri, gro, loop) if p > 0]
         ratio = f"{min(cands) / us:.2f}" if cands else "-"
         fmt = lambda v: f"{v:.1f}" if v > 0 else "-"  # noqa: E731
         print(f"| {m} | {t} | {tile} | {us:.1f} | {fl:.1f} | "
               f"{100 * fl / us:.1f} | {fmt(tri)} | {fmt(gro)} | {fmt(loop)} "
-              f"| {ratio} | {err:.1e} |")
+              f"| {ratio} | {err:.1e} | {fmt(bmm)} "
+              f"| {f'{bmm / us:.2f}' if bmm > 0 else '-'} |")
 
 
 
