@@ -12,7 +12,8 @@
 # or switches against each other, interleaved: AB_RUNS over AB_CASES), ncu
 # (per-kernel times of one forward at NCU_TOKENS), bound (what binds each
 # GEMM of BOUND_CASES: ncu's throughputs, DRAM and L2 bytes, memory
-# tables and warp states), peers (peers.py), test
+# tables and warp states), cublas (the kernels cuBLAS runs at the T=4096
+# shapes, by ncu), peers (peers.py), test
 # (the whole CUDA unit test), sanitize (compute-sanitizer over the unit
 # test's small cases), report (report.py). Logs and the tables go to $OUT
 # (8 files at most, or /tmp/moek-out); the report table prints last.
@@ -121,6 +122,13 @@ if has bound; then
       grep -E "gemm_wgmma_kernel<|Duration|Throughput|dram__bytes|lts__t_bytes" |
       sed 's/  */ /g' | cut -c1-100
   done
+fi
+if has cublas; then
+  # The kernels cuBLAS runs at the T=4096 cases' own shapes (peers.py's
+  # bmm reference), named and timed each alone (RESULTS.md, run 55).
+  timeout 150 /usr/local/cuda/bin/ncu --metrics gpu__time_duration.sum,launch__grid_size,launch__cluster_dim_x,launch__cluster_dim_y,launch__registers_per_thread \
+    -k regex:"nvjet|gemm" python3 kernels/bench/cublas_shapes.py 2>&1 | tee "$OUT/cublas.log" |
+    grep -E "^# |^  [^ =]|gpu__time_duration|launch__" | sed 's/  */ /g' | cut -c1-110
 fi
 if has peers; then
   PYTHONUNBUFFERED=1 timeout 200 python3 kernels/bench/peers.py --out "$OUT/peers.txt" \
