@@ -4,7 +4,7 @@ grid at the case's own shapes, balanced (every expert T k / E rows), as
 peers.py's cuBLAS bmm reference runs them; for ncu to name and time
 (device.sh's cublas step):
 
-  ncu --metrics gpu__time_duration.sum -k regex:nvjet|gemm \\
+  ncu --metrics gpu__time_duration.sum -k "regex:nvjet|gemm" \\
       python3 kernels/bench/cublas_shapes.py
 
 Each case: its gate/up bmm and its down bmm, twice each.
