@@ -12,8 +12,9 @@
 # or switches against each other, interleaved: AB_RUNS over AB_CASES), ncu
 # (per-kernel times of one forward at NCU_TOKENS), bound (what binds each
 # GEMM of BOUND_CASES: ncu's throughputs, DRAM and L2 bytes, memory
-# tables and warp states), cublas (the kernels cuBLAS runs at the T=4096
-# shapes, by ncu), peers (peers.py), test
+# tables and warp states), stalls (where one GEMM's warps stall, by
+# instruction: STALL_CASE, STALL_SKIP), cublas (the kernels cuBLAS runs at
+# the T=4096 shapes, by ncu), peers (peers.py), test
 # (the whole CUDA unit test), sanitize (compute-sanitizer over the unit
 # test's small cases), report (report.py). Logs and the tables go to $OUT
 # (8 files at most, or /tmp/moek-out); the report table prints last.
@@ -122,6 +123,22 @@ if has bound; then
       grep -E "gemm_wgmma_kernel<|Duration|Throughput|dram__bytes|lts__t_bytes" |
       sed 's/  */ /g' | cut -c1-100
   done
+fi
+if has stalls; then
+  # Where one GEMM's warps stall, by instruction: STALL_CASE (MODEL:TOKENS
+  # [:ARGS], as AB_CASES), the gemm_wgmma launch after the first
+  # STALL_SKIP of them (1: the first forward's GEMM 2), ncu's source page.
+  IFS=: read -r m t args <<<"${STALL_CASE:-qwen3-30b-a3b:4096}"
+  echo "# stalls $m T=$t $args, gemm_wgmma launch ${STALL_SKIP:-1}"
+  rm -f /tmp/moek-stalls.ncu-rep
+  timeout 200 /usr/local/cuda/bin/ncu --section WarpStateStats --section SourceCounters \
+    --import-source yes -k regex:gemm_wgmma -s "${STALL_SKIP:-1}" -c 1 -o /tmp/moek-stalls \
+    "$B/bench/bench_moe" --only "$m" --tokens "$t" ${args//,/ } >"$OUT/stalls.log" 2>&1
+  echo "# ncu rc=$?"
+  /usr/local/cuda/bin/ncu -i /tmp/moek-stalls.ncu-rep --page source --csv --print-source sass \
+    >/tmp/moek-stalls.csv 2>>"$OUT/stalls.log"
+  python3 kernels/bench/stalls.py /tmp/moek-stalls.csv --top "${STALL_TOP:-40}" |
+    tee -a "$OUT/stalls.log"
 fi
 if has cublas; then
   # The kernels cuBLAS runs at the T=4096 cases' own shapes (peers.py's

@@ -1,0 +1,55 @@
+#!/usr/bin/env python3
+"""stalls.py: the instructions where a kernel's warps stall most, from ncu's
+source page as CSV (device.sh's stalls step):
+
+  ncu --section WarpStateStats --section SourceCounters -o REP ...
+  ncu -i REP.ncu-rep --page source --csv --print-source sass > src.csv
+  python3 kernels/bench/stalls.py src.csv [--top 40]
+
+Prints each of the top instructions' share of all warp stall samples, its
+address and its SASS text. No GPU needed.
+"""
+import argparse
+import csv
+
+
+def num(v):
+    try:
+        return float(v.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("csv")
+    ap.add_argument("--top", type=int, default=40)
+    args = ap.parse_args()
+    with open(args.csv, errors="replace") as f:
+        rows = list(csv.reader(f))
+    head = next((i for i, r in enumerate(rows)
+                 if any("Warp Stall Sampling (All" in c for c in r)), None)
+    if head is None:
+        print("stalls.py: no 'Warp Stall Sampling (All Samples)' column; "
+              "the file begins:")
+        for r in rows[:8]:
+            print("  " + ",".join(r)[:200])
+        return 1
+    cols = rows[head]
+    ci = next(i for i, c in enumerate(cols) if "Warp Stall Sampling (All" in c)
+    si = next((i for i, c in enumerate(cols) if c.strip() in ("Source", "SASS")),
+              1)
+    body = [r for r in rows[head + 1:] if len(r) > max(ci, si)]
+    total = sum(num(r[ci]) for r in body)
+    if total <= 0:
+        print("stalls.py: no samples")
+        return 1
+    body.sort(key=lambda r: -num(r[ci]))
+    print(f"# {total:.0f} warp stall samples; top {args.top} instructions")
+    for r in body[:args.top]:
+        print(f"{100 * num(r[ci]) / total:5.1f}% {r[0][:10]} {r[si][:90]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
