@@ -28,6 +28,8 @@ OUT=${OUT:-/tmp/moek-out}
 mkdir -p "$OUT"
 STEPS=${STEPS:-"build quick bench variants peers test report"}
 B=$PWD/build-dev
+# ncu, for the ncu, bound, stalls and cublas steps
+NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 # The tests run a debug build whose pipeline waits trap after 4 s instead of
 # hanging (MOEK_WATCHDOG); the benchmark runs the daemon's exact code.
 T=$B-dbg/bench/test_cuda_kernels
@@ -100,7 +102,7 @@ if has ncu; then
   for m in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
     for t in ${NCU_TOKENS:-1}; do
       echo "# ncu $m T=$t"
-      timeout 120 /usr/local/cuda/bin/ncu --cache-control none --clock-control none \
+      timeout 120 $NCU --cache-control none --clock-control none \
         --metrics gpu__time_duration.sum -k regex:"route|align|gemm|finalize" -c 12 \
         "$B/bench/bench_moe" --only $m --tokens $t 2>&1 |
         awk '/^  [^ ].*\(/ {n=($1=="void"?$2:$1); sub(/\(.*/,"",n)} /gpu__time_duration.sum/ {print n, $(NF-1), $NF}' | tail -n 6
@@ -114,7 +116,7 @@ if has bound; then
   for c in ${BOUND_CASES:-qwen3-30b-a3b:4096}; do
     IFS=: read -r m t args <<<"$c"
     echo "# bound $m T=$t $args"
-    timeout 300 /usr/local/cuda/bin/ncu --cache-control none --clock-control none \
+    timeout 300 $NCU --cache-control none --clock-control none \
       --section SpeedOfLight --section MemoryWorkloadAnalysis_Tables \
       --section WarpStateStats \
       --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum \
@@ -131,11 +133,11 @@ if has stalls; then
   IFS=: read -r m t args <<<"${STALL_CASE:-qwen3-30b-a3b:4096}"
   echo "# stalls $m T=$t $args, gemm_wgmma launch ${STALL_SKIP:-1}"
   rm -f /tmp/moek-stalls.ncu-rep
-  timeout 200 /usr/local/cuda/bin/ncu --section WarpStateStats --section SourceCounters \
+  timeout 200 $NCU --section WarpStateStats --section SourceCounters \
     --import-source yes -k regex:gemm_wgmma -s "${STALL_SKIP:-1}" -c 1 -o /tmp/moek-stalls \
     "$B/bench/bench_moe" --only "$m" --tokens "$t" ${args//,/ } >"$OUT/stalls.log" 2>&1
   echo "# ncu rc=$?"
-  /usr/local/cuda/bin/ncu -i /tmp/moek-stalls.ncu-rep --page source --csv --print-source sass \
+  $NCU -i /tmp/moek-stalls.ncu-rep --page source --csv --print-source sass \
     >/tmp/moek-stalls.csv 2>>"$OUT/stalls.log"
   python3 kernels/bench/stalls.py /tmp/moek-stalls.csv --top "${STALL_TOP:-40}" |
     tee -a "$OUT/stalls.log"
@@ -143,8 +145,8 @@ fi
 if has cublas; then
   # The kernels cuBLAS runs at the T=4096 cases' own shapes (peers.py's
   # bmm reference), named and timed each alone (RESULTS.md, run 55).
-  timeout 150 /usr/local/cuda/bin/ncu --metrics gpu__time_duration.sum,launch__grid_size,launch__cluster_dim_x,launch__cluster_dim_y,launch__registers_per_thread \
-    -k regex:"nvjet|gemm" python3 kernels/bench/cublas_shapes.py 2>&1 | tee "$OUT/cublas.log" |
+  timeout 150 $NCU --metrics gpu__time_duration.sum,launch__grid_size,launch__cluster_dim_x,launch__cluster_dim_y,launch__registers_per_thread \
+    -k regex:"nvjet|gemm" python3 kernels/bench/peers.py --shapes 2>&1 | tee "$OUT/cublas.log" |
     grep -E "^# |^  [^ =]|gpu__time_duration|launch__" | sed 's/  */ /g' | cut -c1-110
 fi
 if has peers; then

@@ -3,6 +3,7 @@
 same card in the same run as bench_moe, in the BENCH.md grid.
 
   python3 kernels/bench/peers.py [--out FILE] [--only MODEL] [--tokens T]
+  python3 kernels/bench/peers.py --shapes
 
 Two peers, each a whole bf16 MoE layer (softmax top-k routing with
 renormalisation included), captured in a CUDA graph per input set, four
@@ -20,7 +21,9 @@ At T=4096 also BENCH.md's per-expert cuBLAS loop on rows already sorted
 and balanced, and, as a reference rather than a peer, the same work as two
 strided-batched cuBLAS calls (torch.bmm over [E, T*k/E, H]): what cuBLAS
 reaches at the case's own GEMM shapes, with no routing, no imbalance and
-no launch per expert. Each bmm's rate alone is printed too.
+no launch per expert. Each bmm's rate alone is printed too. --shapes runs
+only those GEMMs, twice each and untimed, for ncu to name (device.sh's
+cublas step).
 
 Writes "model T triton_us grouped_us loop_us bmm_us" lines (-1: failed or
 not run) to --out, which
@@ -207,6 +210,45 @@ def cublas_bmm(xs, w13t, w2t, I):
     return torch.bmm(a, w2t)
 
 
+def balanced_rows(E, m, H, dev, n=NSETS):
+    """n input sets of m rows an expert, already sorted: [E, m, H]."""
+    return [torch.rand((E, m, H), device=dev).mul_(2).sub_(1)
+            .to(torch.bfloat16) for _ in range(n)]
+
+
+def time_bmm(name, T, xl, w13t, w2t, I):
+    """cublas_bmm's us over the sets xl; each bmm's us and rate alone are
+    printed."""
+    E, m, H = xl[0].shape
+    bmm_us = time_graphs([lambda x=x: cublas_bmm(x, w13t, w2t, I) for x in xl])
+    al = balanced_rows(E, m, I, xl[0].device)
+    us1 = time_graphs([lambda x=x: torch.bmm(x, w13t) for x in xl])
+    us2 = time_graphs([lambda a=a: torch.bmm(a, w2t) for a in al])
+    f1, f2 = 2.0 * E * m * H * 2 * I, 2.0 * E * m * I * H
+    print(f"# cublas bmm {name} T={T}: gate/up {us1:.1f} us "
+          f"({f1 / us1 / 1e6:.1f} TFLOP/s), down {us2:.1f} us "
+          f"({f2 / us2 / 1e6:.1f} TFLOP/s), both with SiLU*mul "
+          f"{bmm_us:.1f} us", flush=True)
+    return bmm_us
+
+
+def bmm_shapes(dev):
+    """--shapes: cublas_bmm twice per LOOP_TOKENS case of MODELS, untimed,
+    for ncu to name and time its kernels (device.sh's cublas step)."""
+    for name, E, k, H, I in MODELS:
+        m = LOOP_TOKENS * k // E
+        x = balanced_rows(E, m, H, dev, 1)[0]
+        w13t = torch.randn((E, 2 * I, H), dtype=torch.bfloat16,
+                           device=dev).transpose(1, 2)
+        w2t = torch.randn((E, H, I), dtype=torch.bfloat16,
+                          device=dev).transpose(1, 2)
+        for _ in range(2):
+            cublas_bmm(x, w13t, w2t, I)
+        torch.cuda.synchronize()
+        print(f"# {name}: E {E}, {m} rows an expert, H {H}, I {I}", flush=True)
+        del x, w13t, w2t
+
+
 def time_graphs(fns, budget_ms=300.0):
     """Capture fns (one per input set) in graphs; median us per replay."""
     s = torch.cuda.Stream()
@@ -255,9 +297,14 @@ def main():
     ap.add_argument("--out", default="peers.txt")
     ap.add_argument("--only")
     ap.add_argument("--tokens", type=int)
+    ap.add_argument("--shapes", action="store_true",
+                    help="only run the cuBLAS bmm reference's GEMMs, untimed")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
+    if args.shapes:
+        bmm_shapes(dev)
+        return
     print(f"# device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
           f"triton {triton.__version__}", flush=True)
     rows = []
@@ -305,31 +352,18 @@ def main():
             if T == LOOP_TOKENS and T * k % E == 0:
                 m, xl = T * k // E, None
                 try:
-                    xl = [torch.rand((E, m, H), device=dev).mul_(2).sub_(1)
-                          .to(torch.bfloat16) for _ in range(NSETS)]
+                    xl = balanced_rows(E, m, H, dev)
                     fns = [lambda x=x: cublas_loop(x, w13, w2, I) for x in xl]
                     loop_us = time_graphs(fns)
                 except Exception as e:  # noqa: BLE001
                     print(f"# cublas loop {name} T={T}: {e!r}"[:300],
                           file=sys.stderr, flush=True)
-                try:
-                    if xl is None:
-                        raise RuntimeError("no input rows")
-                    fns = [lambda x=x: cublas_bmm(x, w13t, w2t, I) for x in xl]
-                    bmm_us = time_graphs(fns)
-                    al = [torch.rand((E, m, I), device=dev).to(torch.bfloat16)
-                          for _ in range(NSETS)]
-                    us1 = time_graphs([lambda x=x: torch.bmm(x, w13t) for x in xl])
-                    us2 = time_graphs([lambda a=a: torch.bmm(a, w2t) for a in al])
-                    f1, f2 = 2.0 * E * m * H * 2 * I, 2.0 * E * m * I * H
-                    print(f"# cublas bmm {name} T={T}: gate/up {us1:.1f} us "
-                          f"({f1 / us1 / 1e6:.1f} TFLOP/s), down {us2:.1f} us "
-                          f"({f2 / us2 / 1e6:.1f} TFLOP/s), both with SiLU*mul "
-                          f"{bmm_us:.1f} us", flush=True)
-                    del al
-                except Exception as e:  # noqa: BLE001
-                    print(f"# cublas bmm {name} T={T}: {e!r}"[:300],
-                          file=sys.stderr, flush=True)
+                if xl is not None:
+                    try:
+                        bmm_us = time_bmm(name, T, xl, w13t, w2t, I)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"# cublas bmm {name} T={T}: {e!r}"[:300],
+                              file=sys.stderr, flush=True)
                 del xl
             agree = float("nan")
             if tri_out is not None and gro_out is not None:

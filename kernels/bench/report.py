@@ -40,13 +40,12 @@ def merge(ours_path, peers_path):
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for m, t, tile, us, fl, hit, err in rows:
         tri, gro, loop, bmm = peers.get((m, t), (-1.0, -1.0, -1.0, -1.0))
-        cands = [p for p in (tri, gro, loop) if p > 0]
-        ratio = f"{min(cands) / us:.2f}" if cands else "-"
+        best = min([p for p in (tri, gro, loop) if p > 0], default=-1.0)
         fmt = lambda v: f"{v:.1f}" if v > 0 else "-"  # noqa: E731
+        ratio = lambda v: f"{v / us:.2f}" if v > 0 else "-"  # noqa: E731
         print(f"| {m} | {t} | {tile} | {us:.1f} | {fl:.1f} | "
               f"{100 * fl / us:.1f} | {fmt(tri)} | {fmt(gro)} | {fmt(loop)} "
-              f"| {ratio} | {err:.1e} | {fmt(bmm)} "
-              f"| {f'{bmm / us:.2f}' if bmm > 0 else '-'} |")
+              f"| {ratio(best)} | {err:.1e} | {fmt(bmm)} | {ratio(bmm)} |")
 
 
 

@@ -27,18 +27,17 @@ def main():
     args = ap.parse_args()
     with open(args.csv, errors="replace") as f:
         rows = list(csv.reader(f))
-    head = next((i for i, r in enumerate(rows)
-                 if any("Warp Stall Sampling (All" in c for c in r)), None)
+    head, ci = next(((i, j) for i, r in enumerate(rows)
+                     for j, c in enumerate(r)
+                     if "Warp Stall Sampling (All" in c), (None, None))
     if head is None:
         print("stalls.py: no 'Warp Stall Sampling (All Samples)' column; "
               "the file begins:")
         for r in rows[:8]:
             print("  " + ",".join(r)[:200])
         return 1
-    cols = rows[head]
-    ci = next(i for i, c in enumerate(cols) if "Warp Stall Sampling (All" in c)
-    si = next((i for i, c in enumerate(cols) if c.strip() in ("Source", "SASS")),
-              1)
+    si = next((j for j, c in enumerate(rows[head])
+               if c.strip() in ("Source", "SASS")), 1)
     body = [r for r in rows[head + 1:] if len(r) > max(ci, si)]
     total = sum(num(r[ci]) for r in body)
     if total <= 0:
