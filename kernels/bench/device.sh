@@ -141,6 +141,7 @@ if has stalls; then
     >/tmp/moek-stalls.csv 2>>"$OUT/stalls.log"
   python3 kernels/bench/stalls.py /tmp/moek-stalls.csv --top "${STALL_TOP:-40}" |
     tee -a "$OUT/stalls.log"
+  gzip -c /tmp/moek-stalls.csv >"$OUT/stalls.csv.gz" # every instruction's samples
 fi
 if has cublas; then
   # The kernels cuBLAS runs at the T=4096 cases' own shapes (peers.py's

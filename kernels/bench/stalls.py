@@ -7,7 +7,9 @@ source page as CSV (device.sh's stalls step):
   python3 kernels/bench/stalls.py src.csv [--top 40]
 
 Prints each of the top instructions' share of all warp stall samples, its
-address and its SASS text. No GPU needed.
+address and its SASS text, then the shares by opcode (the SASS text's
+first word after any predicate, modifiers dropped: HGMMA, BRA, BAR, ...),
+which sum an epilogue's many small instructions. No GPU needed.
 """
 import argparse
 import csv
@@ -46,7 +48,16 @@ def main():
     body.sort(key=lambda r: -num(r[ci]))
     print(f"# {total:.0f} warp stall samples; top {args.top} instructions")
     for r in body[:args.top]:
-        print(f"{100 * num(r[ci]) / total:5.1f}% {r[0][:10]} {r[si][:90]}")
+        print(f"{100 * num(r[ci]) / total:5.1f}% {r[0]} {r[si][:90]}")
+    ops = {}
+    for r in body:
+        words = [w for w in r[si].split() if not w.startswith("@")]
+        op = words[0].split(".")[0] if words else "?"
+        ops[op] = ops.get(op, 0.0) + num(r[ci])
+    print("# by opcode: " + ", ".join(
+        f"{op} {100 * v / total:.1f}%"
+        for op, v in sorted(ops.items(), key=lambda kv: -kv[1])
+        if v / total >= 0.002))
     return 0
 
 
