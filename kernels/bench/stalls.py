@@ -7,9 +7,10 @@ source page as CSV (device.sh's stalls step):
   python3 kernels/bench/stalls.py src.csv [--top 40]
 
 Prints each of the top instructions' share of all warp stall samples, its
-address and its SASS text, then the shares by opcode (the SASS text's
-first word after any predicate, modifiers dropped: HGMMA, BRA, BAR, ...),
-which sum an epilogue's many small instructions. No GPU needed.
+address and its SASS text, then the shares by opcode of 0.2% and more
+(the SASS text's first word after any predicate, modifiers dropped:
+HGMMA, BRA, BAR, ...), which sum an epilogue's many small instructions.
+No GPU needed.
 """
 import argparse
 import csv
