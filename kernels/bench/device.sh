@@ -131,10 +131,11 @@ if has stalls; then
   # [:ARGS], as AB_CASES), the gemm_wgmma launch after the first
   # STALL_SKIP of them (1: the first forward's GEMM 2), ncu's source page.
   IFS=: read -r m t args <<<"${STALL_CASE:-qwen3-30b-a3b:4096}"
-  echo "# stalls $m T=$t $args, gemm_wgmma launch ${STALL_SKIP:-1}"
+  skip=${STALL_SKIP:-1}
+  echo "# stalls $m T=$t $args, gemm_wgmma launch $skip"
   rm -f /tmp/moek-stalls.ncu-rep
   timeout 200 $NCU --section WarpStateStats --section SourceCounters \
-    --import-source yes -k regex:gemm_wgmma -s "${STALL_SKIP:-1}" -c 1 -o /tmp/moek-stalls \
+    --import-source yes -k regex:gemm_wgmma -s "$skip" -c 1 -o /tmp/moek-stalls \
     "$B/bench/bench_moe" --only "$m" --tokens "$t" ${args//,/ } >"$OUT/stalls.log" 2>&1
   echo "# ncu rc=$?"
   $NCU -i /tmp/moek-stalls.ncu-rep --page source --csv --print-source sass \

@@ -210,6 +210,16 @@ def cublas_bmm(xs, w13t, w2t, I):
     return torch.bmm(a, w2t)
 
 
+def expert_weights(E, H, I, dev):
+    """The layer's weights, scaled so activations stay near 1: w13 [E, 2I,
+    H] (gate and up) and w2 [E, H, I]."""
+    w13 = torch.randn((E, 2 * I, H), dtype=torch.bfloat16, device=dev)
+    w13.mul_(1.0 / math.sqrt(H))
+    w2 = torch.randn((E, H, I), dtype=torch.bfloat16, device=dev)
+    w2.mul_(1.0 / math.sqrt(I))
+    return w13, w2
+
+
 def balanced_rows(E, m, H, dev, n=NSETS):
     """n input sets of m rows an expert, already sorted: [E, m, H]."""
     return [torch.rand((E, m, H), device=dev).mul_(2).sub_(1)
@@ -238,15 +248,12 @@ def bmm_shapes(dev):
     for name, E, k, H, I in MODELS:
         m = LOOP_TOKENS * k // E
         x = balanced_rows(E, m, H, dev, 1)[0]
-        w13t = torch.randn((E, 2 * I, H), dtype=torch.bfloat16,
-                           device=dev).transpose(1, 2)
-        w2t = torch.randn((E, H, I), dtype=torch.bfloat16,
-                          device=dev).transpose(1, 2)
+        w13, w2 = expert_weights(E, H, I, dev)
         for _ in range(2):
-            cublas_bmm(x, w13t, w2t, I)
+            cublas_bmm(x, w13.transpose(1, 2), w2.transpose(1, 2), I)
         torch.cuda.synchronize()
         print(f"# {name}: E {E}, {m} rows an expert, H {H}, I {I}", flush=True)
-        del x, w13t, w2t
+        del x, w13, w2
 
 
 def time_graphs(fns, budget_ms=300.0):
@@ -311,10 +318,7 @@ def main():
     for name, E, k, H, I in MODELS:
         if args.only and args.only != name:
             continue
-        w13 = torch.randn((E, 2 * I, H), dtype=torch.bfloat16, device=dev)
-        w13.mul_(1.0 / math.sqrt(H))
-        w2 = torch.randn((E, H, I), dtype=torch.bfloat16, device=dev)
-        w2.mul_(1.0 / math.sqrt(I))
+        w13, w2 = expert_weights(E, H, I, dev)
         w13t, w2t = w13.transpose(1, 2), w2.transpose(1, 2)
         for T in TOKENS:
             if args.tokens and args.tokens != T:

@@ -38,11 +38,16 @@ def merge(ours_path, peers_path):
           "| grouped_mm us | cuBLAS loop us | best peer / ours | rel err "
           "| cuBLAS bmm us | bmm / ours |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    def fmt(v):  # a peer's us, or - where it did not run
+        return f"{v:.1f}" if v > 0 else "-"
+
     for m, t, tile, us, fl, hit, err in rows:
         tri, gro, loop, bmm = peers.get((m, t), (-1.0, -1.0, -1.0, -1.0))
         best = min([p for p in (tri, gro, loop) if p > 0], default=-1.0)
-        fmt = lambda v: f"{v:.1f}" if v > 0 else "-"  # noqa: E731
-        ratio = lambda v: f"{v / us:.2f}" if v > 0 else "-"  # noqa: E731
+
+        def ratio(v):  # a peer's us over ours
+            return f"{v / us:.2f}" if v > 0 else "-"
+
         print(f"| {m} | {t} | {tile} | {us:.1f} | {fl:.1f} | "
               f"{100 * fl / us:.1f} | {fmt(tri)} | {fmt(gro)} | {fmt(loop)} "
               f"| {ratio(best)} | {err:.1e} | {fmt(bmm)} | {ratio(bmm)} |")

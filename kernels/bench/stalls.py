@@ -41,20 +41,21 @@ def main():
         return 1
     si = next((j for j, c in enumerate(rows[head])
                if c.strip() in ("Source", "SASS")), 1)
-    body = [r for r in rows[head + 1:] if len(r) > max(ci, si)]
-    total = sum(num(r[ci]) for r in body)
+    # (samples, address, SASS) per instruction, most samples first
+    body = sorted(((num(r[ci]), r[0], r[si]) for r in rows[head + 1:]
+                   if len(r) > max(ci, si)), reverse=True)
+    total = sum(b[0] for b in body)
     if total <= 0:
         print("stalls.py: no samples")
         return 1
-    body.sort(key=lambda r: -num(r[ci]))
     print(f"# {total:.0f} warp stall samples; top {args.top} instructions")
-    for r in body[:args.top]:
-        print(f"{100 * num(r[ci]) / total:5.1f}% {r[0]} {r[si][:90]}")
+    for n, addr, sass in body[:args.top]:
+        print(f"{100 * n / total:5.1f}% {addr} {sass[:90]}")
     ops = {}
-    for r in body:
-        words = [w for w in r[si].split() if not w.startswith("@")]
+    for n, _, sass in body:
+        words = [w for w in sass.split() if not w.startswith("@")]
         op = words[0].split(".")[0] if words else "?"
-        ops[op] = ops.get(op, 0.0) + num(r[ci])
+        ops[op] = ops.get(op, 0.0) + n
     print("# by opcode: " + ", ".join(
         f"{op} {100 * v / total:.1f}%"
         for op, v in sorted(ops.items(), key=lambda kv: -kv[1])
