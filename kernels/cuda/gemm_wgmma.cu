@@ -29,9 +29,10 @@
  *     plain store (moek_epi_pair); the staged epilogues (tiles of 128
  *     rows and wider) go through shared memory and out by TMA. The
  *     producer runs ahead into the next item meanwhile. With tiles of 64
- *     rows and wider outside cluster mode (handoff), and in ticketed GEMM
- *     2 at any width (ring), the consumers take each item as the producer
- *     decoded it instead of decoding it again.
+ *     rows and wider outside cluster mode (handoff), in cluster mode where
+ *     items are short (HAND), and in ticketed GEMM 2 at any width
+ *     (ring), the consumers take each item as the producer decoded it
+ *     instead of decoding it again.
  * Inside one instance:
  *   - token tiles of up to four widths (BN 128 and wider; cuda_common.cuh,
  *     moek_class_width, moek_tile_class), so a group pays
@@ -107,9 +108,16 @@ __host__ __device__ constexpr bool handoff(int bn, int cl)
 {
     return cl == 1 && bn >= 64;
 }
+/* Cluster mode hands its items over the same way where they are short (K
+ * blocks up to CL_RING_MAX_KB: qwen3's down GEMM, 12), in instances of
+ * their own (HAND: launch_cl): that made qwen3 T=4096 1.0% faster on the
+ * H200; for all items it made mixtral T=512 (64 and 224 K blocks) 1.6%
+ * slower (RESULTS.md, run 56), and chosen at run time in one instance it
+ * cost 0.2-0.5% where it did not apply (run 57). */
+constexpr int CL_RING_MAX_KB = 16;
 /* Whether the consumers take their items from the ring: handoff(), or
  * ticketed GEMM 2 (moek_dep mode 2, and mode 3's second half), whose
- * items only the producer knows. */
+ * items only the producer knows; and HAND's instances (consume). */
 __host__ __device__ constexpr bool ring(int bn, int cl, int dep)
 {
     return handoff(bn, cl) || dep == 2 || dep == 3;
@@ -530,7 +538,7 @@ struct pipe_pos {
 
 /* early_a: issue the weight tiles of the first stages (in the order the
  * producer will use them) before waiting for the previous kernel. */
-template <int BN, int CL>
+template <int BN, int CL, bool HAND>
 __device__ __forceinline__ int preissue(const moek_gemm_args &a,
                                         const CUtensorMap *tmap, uint8_t *smem,
                                         uint64_t *full, int ncg, int split,
@@ -543,7 +551,7 @@ __device__ __forceinline__ int preissue(const moek_gemm_args &a,
          idx += sp.step, items++) {
         moek_item it = moek_decode_item(a, ncg, split, idx, sb);
         sp.clip(it, idx, a.kblocks);
-        if (handoff(BN, CL) && threadIdx.x == 0)
+        if ((handoff(BN, CL) || HAND) && threadIdx.x == 0)
             info[items % INFO_ITEMS] = it;
         for (int kb = it.kb0; kb < it.kb1 && pre < C::STAGES; kb++, pre++) {
             if (threadIdx.x == 0) {
@@ -775,7 +783,7 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
  * permuted them) as one box of N / 2 rows (tmap_b, the class's map),
  * multicast to both CTAs. Rows past the item's mlen belong to another
  * group or lie past the tensor (zero): the epilogue skips those columns. */
-template <int BN, int N>
+template <int BN, int N, bool HAND>
 __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
                                            const CUtensorMap *tmap,
                                            const CUtensorMap *tmap_b,
@@ -783,7 +791,7 @@ __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
                                            uint64_t *empty, int ncg,
                                            const cta_span &sp, int pre,
                                            pipe_pos &pp, const int *sb,
-                                           uint32_t rank)
+                                           moek_item *info, uint32_t rank)
 {
     using C = tile_cfg<BN>;
     constexpr int HALF = N / 2;
@@ -798,6 +806,10 @@ __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
                 moek_mbar_wait(&empty[pp.stage], pp.phase ^ 1);
             if (threadIdx.x == 0) {
                 if (pp.used >= pre) {
+                    /* the item's entry before the arrival (a release) the
+                     * consumers wait on; pre-issued items' by preissue */
+                    if (HAND && kb == it.kb0)
+                        info[pp.items % INFO_ITEMS] = it;
                     if (kb == it.kb0)
                         moek_trace_item(a.which, MOEK_TR_ISSUE, pp.items,
                                         it.g);
@@ -1074,7 +1086,8 @@ __device__ __forceinline__ void sig_counts(const moek_gemm_args &a,
  * dependent global loads (measured: qwen3 T=4096 down GEMM 473 -> 348 us
  * without those loads); two buffers by item parity, one warpgroup barrier
  * per item. */
-template <typename T, int BN, int N, int CL, int DEP, int L = DEP>
+template <typename T, int BN, int N, int CL, int DEP, int L = DEP,
+          bool HAND = false>
 __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
                                         uint64_t *full, uint64_t *empty,
                                         int ncg, int split, const cta_span &sp,
@@ -1083,7 +1096,7 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
                                         const CUtensorMap *omap, sig_ring *sig)
 {
     using C = tile_cfg<BN, L>;
-    constexpr bool RING = ring(BN, CL, DEP);
+    constexpr bool RING = ring(BN, CL, DEP) || HAND;
     constexpr int W = moek_wtiles(BN);
     static_assert(W == 1 || DEP == 0, "two weight tiles: no moek_dep");
     const int tid = threadIdx.x, cw = (tid >> 7) - 1;
@@ -1326,7 +1339,7 @@ second_args(const gemm_pair &p)
     return p.g2;
 }
 
-template <typename T, int BN, int CL, int DEP>
+template <typename T, int BN, int CL, int DEP, bool HAND>
 __global__ void __launch_bounds__(cta_threads(DEP), 1)
     gemm_wgmma_kernel(const __grid_constant__ CUtensorMap tmap,
                       const __grid_constant__ tmaps_b_t<CL> tmaps_b,
@@ -1521,8 +1534,9 @@ __global__ void __launch_bounds__(cta_threads(DEP), 1)
         if (DEP != 2 && a.early_a) {
             int items = 0;
             for (int c = 0; c < NC; c++)
-                pre = preissue<BN, CL>(a, &tmap, smem, full, ncg, split,
-                                       span(c), pre, sb, info, items);
+                pre = preissue<BN, CL, HAND>(a, &tmap, smem, full, ncg,
+                                             split, span(c), pre, sb, info,
+                                             items);
             moek_pdl_wait();
             if (tid == 0)
                 moek_trace_gemm(a.which, MOEK_TR_WAITED, 3);
@@ -1534,9 +1548,9 @@ __global__ void __launch_bounds__(cta_threads(DEP), 1)
                 const uint32_t rank = cluster_rank();
                 each_class<BN>([&](auto c) {
                     constexpr int J = decltype(c)::value;
-                    produce_mc<BN, moek_class_width(BN, J)>(
+                    produce_mc<BN, moek_class_width(BN, J), HAND>(
                         a, &tmap, &tmaps_b.m[J], smem, full, empty, ncg,
-                        span(J), pre, pp, sb, rank);
+                        span(J), pre, pp, sb, info, rank);
                 });
             }
         } else if constexpr (DEP == 3) {
@@ -1594,7 +1608,7 @@ __global__ void __launch_bounds__(cta_threads(DEP), 1)
         } else {
             each_class<BN>([&](auto c) {
                 constexpr int J = decltype(c)::value;
-                consume<T, BN, moek_class_width(BN, J), CL, DEP>(
+                consume<T, BN, moek_class_width(BN, J), CL, DEP, DEP, HAND>(
                     a, smem, full, empty, ncg, split, span(J), pp, sb,
                     epi_buf, info, omap_ptr(tmap_o), sig);
             });
@@ -1620,7 +1634,7 @@ __global__ void __launch_bounds__(cta_threads(DEP), 1)
 /* tmap_o: the output's map, which SWIGLU from instances of 128 rows and
  * wider stores through (epi_swiglu_staged), and SLOT, which only those
  * instances run (epi_slot_staged); unused otherwise. */
-template <typename T, int BN, int CL, int DEP = 0>
+template <typename T, int BN, int CL, int DEP = 0, bool HAND = false>
 cudaError_t launch_bn(const void *tmap, const tmaps_b_t<CL> &tmaps_b,
                       const CUtensorMap *tmap_o, const kargs_t<DEP> &ka,
                       int grid, cudaStream_t stream, bool pdl)
@@ -1636,12 +1650,24 @@ cudaError_t launch_bn(const void *tmap, const tmaps_b_t<CL> &tmaps_b,
     } else if (a.epi == MOEK_EPI_SLOT) {
         return cudaErrorInvalidValue;
     }
-    return moek_launch_cl(gemm_wgmma_kernel<T, BN, CL, DEP>, dim3(grid),
+    return moek_launch_cl(gemm_wgmma_kernel<T, BN, CL, DEP, HAND>, dim3(grid),
                           dim3(cta_threads(DEP)),
                           (size_t)tile_cfg<BN, DEP>::SMEM, stream,
                           pdl, DEP == 3 ? -1 : CL,
                           *reinterpret_cast<const CUtensorMap *>(tmap),
                           tmaps_b, o, ka);
+}
+
+/* Cluster mode's instances: those that hand short items over (HAND) or the
+ * others. */
+template <typename T, int BN>
+cudaError_t launch_cl(const void *tmap, const tmaps_b_t<2> &tb,
+                      const CUtensorMap *to, const moek_gemm_args &a,
+                      int grid, cudaStream_t stream, bool pdl)
+{
+    return a.kblocks <= CL_RING_MAX_KB
+               ? launch_bn<T, BN, 2, 0, true>(tmap, tb, to, a, grid, stream, pdl)
+               : launch_bn<T, BN, 2>(tmap, tb, to, a, grid, stream, pdl);
 }
 
 /* moek_dep's instances: tiles of one class, no pairs. */
@@ -1672,10 +1698,10 @@ cudaError_t launch_t(const void *tmap, const moek_tmaps *tb,
         if (tb->bn != a.bn)
             return cudaErrorInvalidValue;
         switch (a.bn) {
-        case 128: return launch_bn<T, 128, 2>(tmap, *tb, to, a, grid, stream, pdl);
-        case 144: return launch_bn<T, 144, 2>(tmap, *tb, to, a, grid, stream, pdl);
-        case 192: return launch_bn<T, 192, 2>(tmap, *tb, to, a, grid, stream, pdl);
-        case 256: return launch_bn<T, 256, 2>(tmap, *tb, to, a, grid, stream, pdl);
+        case 128: return launch_cl<T, 128>(tmap, *tb, to, a, grid, stream, pdl);
+        case 144: return launch_cl<T, 144>(tmap, *tb, to, a, grid, stream, pdl);
+        case 192: return launch_cl<T, 192>(tmap, *tb, to, a, grid, stream, pdl);
+        case 256: return launch_cl<T, 256>(tmap, *tb, to, a, grid, stream, pdl);
         default: return cudaErrorInvalidValue;
         }
     }
@@ -1698,9 +1724,10 @@ cudaError_t launch_t(const void *tmap, const moek_tmaps *tb,
     }
 }
 
-template <typename T, int BN, int CL, int DEP = 0> cudaError_t prepare_bn()
+template <typename T, int BN, int CL, int DEP = 0, bool HAND = false>
+cudaError_t prepare_bn()
 {
-    return cudaFuncSetAttribute(gemm_wgmma_kernel<T, BN, CL, DEP>,
+    return cudaFuncSetAttribute(gemm_wgmma_kernel<T, BN, CL, DEP, HAND>,
                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 tile_cfg<BN, DEP>::SMEM);
 }
@@ -1728,6 +1755,10 @@ template <typename T> cudaError_t prepare_t()
         (e = prepare_bn<T, 144, 2>()) != cudaSuccess ||
         (e = prepare_bn<T, 192, 2>()) != cudaSuccess ||
         (e = prepare_bn<T, 256, 2>()) != cudaSuccess ||
+        (e = prepare_bn<T, 128, 2, 0, true>()) != cudaSuccess ||
+        (e = prepare_bn<T, 144, 2, 0, true>()) != cudaSuccess ||
+        (e = prepare_bn<T, 192, 2, 0, true>()) != cudaSuccess ||
+        (e = prepare_bn<T, 256, 2, 0, true>()) != cudaSuccess ||
         (e = prepare_dep<T, 1>()) != cudaSuccess ||
         (e = prepare_dep<T, 2>()) != cudaSuccess ||
         (e = prepare_dep<T, 3>()) != cudaSuccess)
