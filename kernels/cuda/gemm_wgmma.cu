@@ -110,10 +110,12 @@ __host__ __device__ constexpr bool handoff(int bn, int cl)
 }
 /* Cluster mode hands its items over the same way where they are short (K
  * blocks up to CL_RING_MAX_KB: qwen3's down GEMM, 12), in instances of
- * their own (HAND: launch_cl): that made qwen3 T=4096 1.0% faster on the
- * H200; for all items it made mixtral T=512 (64 and 224 K blocks) 1.6%
- * slower (RESULTS.md, run 56), and chosen at run time in one instance it
- * cost 0.2-0.5% where it did not apply (run 57). */
+ * their own (HAND: launch_cl). For all items it made qwen3 T=4096 1.0%
+ * faster on the H200 but mixtral T=512 (64 and 224 K blocks) 1.6% slower
+ * (RESULTS.md, run 56); chosen at run time in one instance it cost
+ * 0.2-0.5% where it did not apply. In instances of their own: qwen3
+ * T=4096 0.9% and T=2048 0.6% faster on an H100, mixtral T=512 and
+ * deepseek T=4096 even (run 57). */
 constexpr int CL_RING_MAX_KB = 16;
 /* Whether the consumers take their items from the ring: handoff(), or
  * ticketed GEMM 2 (moek_dep mode 2, and mode 3's second half), whose
