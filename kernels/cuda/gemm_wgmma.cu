@@ -117,12 +117,19 @@ __host__ __device__ constexpr bool handoff(int bn, int cl)
  * T=4096 0.9% and T=2048 0.6% faster on an H100, mixtral T=512 and
  * deepseek T=4096 even (run 57). */
 constexpr int CL_RING_MAX_KB = 16;
-/* Whether the consumers take their items from the ring: handoff(), or
- * ticketed GEMM 2 (moek_dep mode 2, and mode 3's second half), whose
- * items only the producer knows; and HAND's instances (consume). */
-__host__ __device__ constexpr bool ring(int bn, int cl, int dep)
+/* Whether the producer hands each item it decodes to the consumers:
+ * handoff(), or a HAND instance. */
+__host__ __device__ constexpr bool hands(int bn, int cl, bool hand)
 {
-    return handoff(bn, cl) || dep == 2 || dep == 3;
+    return handoff(bn, cl) || (cl == 2 && hand);
+}
+/* Whether the consumers take their items from the ring: hands(), or
+ * ticketed GEMM 2 (moek_dep mode 2, and mode 3's second half), whose
+ * items only the producer knows. */
+__host__ __device__ constexpr bool ring(int bn, int cl, int dep,
+                                        bool hand = false)
+{
+    return hands(bn, cl, hand) || dep == 2 || dep == 3;
 }
 /* Mode 3 keeps both GEMMs' cg_before in shared memory, for up to
  * SB3_GROUPS groups each. */
@@ -553,7 +560,7 @@ __device__ __forceinline__ int preissue(const moek_gemm_args &a,
          idx += sp.step, items++) {
         moek_item it = moek_decode_item(a, ncg, split, idx, sb);
         sp.clip(it, idx, a.kblocks);
-        if ((handoff(BN, CL) || HAND) && threadIdx.x == 0)
+        if (hands(BN, CL, HAND) && threadIdx.x == 0)
             info[items % INFO_ITEMS] = it;
         for (int kb = it.kb0; kb < it.kb1 && pre < C::STAGES; kb++, pre++) {
             if (threadIdx.x == 0) {
@@ -1098,7 +1105,7 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
                                         const CUtensorMap *omap, sig_ring *sig)
 {
     using C = tile_cfg<BN, L>;
-    constexpr bool RING = ring(BN, CL, DEP) || HAND;
+    constexpr bool RING = ring(BN, CL, DEP, HAND);
     constexpr int W = moek_wtiles(BN);
     static_assert(W == 1 || DEP == 0, "two weight tiles: no moek_dep");
     const int tid = threadIdx.x, cw = (tid >> 7) - 1;
@@ -1358,6 +1365,8 @@ __global__ void __launch_bounds__(cta_threads(DEP), 1)
         if (a.epi != MOEK_EPI_SWIGLU)
             __trap();
     using C = tile_cfg<BN, DEP>;
+    /* HAND: cluster mode's, whose tiles (128 rows and wider) have the ring */
+    static_assert(!HAND || (CL == 2 && C::INFO >= INFO_BYTES), "HAND");
     if constexpr (C::EPI_BYTES == 0) /* SLOT goes through the staging */
         if (a.epi == MOEK_EPI_SLOT)
             __trap();
@@ -1734,6 +1743,13 @@ cudaError_t prepare_bn()
                                 tile_cfg<BN, DEP>::SMEM);
 }
 
+/* launch_cl's two instances */
+template <typename T, int BN> cudaError_t prepare_cl()
+{
+    const cudaError_t e = prepare_bn<T, BN, 2>();
+    return e != cudaSuccess ? e : prepare_bn<T, BN, 2, 0, true>();
+}
+
 template <typename T, int DEP> cudaError_t prepare_dep()
 {
     cudaError_t e;
@@ -1753,14 +1769,10 @@ template <typename T> cudaError_t prepare_t()
         (e = prepare_bn<T, 144, 1>()) != cudaSuccess ||
         (e = prepare_bn<T, 192, 1>()) != cudaSuccess ||
         (e = prepare_bn<T, 256, 1>()) != cudaSuccess ||
-        (e = prepare_bn<T, 128, 2>()) != cudaSuccess ||
-        (e = prepare_bn<T, 144, 2>()) != cudaSuccess ||
-        (e = prepare_bn<T, 192, 2>()) != cudaSuccess ||
-        (e = prepare_bn<T, 256, 2>()) != cudaSuccess ||
-        (e = prepare_bn<T, 128, 2, 0, true>()) != cudaSuccess ||
-        (e = prepare_bn<T, 144, 2, 0, true>()) != cudaSuccess ||
-        (e = prepare_bn<T, 192, 2, 0, true>()) != cudaSuccess ||
-        (e = prepare_bn<T, 256, 2, 0, true>()) != cudaSuccess ||
+        (e = prepare_cl<T, 128>()) != cudaSuccess ||
+        (e = prepare_cl<T, 144>()) != cudaSuccess ||
+        (e = prepare_cl<T, 192>()) != cudaSuccess ||
+        (e = prepare_cl<T, 256>()) != cudaSuccess ||
         (e = prepare_dep<T, 1>()) != cudaSuccess ||
         (e = prepare_dep<T, 2>()) != cudaSuccess ||
         (e = prepare_dep<T, 3>()) != cudaSuccess)
