@@ -118,10 +118,10 @@ __host__ __device__ constexpr bool handoff(int bn, int cl)
  * deepseek T=4096 even (run 57). */
 constexpr int CL_RING_MAX_KB = 16;
 /* Whether the producer hands each item it decodes to the consumers:
- * handoff(), or a HAND instance. */
+ * handoff(), or a HAND instance (cluster mode's: the kernel asserts it). */
 __host__ __device__ constexpr bool hands(int bn, int cl, bool hand)
 {
-    return handoff(bn, cl) || (cl == 2 && hand);
+    return handoff(bn, cl) || hand;
 }
 /* Whether the consumers take their items from the ring: hands(), or
  * ticketed GEMM 2 (moek_dep mode 2, and mode 3's second half), whose
