@@ -19,8 +19,9 @@ first GEMM 1 load goes out after the kernels before GEMM 1 end (and, in
 parts, when its wait for them ends and when it has the tile list), the
 SM time left idle after each GEMM's first CTA leaves, and the weight bytes
 the consumers take in each 2 us of the last 20 us (whether DRAM idles in
-the tail). Where both GEMMs run in one launch (moek_dep mode 3), GEMM 2's
-items are reported under GEMM 1's CTAs.
+the tail); with --pairs, in cluster mode, how far apart the two CTAs of
+each pair run. Where both GEMMs run in one launch (moek_dep mode 3),
+GEMM 2's items are reported under GEMM 1's CTAs.
 """
 import argparse
 import csv
@@ -72,7 +73,27 @@ def print_parts(steps):
             print("            -> %-10s us %s" % (name, fmt(d)))
 
 
-def report(path, read_gbs, sms, wtiles):
+def pair_skew(per):
+    """Cluster mode's pairs (CTAs 2c and 2c + 1 take the same items'
+    token rows): per item, how far apart the two CTAs' consumer 0 have its
+    first stage, end its MMAs and end its epilogue, and the share of items
+    the odd CTA starts later."""
+    for name, x in (("first stage", ITEM), ("last MMA", ITEM_END),
+                    ("epilogue end", EPI_END)):
+        d = []
+        for c, ev in per.items():
+            if c % 2 or c + 1 not in per:
+                continue
+            a = sorted(r["us"] for r in ev[x])
+            b = sorted(r["us"] for r in per[c + 1][x])
+            d.extend(b[n] - a[n] for n in range(min(len(a), len(b))))
+        if d:
+            print("            pair skew, %-12s |odd - even| us %s; odd "
+                  "later in %.0f%%" % (name, fmt([abs(v) for v in d]),
+                                      100.0 * sum(v > 0 for v in d) / len(d)))
+
+
+def report(path, read_gbs, sms, wtiles, pairs):
     rows = []
     with open(path) as f:
         for r in csv.DictReader(f):
@@ -163,6 +184,8 @@ def report(path, read_gbs, sms, wtiles):
             print("            next item's first load issued us before the "
                   "last MMA %s" % fmt(lead))
             print("            its latency us %s" % fmt(lat))
+        if pairs:
+            pair_skew(per)
         if not ex:
             continue
         idle = sum(max(ex) - t for t in ex)
@@ -231,9 +254,12 @@ def main():
     ap.add_argument("--wtiles", type=int, default=1,
                     help="weight tiles an item event stands for (2 for "
                          "the 144-row tile)")
+    ap.add_argument("--pairs", action="store_true",
+                    help="cluster mode: the skew between the CTAs of "
+                         "each pair")
     a = ap.parse_args()
     for p in a.csv:
-        report(p, a.read_gbs, a.sms, a.wtiles)
+        report(p, a.read_gbs, a.sms, a.wtiles, a.pairs)
     return 0
 
 
