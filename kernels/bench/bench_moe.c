@@ -9,7 +9,8 @@
  *                    [--seed S]     (another draw of the weights and
  *                                    inputs; the same S, the same draw;
  *                                    0 or none: the default draw)
- *          bench_moe --streams      (streaming rates at decode GEMM sizes,
+ *          bench_moe --streams      (streaming rates at decode GEMM sizes
+ *                                    and L2's rate for the same copies,
  *                                    ceilings.cu, then exit)
  *
  * For each model shape (mixtral-8x7b, qwen3-30b-a3b, deepseek-v3) and token

@@ -25,7 +25,8 @@
  * 16 KB cp.async.bulk copies into 12 mbarrier stages, over items of
  * 192 KB, 512 KB or 1 MB taken grid-strided (a decode GEMM's whole items:
  * qwen3's GEMM 2 and GEMM 1, mixtral's) or over one contiguous
- * share per CTA (stream-K), with L2 flushed before each call.
+ * share per CTA (stream-K), with L2 flushed before each call; then the
+ * same copies' rate from L2, over a 16 MB buffer read 64 times.
  *
  * C linkage; the bench program (bench_moe.c) is plain C.
  */
@@ -207,12 +208,13 @@ extern "C" void bench_ceilings(bench_ceil *out)
 constexpr int STREAM_STAGES = 12, STREAM_CHUNK = 16384;
 
 /* One CTA of 32 threads, one SM: thread 0 streams [the CTA's items of
- * item_bytes] or, item_bytes 0, [its contiguous share] of p in
- * STREAM_CHUNK-byte bulk copies through STREAM_STAGES ring slots, waiting
- * for each slot's bytes before refilling it, with the GEMM kernel's own
- * barriers and copies (cuda/mbarrier.cuh). */
+ * item_bytes] or, item_bytes 0, [its contiguous share] of p (reps times
+ * over) in STREAM_CHUNK-byte bulk copies through STREAM_STAGES ring slots,
+ * waiting for each slot's bytes before refilling it, with the GEMM
+ * kernel's own barriers and copies (cuda/mbarrier.cuh). */
 __global__ void bulk_stream_kernel(const char *p, size_t total,
-                                   size_t item_bytes, float *sink)
+                                   size_t item_bytes, float *sink,
+                                   int reps = 1)
 {
     constexpr int stages = STREAM_STAGES, chunk = STREAM_CHUNK;
     extern __shared__ __align__(1024) char ring[];
@@ -229,10 +231,13 @@ __global__ void bulk_stream_kernel(const char *p, size_t total,
     const size_t items = contiguous ? 0 : total / item_bytes;
     const size_t nch = total / chunk;
     size_t idx = blockIdx.x, off = 0;
-    size_t lo = nch * blockIdx.x / gridDim.x * chunk,
-           hi = nch * (blockIdx.x + 1) / gridDim.x * chunk;
+    const size_t lo0 = nch * blockIdx.x / gridDim.x * chunk,
+                 hi = nch * (blockIdx.x + 1) / gridDim.x * chunk;
+    size_t lo = lo0;
     const auto next = [&](size_t *at) {
         if (contiguous) {
+            if (lo >= hi && --reps > 0)
+                lo = lo0;
             if (lo >= hi)
                 return false;
             *at = lo;
@@ -333,6 +338,17 @@ void bench_streams(void)
              }));
         printf("\n");
     }
+    /* L2's rate for the same copies: each CTA's share of a 16 MB buffer,
+     * which L2 holds, read 64 times over (bytes counted per read). */
+    const size_t l2_bytes = 16 * MB;
+    const int l2_reps = 64;
+    const double l2_ms = median_ms(a, b, 2, 10, [] {}, [&] {
+        bulk_stream_kernel<<<sms, 32, ring>>>(buf, l2_bytes, 0, sink,
+                                              l2_reps);
+    });
+    printf("\nL2: bulk copies of a 16 MB buffer, each CTA's share read %d "
+           "times: %.0f GB/s\n",
+           l2_reps, l2_bytes * l2_reps / (l2_ms * 1e-3) / 1e9);
     CK(cudaFree(buf));
     CK(cudaFree(sink));
     CK(cudaEventDestroy(a));
