@@ -76,8 +76,8 @@ def print_parts(steps):
 def pair_skew(per):
     """Cluster mode's pairs (CTAs 2c and 2c + 1 take the same items'
     token rows): per item, how far apart the two CTAs' consumer 0 have its
-    first stage, end its MMAs and end its epilogue, and the share of items
-    the odd CTA starts later."""
+    first stage, end its MMAs and end its epilogue, and at each point the
+    share of items where the odd CTA is the later one."""
     for name, x in (("first stage", ITEM), ("last MMA", ITEM_END),
                     ("epilogue end", EPI_END)):
         d = []
