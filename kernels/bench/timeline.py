@@ -73,19 +73,18 @@ def print_parts(steps):
             print("            -> %-10s us %s" % (name, fmt(d)))
 
 
-def pair_skew(per):
+def pair_skew(times):
     """Cluster mode's pairs (CTAs 2c and 2c + 1 take the same items'
-    token rows): per item, how far apart the two CTAs' consumer 0 have its
-    first stage, end its MMAs and end its epilogue, and at each point the
-    share of items where the odd CTA is the later one."""
-    for name, x in (("first stage", ITEM), ("last MMA", ITEM_END),
-                    ("epilogue end", EPI_END)):
+    token rows), from report()'s times ({CTA: (item n's first stage, last
+    MMA, epilogue end), each a list in item order}): per item, how far
+    apart the two CTAs' consumer 0 are at each point, and the share of
+    items where the odd CTA is the later one."""
+    for j, name in enumerate(("first stage", "last MMA", "epilogue end")):
         d = []
-        for c, ev in per.items():
-            if c % 2 or c + 1 not in per:
+        for c, t in times.items():
+            if c % 2 or c + 1 not in times:
                 continue
-            a = sorted(r["us"] for r in ev[x])
-            b = sorted(r["us"] for r in per[c + 1][x])
+            a, b = t[j], times[c + 1][j]
             d.extend(b[n] - a[n] for n in range(min(len(a), len(b))))
         if d:
             print("            pair skew, %-12s |odd - even| us %s; odd "
@@ -140,7 +139,8 @@ def report(path, read_gbs, sms, wtiles, pairs):
                 per[r["cta"]][r["kind"] - k].append(r)
         dur, rate, gaps, kbs, first_item = [], [], [], [], []
         epi, wait, lead, lat = [], [], [], []
-        for ev in per.values():
+        times = {}  # per CTA, for pair_skew
+        for cta, ev in per.items():
             it, en, ep, iss = ([r["us"] for r in sorted(ev[x],
                                                         key=lambda r: r["ns"])]
                                for x in (ITEM, ITEM_END, EPI_END, ISSUE))
@@ -148,6 +148,7 @@ def report(path, read_gbs, sms, wtiles, pairs):
                 # mode 3: GEMM 2's first item records the epilogue end of
                 # the CTA's last GEMM 1 item
                 ep = ep[1:]
+            times[cta] = (it, en, ep)
             kb = [r["b"] for r in sorted(ev[ITEM], key=lambda r: r["ns"])]
             if it:
                 first_item.append(it[0])
@@ -185,7 +186,7 @@ def report(path, read_gbs, sms, wtiles, pairs):
                   "last MMA %s" % fmt(lead))
             print("            its latency us %s" % fmt(lat))
         if pairs:
-            pair_skew(per)
+            pair_skew(times)
         if not ex:
             continue
         idle = sum(max(ex) - t for t in ex)
