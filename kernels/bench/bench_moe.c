@@ -6,6 +6,8 @@
  *                    [--tokens T]   (T: 1..4096, in the grid or not)
  *                    [--tile N]     (every case on token tile N, as a
  *                                    tuning's forced tile)
+ *                    [--tile2 N]    (with --tile: GEMM 2 on tile N, the
+ *                                    tuning's token_tile2)
  *                    [--seed S]     (another draw of the weights and
  *                                    inputs; the same S, the same draw;
  *                                    0 or none: the default draw)
@@ -370,7 +372,7 @@ int main(int argc, char **argv)
 {
     const char *peers_path = NULL, *only = NULL, *csv_path = NULL;
     bool sweep = false, streams = false;
-    int only_t = 0, tile = 0;
+    int only_t = 0, tile = 0, tile2 = 0;
     uint64_t seed = 0x5eed;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--peers") && i + 1 < argc)
@@ -389,13 +391,16 @@ int main(int argc, char **argv)
                 fprintf(stderr, "--tokens: 1 to 4096\n");
                 return 2;
             }
-        } else if (!strcmp(argv[i], "--tile") && i + 1 < argc) {
-            tile = atoi(argv[++i]);
+        } else if ((!strcmp(argv[i], "--tile") ||
+                    !strcmp(argv[i], "--tile2")) && i + 1 < argc) {
+            const bool second = argv[i][6] == '2';
+            const int t = atoi(argv[++i]);
+            *(second ? &tile2 : &tile) = t;
             bool ok = false;
             for (int j = 0; j < NTILES; j++)
-                ok = ok || TILES[j] == tile;
+                ok = ok || TILES[j] == t;
             if (!ok) {
-                fprintf(stderr, "--tile: one of");
+                fprintf(stderr, "%s: one of", second ? "--tile2" : "--tile");
                 for (int j = 0; j < NTILES; j++)
                     fprintf(stderr, " %d", TILES[j]);
                 fputc('\n', stderr);
@@ -413,7 +418,8 @@ int main(int argc, char **argv)
         } else {
             fprintf(stderr,
                     "usage: %s [--peers FILE] [--csv FILE] [--sweep] [--only MODEL] "
-                    "[--tokens T] [--tile N] [--seed S]\n       %s --streams\n",
+                    "[--tokens T] [--tile N] [--tile2 N] [--seed S]\n"
+                    "       %s --streams\n",
                     argv[0], argv[0]);
             return 2;
         }
@@ -476,7 +482,7 @@ int main(int argc, char **argv)
         moek_cuda_moe_layer *layer = NULL;
         CK(moek_cuda_moe_layer_new_from_device(s, MOEK_DTYPE_BF16, w1, w3, w2,
                                                0, &layer));
-        const moek_cuda_tuning forced = {tile, false};
+        const moek_cuda_tuning forced = {tile, false, tile2};
         CK(moek_cuda_moe_layer_tune(layer, &forced));
         moek_cuda_free(w1);
         moek_cuda_free(w2);
@@ -526,21 +532,29 @@ int main(int argc, char **argv)
                 snprintf(tri, sizeof tri, "%.1f", p->triton_us);
             if (p && p->grouped_us > 0)
                 snprintf(gro, sizeof gro, "%.1f", p->grouped_us);
-            printf("| %s | %d | %d | %.1f | %.1f | %.1f | %.1f | %.0f | %s | "
+            /* the token tile, GEMM 1's/GEMM 2's where they differ */
+            char tl[32];
+            const int bn1 = moek_cuda_moe_layer_token_tile(layer, T),
+                      bn2 = moek_cuda_moe_layer_token_tile2(layer, T);
+            if (bn1 == bn2)
+                snprintf(tl, sizeof tl, "%d", bn1);
+            else
+                snprintf(tl, sizeof tl, "%d/%d", bn1, bn2);
+            printf("| %s | %d | %s | %.1f | %.1f | %.1f | %.1f | %.0f | %s | "
                    "%s | %s | %.1f | %.1e |\n",
-                   m->name, T, moek_cuda_moe_layer_token_tile(layer, T), us,
+                   m->name, T, tl, us,
                    floor_us, 100.0 * floor_us / us, flops / us / 1e6,
                    bytes / us / 1e3, tri, gro, ratio, hit, err);
             if (csv) {
-                fprintf(csv, "%s %d %d %.2f %.2f %.2f %.2e\n", m->name, T,
-                        moek_cuda_moe_layer_token_tile(layer, T), us, floor_us,
+                fprintf(csv, "%s %d %s %.2f %.2f %.2f %.2e\n", m->name, T,
+                        tl, us, floor_us,
                         hit, err);
                 fflush(csv);
             }
             if (sweep) {
                 printf("#   sweep %s T=%d:", m->name, T);
                 for (int i = 0; i < NTILES; i++) {
-                    moek_cuda_tuning tu = {TILES[i], false};
+                    moek_cuda_tuning tu = {TILES[i], false, 0};
                     CK(moek_cuda_moe_layer_tune(layer, &tu));
                     printf(" %d:%.1f", TILES[i],
                            time_case(layer, ws, &in, T, stream, 100.0, NULL));

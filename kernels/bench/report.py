@@ -31,7 +31,7 @@ def merge(ours_path, peers_path):
         if line.startswith("#") or not line.strip():
             continue
         m, t, tile, us, floor_us, hit, err = line.split()[:7]
-        rows.append((m, int(t), int(tile), float(us), float(floor_us),
+        rows.append((m, int(t), tile, float(us), float(floor_us),
                      float(hit), float(err)))
     print(f"# {head}")
     print("| case | T | tile | us | floor us | % of floor | Triton us "

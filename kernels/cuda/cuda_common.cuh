@@ -588,6 +588,9 @@ struct moek_cuda_moe_layer {
     /* Groups of 80-128 rows may take the 144-row tile (pick_tile): such a
      * card, unless MOEK_CUDA_MID144 says otherwise. */
     bool mid144;
+    /* GEMM 1 may take the 144-row tile where GEMM 2 keeps a wider one
+     * (layer.cu, moe_tile2): MOEK_CUDA_SPLIT_TILES=1. */
+    bool split_tiles;
     /* The token-tile table (moek_cuda_moe_layer_set_tiles): n_rules rules,
      * min_tokens ascending. */
     int n_rules;
@@ -659,12 +662,21 @@ struct moek_align_args {
     int *slot_pos; /* slot -> its sorted position, -1 routed nowhere; or NULL */
     int *dep; /* moek_gemm_args.dep, MOEK_DEP_GROUP + groups, zeroed
                  here; or NULL */
+    /* moek_launch_relist only: GEMM 2's own compact groups */
+    int *cg2_group, *cg2_start, *cg2_count;
 };
 cudaError_t moek_launch_route(const moek_route_args &ra,
                               const moek_align_args &aa, int *counts_dev,
                               cudaStream_t stream, bool pdl);
 cudaError_t moek_launch_align_groups(const moek_align_args &aa,
                                      cudaStream_t stream, bool pdl);
+/* GEMM 2's tile list where its token tile differs from GEMM 1's (layer.cu,
+ * moe_tile2): after the align kernels, the compact groups of aa.cg_* (GEMM
+ * 1's, in order of its tile classes) into aa.cg2_* in order of the classes
+ * of tile aa.bn, with GEMM 2's items before each (aa.cg_before's second
+ * half) and its plan tail (K split, class ends) from aa.d[1]. */
+cudaError_t moek_launch_relist(const moek_align_args &aa, cudaStream_t stream,
+                               bool pdl);
 /* The most CTAs (16, 8, 4, 2 or 1, and at most cap) of a routing cluster
  * that the current device can run for a layer of `experts` experts, cc its
  * compute capability (10 x major + minor). Only a cap of 16 probes the

@@ -158,35 +158,64 @@ int fit_tile(int bn, int t1, int t2, bool cluster)
                                                                      : bn;
 }
 
-/* The tile of a forward of T tokens: one tile on the SIMT path; else the
- * forced tile, the table's rule for T, or the heuristic (fit_tile). */
+/* The tiles of a forward of T tokens: GEMM 1's, returned, and GEMM 2's in
+ * *bn2 (may be NULL). One tile on the SIMT path; else the forced tiles,
+ * the table's rule for T, or the heuristic, each run as fit_tile has it.
+ * The heuristic gives both GEMMs one tile, except on a layer with
+ * split_tiles: there GEMM 1 takes the 144-row tile at 80-128 rows a group
+ * whether or not a group is likely to split, since a split group costs
+ * GEMM 1 (many short items) little, where GEMM 2's long ones may add a
+ * round (pick_tile); GEMM 2 keeps the tile pick_tile gives it. Two tiles
+ * differ only where both are prefill tiles (128 rows or wider); a tile
+ * that differs from the other GEMM's fits its own GEMM alone. */
+int moe_tiles(const moek_cuda_moe_layer *L, int T, int *bn2)
+{
+    int b1 = 16, b2 = 16;
+    if (moe_wgmma(L)) {
+        const int t1 = moe_tiles1(L), t2 = moe_tiles2(L);
+        b1 = b2 = 0;
+        if (L->tune.token_tile) {
+            b1 = L->tune.token_tile;
+            b2 = L->tune.token_tile2 ? L->tune.token_tile2 : b1;
+        }
+        for (int i = L->n_rules - 1; i >= 0 && !b1; i--)
+            if (L->rules[i].min_tokens <= T)
+                b1 = b2 = L->rules[i].token_tile;
+        if (!b1) {
+            const double hit = fmax(moe_hit(L->shape, T), 1.0);
+            const double avg = (double)T * L->shape.topk / hit;
+            /* pick_tile's 80-128 rows: no split likely, or splits spread
+             * over many rounds of GEMM 2's runs (two weight tiles each) */
+            const bool mid = L->mid144 && (avg + 3 * sqrt(avg) <= 144 ||
+                                           hit * t2 / 2 >= 4.0 * L->sms);
+            b1 = b2 = pick_tile(avg, fit_tile(144, t1, t2, true) == 144, mid);
+            if (L->split_tiles) {
+                b1 = pick_tile(avg, fit_tile(144, t1, t1, true) == 144, true);
+                if (b1 < 128 || b2 < 128)
+                    b1 = b2;
+            }
+        }
+        if (b1 == b2) {
+            b1 = b2 = fit_tile(b1, t1, t2, true);
+        } else {
+            b1 = fit_tile(b1, t1, t1, true);
+            b2 = fit_tile(b2, t2, t2, true);
+        }
+    }
+    if (bn2)
+        *bn2 = b2;
+    return b1;
+}
 int moe_tile(const moek_cuda_moe_layer *L, int T)
 {
-    if (!moe_wgmma(L))
-        return 16;
-    const int t1 = moe_tiles1(L), t2 = moe_tiles2(L);
-    int bn = 0;
-    if (L->tune.token_tile)
-        bn = L->tune.token_tile;
-    for (int i = L->n_rules - 1; i >= 0 && !bn; i--)
-        if (L->rules[i].min_tokens <= T)
-            bn = L->rules[i].token_tile;
-    if (!bn) {
-        const double hit = fmax(moe_hit(L->shape, T), 1.0);
-        const double avg = (double)T * L->shape.topk / hit;
-        /* pick_tile's 80-128 rows: no split likely, or splits spread over
-         * many rounds of GEMM 2's runs (two weight tiles each) */
-        const bool mid = L->mid144 && (avg + 3 * sqrt(avg) <= 144 ||
-                                       hit * t2 / 2 >= 4.0 * L->sms);
-        bn = pick_tile(avg, fit_tile(144, t1, t2, true) == 144, mid);
-    }
-    return fit_tile(bn, t1, t2, true);
+    return moe_tiles(L, T, nullptr);
 }
 
 /* The workspace carved for one call. */
 struct moe_ws {
     int *counts, *ids, *rank, *plan, *cg_group, *cg_start, *cg_count,
         *cg_before, *pos_token;
+    int *cg2_group, *cg2_start, *cg2_count; /* GEMM 2's, moe_tiles' two */
     int *slot_pos;
     int *dep; /* moek_dep's counts (MOEK_DEP_*) */
     float *wts, *pos_weight, *acc;
@@ -225,6 +254,9 @@ size_t carve_moe(const moek_moe_shape &s, moek_dtype dt, int T, bool rows,
     x.cg_start = c.take<int>(sizeof(int) * s.experts);
     x.cg_count = c.take<int>(sizeof(int) * s.experts);
     x.cg_before = c.take<int>(sizeof(int) * 2 * (s.experts + 1));
+    x.cg2_group = c.take<int>(sizeof(int) * s.experts);
+    x.cg2_start = c.take<int>(sizeof(int) * s.experts);
+    x.cg2_count = c.take<int>(sizeof(int) * s.experts);
     x.dep = c.take<int>(sizeof(int) * (MOEK_DEP_GROUP + s.experts));
     x.pos_token = c.take<int>(sizeof(int) * slots);
     x.pos_weight = c.take<float>(sizeof(float) * slots);
@@ -612,6 +644,18 @@ int moek_cuda_moe_layer_tune(moek_cuda_moe_layer *layer,
     if (t->token_tile && !moek_wgmma_tile_ok(t->token_tile))
         return moek_cuda_refuse(-EINVAL, "token tile %d is not offered",
                                 t->token_tile);
+    if (t->token_tile2 && !moek_wgmma_tile_ok(t->token_tile2))
+        return moek_cuda_refuse(-EINVAL, "GEMM 2's token tile %d is not offered",
+                                t->token_tile2);
+    if (t->token_tile2 && !t->token_tile)
+        return moek_cuda_refuse(-EINVAL,
+                                "GEMM 2's token tile needs GEMM 1's forced");
+    if (t->token_tile2 && t->token_tile2 != t->token_tile &&
+        (t->token_tile < 128 || t->token_tile2 < 128))
+        return moek_cuda_refuse(-EINVAL,
+                                "GEMM 2's token tile %d differs from GEMM 1's "
+                                "(%d): both must be 128 rows or wider",
+                                t->token_tile2, t->token_tile);
     layer->tune = *t;
     return 0;
 }
@@ -624,6 +668,8 @@ int moek_cuda_gemm_weights_tune(moek_cuda_gemm_weights *w,
     if (t->token_tile && !moek_wgmma_tile_ok(t->token_tile))
         return moek_cuda_refuse(-EINVAL, "token tile %d is not offered",
                                 t->token_tile);
+    if (t->token_tile2)
+        return moek_cuda_refuse(-EINVAL, "a grouped GEMM has one token tile");
     w->tune = *t;
     return 0;
 }
@@ -633,19 +679,32 @@ int moek_cuda_moe_layer_token_tile(const moek_cuda_moe_layer *layer, int tokens)
     return layer ? moe_tile(layer, tokens) : -EINVAL;
 }
 
+int moek_cuda_moe_layer_token_tile2(const moek_cuda_moe_layer *layer,
+                                    int tokens)
+{
+    int bn2 = -EINVAL;
+    if (layer)
+        moe_tiles(layer, tokens, &bn2);
+    return bn2;
+}
+
 int moek_cuda_moe_layer_uses_cluster(const moek_cuda_moe_layer *layer,
                                      int tokens)
 {
-    return layer && tokens > 0
-               ? moe_cluster(layer, moe_tile(layer, tokens), tokens)
-               : MOEK_CLUSTER_NONE;
+    if (!layer || tokens <= 0)
+        return MOEK_CLUSTER_NONE;
+    int bn2;
+    const int bn = moe_tiles(layer, tokens, &bn2);
+    return moe_cluster(layer, bn > bn2 ? bn : bn2, tokens);
 }
 
 bool moek_cuda_moe_layer_uses_stream_k(const moek_cuda_moe_layer *layer,
                                        int tokens)
 {
-    return layer && tokens > 0 &&
-           moe_stream_k(layer, moe_tile(layer, tokens), tokens);
+    int bn2 = 0;
+    if (layer && tokens > 0)
+        moe_tiles(layer, tokens, &bn2);
+    return bn2 && moe_stream_k(layer, bn2, tokens);
 }
 
 bool moek_cuda_moe_layer_uses_dep(const moek_cuda_moe_layer *layer,
@@ -699,10 +758,13 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     if ((long long)T * L->shape.topk >= (1LL << 31) / 2)
         return moek_cuda_refuse(-ENOTSUP, "fused_moe: %d tokens is too many",
                                 T);
-    const int bn = moe_tile(L, T);
+    int bn2;
+    const int bn = moe_tiles(L, T, &bn2);
+    /* GEMM 2 on a tile of its own: its tile list from GEMM 1's (relist) */
+    const bool relist = bn2 != bn;
     /* Cluster mode's copy of x and slot mode's rows need room; a workspace
      * sized by moek_cuda_moe_workspace_size has it, else both are off. */
-    const int mode = moe_cluster(L, bn, T);
+    const int mode = moe_cluster(L, bn > bn2 ? bn : bn2, T);
     bool cl = mode == MOEK_CLUSTER_BOTH, slots = moe_slots(L, bn, T);
     size_t need = carve_moe(L->shape, L->dt, T, cl || slots, nullptr, nullptr);
     if ((cl || slots) && need > ws->bytes) {
@@ -763,6 +825,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     /* GEMM 2 stays in pairs when the copy of x does not fit. */
     const bool cl2 = mode != MOEK_CLUSTER_NONE;
     moek_gemm_args g2 = g1;
+    g2.bn = bn2;
     if (!slots) { /* GEMM 1 only */
         g1.zero = (float4 *)w.acc;
         g1.zero_n4 = (size_t)T * H / 4;
@@ -779,7 +842,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     g2.ldb = I;
     g2.b_rows = nullptr;
     g2.epi = slots ? MOEK_EPI_SLOT : MOEK_EPI_COMBINE;
-    g2.stream_k = moe_stream_k(L, bn, T);
+    g2.stream_k = moe_stream_k(L, bn2, T);
     g2.out = slots ? w.rows : (void *)w.acc;
     g2.ldo = H;
     g2.pos_token = w.pos_token;
@@ -787,7 +850,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     g2.which = 1;
     if (cl2) {
         const int r2 = moek_make_tmaps(&tb2, w.inter, L->dt, (uint64_t)T * k,
-                                       I, bn);
+                                       I, bn2);
         if (r2)
             return r2;
     }
@@ -812,6 +875,11 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     }
     g1.cg_before = w.cg_before;
     g2.cg_before = w.cg_before + (E + 1);
+    if (relist) {
+        g2.cg_group = w.cg2_group;
+        g2.cg_start = w.cg2_start;
+        g2.cg_count = w.cg2_count;
+    }
     g1.groups = g2.groups = E;
 
     /* GEMM 1's first weights to L2 before its wait for the routing
@@ -851,7 +919,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
      * (RESULTS.md, run 6). */
     if (grid1 < L->sms)
         g2.early_a = 0;
-    if (pdl && moe_dep(L, bn, T)) {
+    if (pdl && !relist && moe_dep(L, bn, T)) {
         g2.dep_mode = 2;
         g1.dep = g2.dep = w.dep;
         g2.dep_tiles = g1.n_tiles;
@@ -912,8 +980,8 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     aa.route_cl = L->route_cl;
     aa.d[0] = {g1.n_tiles, g1.kblocks, 0};
     aa.d[1] = {g2.n_tiles, g2.kblocks,
-               cl2 || slots || g2.stream_k || moek_wtiles(bn) > 1 ? 0 : 1};
-    aa.ngemm = 2;
+               cl2 || slots || g2.stream_k || moek_wtiles(bn2) > 1 ? 0 : 1};
+    aa.ngemm = relist ? 1 : 2; /* GEMM 2's from the relist */
     aa.plan = w.plan;
     aa.cg_group = w.cg_group;
     aa.cg_start = w.cg_start;
@@ -930,6 +998,14 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     aa.slot_pos = slots || cl ? w.slot_pos : nullptr;
     aa.dep = g2.dep_mode ? w.dep : nullptr; /* zeroed by the routing kernel */
     MOEK_CU(moek_launch_route(ra, aa, w.counts, st, pdl));
+    if (relist) {
+        moek_align_args a2 = aa;
+        a2.bn = bn2;
+        a2.cg2_group = w.cg2_group;
+        a2.cg2_start = w.cg2_start;
+        a2.cg2_count = w.cg2_count;
+        MOEK_CU(moek_launch_relist(a2, st, pdl));
+    }
     if (cl) { /* a warp per row segment (8 per block), 4 blocks per SM */
         const int row16 = H * 2 / 16;
         const long long blocks = ((long long)T * permute_segs(row16) + 7) / 8;

@@ -317,17 +317,27 @@ int moek_cuda_ep_forward(moek_cuda_ep *ep, moek_cuda_moe_layer *const *layers,
 typedef struct moek_cuda_tuning {
     int token_tile;
     bool generic;
+    /* A MoE layer's GEMM 2 (down) on a token tile of its own, with
+     * token_tile for GEMM 1 (gate/up): both 128 rows or wider where they
+     * differ; 0: GEMM 1's. A grouped GEMM refuses it (-EINVAL). */
+    int token_tile2;
 } moek_cuda_tuning;
 int moek_cuda_moe_layer_tune(moek_cuda_moe_layer *layer,
                              const moek_cuda_tuning *t);
 int moek_cuda_gemm_weights_tune(moek_cuda_gemm_weights *w,
                                 const moek_cuda_tuning *t);
 
-/* The token tile a call of `tokens` tokens would use (for reports): 16 on
- * the portable SIMT path; else the forced tile, else the layer's tile
- * table, else the heuristic. */
+/* The token tile a call of `tokens` tokens would use (for reports; GEMM
+ * 1's where the two differ): 16 on the portable SIMT path; else the forced
+ * tile, else the layer's tile table, else the heuristic. */
 int moek_cuda_moe_layer_token_tile(const moek_cuda_moe_layer *layer,
                                    int tokens);
+/* GEMM 2's token tile of such a call: the same but where the tuning's
+ * token_tile2 or the layer's split tiles (MOEK_CUDA_SPLIT_TILES=1 at layer
+ * creation: GEMM 1 on the 144-row tile where GEMM 2 keeps a wider one;
+ * kernels/cuda/layer.cu, moe_tiles) give it one of its own. */
+int moek_cuda_moe_layer_token_tile2(const moek_cuda_moe_layer *layer,
+                                    int tokens);
 
 /* How a call of `tokens` tokens, in a workspace of at least
  * moek_cuda_moe_workspace_size(layer, tokens), runs its GEMMs: in cluster

@@ -882,6 +882,67 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
     }
 }
 
+/* moek_launch_relist's kernel, one block: each compact group's place in
+ * GEMM 2's order (tile class of aa.bn, then group) and its token tiles
+ * before that place, by comparing its key with every other group's (ncg
+ * <= MOEK_MAX_EXPERTS, so at most 512 compares a thread, from shared
+ * memory); per class the token tiles in all, for the K split and the
+ * class ends. */
+__global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
+    relist_kernel(moek_align_args aa)
+{
+    __shared__ int s_key[MOEK_MAX_EXPERTS]; /* class << 16 | group */
+    __shared__ int s_np[MOEK_MAX_EXPERTS];
+    __shared__ int s_class[MOEK_CLASSES];
+    moek_pdl_wait();
+    moek_pdl_trigger();
+    const int tid = threadIdx.x;
+    const int ncg = aa.plan[MOEK_PLAN_NCG];
+    if (tid < MOEK_CLASSES)
+        s_class[tid] = 0;
+    __syncthreads();
+    for (int c = tid; c < ncg; c += blockDim.x) {
+        const int cnt = aa.cg_count[c];
+        const int np = moek_token_tiles(cnt, aa.bn);
+        const int cls = moek_tile_class(cnt, np, aa.bn);
+        s_key[c] = cls << 16 | aa.cg_group[c];
+        s_np[c] = np;
+        atomicAdd(&s_class[cls], np);
+    }
+    __syncthreads();
+    int class_end[MOEK_CLASSES], pairs = 0;
+#pragma unroll
+    for (int c = 0; c < MOEK_CLASSES; c++) {
+        pairs += s_class[c];
+        class_end[c] = pairs;
+    }
+    const int split = pick_split(aa.d[1], pairs, aa.sms, aa.split_min_kb);
+    const int per_tile = aa.d[1].n_tiles * split;
+    int *before = aa.cg_before + (aa.groups + 1);
+    for (int c = tid; c < ncg; c += blockDim.x) {
+        const int key = s_key[c];
+        int at = 0, tiles = 0;
+        for (int j = 0; j < ncg; j++) {
+            const bool below = s_key[j] < key;
+            at += below;
+            tiles += below ? s_np[j] : 0;
+        }
+        aa.cg2_group[at] = key & 0xffff;
+        aa.cg2_start[at] = aa.cg_start[c];
+        aa.cg2_count[at] = aa.cg_count[c];
+        before[at] = tiles * per_tile;
+    }
+    if (tid == 0)
+        plan_tail(aa, 1, ncg, split, per_tile, pairs, class_end);
+}
+
+cudaError_t moek_launch_relist(const moek_align_args &aa, cudaStream_t stream,
+                               bool pdl)
+{
+    return moek_launch(relist_kernel, dim3(1), dim3(MOEK_ALIGN_THREADS), 0,
+                       stream, pdl, aa);
+}
+
 /* The instance of a routing kernel for vpl router logits per lane:
  * pick(v), v the power of two vpl is as a std::integral_constant. */
 template <typename F> static auto by_vpl(int vpl, F pick)

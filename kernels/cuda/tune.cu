@@ -292,6 +292,7 @@ int moek_cuda_moe_layer_autotune(moek_cuda_moe_layer *L, const int *tokens,
         for (int j = 0; j < MOEK_CUDA_TILE_CANDIDATES; j++) {
             L->tune = r.saved;
             L->tune.token_tile = kTiles[j];
+            L->tune.token_tile2 = 0;
             float t = 0;
             /* A tile this layer runs as another (144 as 128: layer.cu,
              * fit_tile) is that tile, timed before it; never the pick. */

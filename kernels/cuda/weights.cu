@@ -272,6 +272,7 @@ int layer_new(const moek_moe_shape *shape, moek_dtype dt, const void *w1,
      * fast_dram (both rules), also for measuring. */
     L->fast_dram = env_bool("MOEK_CUDA_FAST_DRAM", dram_gbs(device) >= 4000);
     L->mid144 = env_bool("MOEK_CUDA_MID144", L->fast_dram);
+    L->split_tiles = env_bool("MOEK_CUDA_SPLIT_TILES", false);
     int l2 = 0;
     if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) !=
         cudaSuccess) {

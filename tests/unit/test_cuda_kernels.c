@@ -15,7 +15,8 @@
  * empty (and 200, 512: the small-batch tile list over chunks of experts),
  * routing given or computed (softmax / sigmoid, renormalised or not,
  * and the NaN rule), bf16 and fp16, every token tile and the portable SIMT
- * path, slot mode (GEMM 2's rows per slot, summed by the finalize) and the
+ * path and GEMM 2 on a tile of its own, slot mode (GEMM 2's rows per slot,
+ * summed by the finalize) and the
  * fp32 accumulator it replaces, decode GEMM 2 in stream-K and in K splits,
  * GEMM 2 starting per group or (MOEK_CUDA_NO_DEP=1) after the whole of
  * GEMM 1, the routing cluster capped, a CUDA graph replayed on new data,
@@ -119,6 +120,7 @@ typedef struct tile_opts {
                            must be b; 0: any */
     int *dep_calls;     /* or NULL: counts the calls that start GEMM 2 per
                            group (moek_cuda_moe_layer_uses_dep) */
+    int expect_tile2;   /* GEMM 2's tile on sm_90 (0: any) */
 } tile_opts;
 #define EXPECT_MODE(m) ((m) + 1)
 
@@ -203,6 +205,9 @@ static void run_moe_tiles(const moe_case *c, const tile_opts *to, uint64_t *rng)
         CK(moek_cuda_moe_layer_set_tiles(layer, to->rules, to->n_rules));
         if (to->expect_tile && device_cc() == 90)
             CHECK_EQ_INT(moek_cuda_moe_layer_token_tile(layer, T), to->expect_tile);
+        if (to->expect_tile2 && device_cc() == 90)
+            CHECK_EQ_INT(moek_cuda_moe_layer_token_tile2(layer, T),
+                         to->expect_tile2);
         check_mode("cluster mode", to->expect_cluster,
                    moek_cuda_moe_layer_uses_cluster(layer, T), c);
         check_mode("slot mode", to->expect_slots,
@@ -472,7 +477,7 @@ TEST(moe_decode_slots)
     static const int tokens[] = {1, 2, 3, 4, 5, 16, 17};
     for (int i = 0; i < 7; i++) {
         moe_case c = {{8, 8, 256, 192}, i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
-                      tokens[i], ROUTE_GIVEN, false, 0, 0, {0, false}, false,
+                      tokens[i], ROUTE_GIVEN, false, 0, 0, {0, false, 0}, false,
                       true, NULL};
         c.s.topk = tokens[i] > 4 ? 2 : 8;
         run_moe(&c, &rng);
@@ -507,7 +512,7 @@ TEST(moe_align_chunks)
                       true,
                       0,
                       0,
-                      {0, false},
+                      {0, false, 0},
                       false,
                       i == 3,
                       NULL};
@@ -517,7 +522,7 @@ TEST(moe_align_chunks)
                                   [120] = 1,  [160] = 1, [200] = 1,
                                   [240] = 1,  [255] = 1};
     moe_case w = {{256, 8, 128, 64}, MOEK_DTYPE_BF16, 5, ROUTE_GIVEN, false,
-                  0, 0, {128, false}, false, false, rows};
+                  0, 0, {128, false, 0}, false, false, rows};
     run_moe(&w, &rng);
 }
 
@@ -589,7 +594,7 @@ TEST(moe_mid_batches)
                       i % 3 != 0,
                       0,
                       0,
-                      {0, false},
+                      {0, false, 0},
                       false,
                       cs[i].holes,
                       NULL};
@@ -604,13 +609,13 @@ TEST(moe_many_tokens_and_nan)
     need_gpu();
     uint64_t rng = test_seed();
     moe_case c = {{256, 8, 512, 64}, MOEK_DTYPE_BF16, 4096, ROUTE_SOFTMAX,
-                  true, 0, 256, {0, false}, false, false, NULL};
+                  true, 0, 256, {0, false, 0}, false, false, NULL};
     run_moe(&c, &rng);
     c.route = ROUTE_SIGMOID;
     c.dt = MOEK_DTYPE_FP16;
     run_moe(&c, &rng);
     moe_case n = {{64, 4, 128, 64}, MOEK_DTYPE_BF16, 8, ROUTE_SOFTMAX, true,
-                  0, 0, {0, false}, true, false, NULL};
+                  0, 0, {0, false, 0}, true, false, NULL};
     run_moe(&n, &rng);
     n.route = ROUTE_SIGMOID;
     run_moe(&n, &rng);
@@ -626,7 +631,7 @@ TEST(moe_every_tile)
     static const int tiles[] = MOEK_CUDA_TOKEN_TILES;
     for (int i = 0; i < MOEK_CUDA_TILE_CANDIDATES + 2; i++) {
         moe_case c = {{16, 4, 384, 320}, i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
-                      300, ROUTE_SOFTMAX, true, 0, 64, {0, false}, false, false, NULL};
+                      300, ROUTE_SOFTMAX, true, 0, 64, {0, false, 0}, false, false, NULL};
         if (i < MOEK_CUDA_TILE_CANDIDATES)
             c.tune.token_tile = tiles[i];
         else
@@ -680,7 +685,7 @@ static tile_opts forced_tile_opts(const moe_case *c, bool check_tile)
         NULL, 0, check_tile && device_cc() == 90 ? bn : 0,
         EXPECT_MODE(cluster_mode(c->s.hidden, c->s.intermediate, bn,
                                  (long long)c->tokens * c->s.topk)),
-        0, 0, NULL};
+        0, 0, NULL, 0};
     return to;
 }
 
@@ -707,7 +712,7 @@ TEST(moe_tile_classes)
         moe_case c = {{16, 2, i < 6 ? 456 : 376, i >= 3 && i < 6 ? 4168 : 328},
                       i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16, 1151,
                       ROUTE_GIVEN, false, 0, 0,
-                      {tiles[i % 3], false}, false, false, rows};
+                      {tiles[i % 3], false, 0}, false, false, rows};
         const tile_opts to = forced_tile_opts(&c, true);
         run_moe_tiles(&c, &to, &rng);
     }
@@ -717,7 +722,7 @@ TEST(moe_tile_classes)
     static const int small_rows[16] = {0, 1, 0, 40, 0, 87};
     for (int i = 0; i < 3; i++) {
         moe_case c = {{16, 2, 456, 328}, MOEK_DTYPE_BF16, 64, ROUTE_GIVEN,
-                      false, 0, 0, {tiles[i], false}, false, false,
+                      false, 0, 0, {tiles[i], false, 0}, false, false,
                       small_rows};
         const tile_opts to = forced_tile_opts(&c, true);
         run_moe_tiles(&c, &to, &rng);
@@ -728,7 +733,7 @@ TEST(moe_tile_classes)
     static const int wide_rows[64] = {[3] = 1,   [10] = 60, [20] = 33,
                                       [40] = 65, [60] = 97};
     moe_case w = {{64, 4, 456, 328}, MOEK_DTYPE_BF16, 64, ROUTE_GIVEN, false,
-                  0, 0, {128, false}, false, false, wide_rows};
+                  0, 0, {128, false, 0}, false, false, wide_rows};
     const tile_opts tw = forced_tile_opts(&w, true);
     run_moe_tiles(&w, &tw, &rng);
 }
@@ -752,7 +757,7 @@ TEST(moe_two_weight_tiles)
     for (int i = 0; i < 6; i++) {
         moe_case c = {{16, 2, 456, i < 2 ? 512 : 2048},
                       i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16, 1151,
-                      ROUTE_GIVEN, false, 0, 0, {144, false}, false, false,
+                      ROUTE_GIVEN, false, 0, 0, {144, false, 0}, false, false,
                       rows};
         char *keep = env_set("MOEK_CUDA_NO_CLUSTER", i >= 4 ? "1" : NULL);
         const tile_opts to = forced_tile_opts(&c, true);
@@ -762,7 +767,7 @@ TEST(moe_two_weight_tiles)
     char *min_kb = env_set("MOEK_CUDA_SLOT_MIN_KB", "1");
     for (int i = 0; i < 2; i++) {
         moe_case c = {{16, 2, 456, i ? 2048 : 512}, MOEK_DTYPE_BF16, 1151,
-                      ROUTE_GIVEN, false, 0, 0, {144, false}, false, i == 1,
+                      ROUTE_GIVEN, false, 0, 0, {144, false, 0}, false, i == 1,
                       i ? NULL : rows};
         tile_opts to = forced_tile_opts(&c, true);
         to.expect_slots = EXPECT_MODE(hopper &&
@@ -772,11 +777,11 @@ TEST(moe_two_weight_tiles)
     env_restore("MOEK_CUDA_SLOT_MIN_KB", min_kb);
     /* 7 tokens: fewer runs of two items than SMs, no pairs (14 slots) */
     moe_case few = {{16, 2, 456, 512}, MOEK_DTYPE_FP16, 7, ROUTE_SOFTMAX,
-                    true, 0, 0, {144, false}, false, false, NULL};
+                    true, 0, 0, {144, false, 0}, false, false, NULL};
     const tile_opts tf = forced_tile_opts(&few, true);
     run_moe_tiles(&few, &tf, &rng);
     moe_case odd = {{16, 2, 376, 512}, MOEK_DTYPE_BF16, 1151, ROUTE_GIVEN,
-                    false, 0, 0, {128, false}, false, false, rows};
+                    false, 0, 0, {128, false, 0}, false, false, rows};
     tile_opts to = forced_tile_opts(&odd, true);
     odd.tune.token_tile = 144;
     run_moe_tiles(&odd, &to, &rng);
@@ -797,6 +802,115 @@ static moek_cuda_moe_layer *small_layer(const moek_moe_shape *s, moek_dtype dt,
     return l;
 }
 
+/* GEMM 2 on a token tile of its own (moek_cuda_tuning.token_tile2; GEMM
+ * 2's tile list rebuilt from GEMM 1's in the order of its own tile
+ * classes: route.cu, relist_kernel): pairs of prefill tiles in both
+ * orders, with moe_tile_classes' group sizes (each tile's four widths; a
+ * group's class differs between the two tiles), on layers whose GEMMs both
+ * run in CTA pairs (I = 2048), GEMM 2 alone (I = 512) and neither
+ * (MOEK_CUDA_NO_CLUSTER), in slot mode, with routing and alignment in
+ * one launch (64 tokens: route_align_small; 7: route_align_tiny); a tile that does not fit its own GEMM (144 where
+ * GEMM 2 has three weight tiles, H = 376) runs as 128 there alone; the
+ * heuristic's split (MOEK_CUDA_SPLIT_TILES=1: 144 for GEMM 1, 192 for GEMM
+ * 2 at 128 rows a group); and the refusals. */
+TEST(moe_split_tiles)
+{
+    need_gpu();
+    uint64_t rng = test_seed();
+    static const int rows[16] = {0,   1,   32,  33,  40,  60,  70,  100,
+                                 129, 150, 165, 215, 230, 257, 300, 520};
+    static const int small_rows[16] = {0, 1, 0, 40, 0, 87};
+    static const int pair[][2] = {{144, 192}, {192, 144}, {144, 256},
+                                  {256, 128}, {128, 192}, {192, 256}};
+    const int np = (int)(sizeof pair / sizeof pair[0]);
+    for (int i = 0; i < 2 * np; i++) {
+        const int *p = pair[i % np];
+        const bool off = i >= np && i % 2; /* neither GEMM in pairs */
+        moe_case c = {{16, 2, 456, i < np ? 2048 : 512},
+                      i % 3 ? MOEK_DTYPE_BF16 : MOEK_DTYPE_FP16,
+                      i % 4 == 3 ? 64 : 1151, ROUTE_GIVEN, false, 0, 0,
+                      {p[0], false, p[1]}, false, false,
+                      i % 4 == 3 ? small_rows : rows};
+        char *keep = env_set("MOEK_CUDA_NO_CLUSTER", off ? "1" : NULL);
+        tile_opts to = forced_tile_opts(&c, true);
+        to.expect_cluster = EXPECT_MODE(cluster_mode(
+            456, c.s.intermediate, p[0] > p[1] ? p[0] : p[1],
+            (long long)c.tokens * 2));
+        to.expect_tile2 = p[1];
+        run_moe_tiles(&c, &to, &rng);
+        env_restore("MOEK_CUDA_NO_CLUSTER", keep);
+    }
+    char *min_kb = env_set("MOEK_CUDA_SLOT_MIN_KB", "1");
+    for (int i = 0; i < 2; i++) {
+        moe_case c = {{16, 2, 456, i ? 2048 : 512}, MOEK_DTYPE_BF16, 1151,
+                      ROUTE_SOFTMAX, true, 0, 0,
+                      {pair[i][0], false, pair[i][1]}, false, false, NULL};
+        tile_opts to = forced_tile_opts(&c, true);
+        to.expect_cluster = 0;
+        to.expect_tile2 = pair[i][1];
+        to.expect_slots = EXPECT_MODE(device_cc() == 90 &&
+                                      !switch_set("MOEK_CUDA_NO_SLOT_ROWS"));
+        run_moe_tiles(&c, &to, &rng);
+    }
+    env_restore("MOEK_CUDA_SLOT_MIN_KB", min_kb);
+    moe_case few = {{16, 2, 456, 2048}, MOEK_DTYPE_FP16, 7, ROUTE_SOFTMAX,
+                    true, 0, 0, {144, false, 192}, false, false, NULL};
+    tile_opts tf = forced_tile_opts(&few, true);
+    tf.expect_cluster = EXPECT_MODE(MOEK_CLUSTER_NONE);
+    tf.expect_tile2 = 192;
+    run_moe_tiles(&few, &tf, &rng);
+    /* GEMM 2 with three weight tiles: 144 there runs as 128, GEMM 1 keeps
+     * its own 144 */
+    for (int i = 0; i < 2; i++) {
+        moe_case c = {{16, 2, 376, 512}, MOEK_DTYPE_BF16, 1151, ROUTE_GIVEN,
+                      false, 0, 0, {i ? 144 : 192, false, i ? 192 : 144},
+                      false, false, rows};
+        tile_opts to = forced_tile_opts(&c, true);
+        to.expect_cluster = 0;
+        to.expect_tile2 = i ? 192 : 128;
+        run_moe_tiles(&c, &to, &rng);
+    }
+    /* The heuristic's split: 1024 tokens top-2 over 16 experts, 128 rows
+     * a group on average, more than 144 likely somewhere (avg + 3 sigma),
+     * and few runs of GEMM 2: 144 for GEMM 1 alone. */
+    char *split = env_set("MOEK_CUDA_SPLIT_TILES", "1");
+    char *mid = env_set("MOEK_CUDA_MID144", "0");
+    for (int i = 0; i < 2; i++) {
+        moe_case c = {{16, 2, 456, i ? 2048 : 512}, MOEK_DTYPE_BF16, 1024,
+                      ROUTE_SOFTMAX, true, 0, 0, {0, false, 0}, false, false,
+                      NULL};
+        tile_opts to = {NULL, 0, 144, 0, 0, 0, NULL, 192};
+        run_moe_tiles(&c, &to, &rng);
+    }
+    env_restore("MOEK_CUDA_MID144", mid);
+    env_restore("MOEK_CUDA_SPLIT_TILES", split);
+
+    /* Refusals: a second tile below 128 rows where they differ, one
+     * without GEMM 1's forced, one the kernels do not offer, and a grouped
+     * GEMM's. */
+    moek_moe_shape sh = {16, 2, 456, 512};
+    moek_cuda_moe_layer *layer = small_layer(&sh, MOEK_DTYPE_BF16,
+                                             test_rand(&rng));
+    const moek_cuda_tuning bad[] = {{64, false, 144},  {144, false, 64},
+                                    {0, false, 192},   {144, false, 100},
+                                    {192, false, 192}};
+    for (int i = 0; i < 4; i++)
+        CHECK_EQ_INT(moek_cuda_moe_layer_tune(layer, &bad[i]), -EINVAL);
+    CK(moek_cuda_moe_layer_tune(layer, &bad[4])); /* the same tile twice */
+    if (device_cc() == 90)
+        CHECK_EQ_INT(moek_cuda_moe_layer_token_tile2(layer, 1000), 192);
+    moek_cuda_moe_layer_free(layer);
+    void *b = dmalloc((size_t)4 * 64 * 64 * 2);
+    CK(moek_cuda_memset(b, 0, (size_t)4 * 64 * 64 * 2));
+    moek_cuda_gemm_weights *gw = NULL;
+    CK(moek_cuda_gemm_weights_new_from_device(MOEK_DTYPE_BF16, 4, 64, 64, b, 0,
+                                              &gw));
+    const moek_cuda_tuning g2 = {128, false, 192};
+    CHECK_EQ_INT(moek_cuda_gemm_weights_tune(gw, &g2), -EINVAL);
+    moek_cuda_gemm_weights_free(gw);
+    moek_cuda_free(b);
+}
+
 /* Cluster mode (CTA pairs sharing token tiles by multicast) on each tile
  * that takes it, over a shape that qualifies (I >= 2048, even weight-tile
  * counts) with partial K blocks in both GEMMs (H = 7 * 64 + 8,
@@ -814,7 +928,7 @@ TEST(moe_cluster_tiles)
     const moek_moe_shape narrow = {16, 4, 456, 328};
     moek_cuda_moe_layer *n = small_layer(&narrow, MOEK_DTYPE_BF16,
                                          test_rand(&rng));
-    const moek_cuda_tuning t256 = {256, false};
+    const moek_cuda_tuning t256 = {256, false, 0};
     CK(moek_cuda_moe_layer_tune(n, &t256));
     CHECK_EQ_INT(moek_cuda_moe_layer_uses_cluster(n, 1200),
                  cluster_mode(narrow.hidden, narrow.intermediate, 256,
@@ -825,37 +939,37 @@ TEST(moe_cluster_tiles)
     for (int i = 0; i < 6; i++) {
         moe_case c = {s, i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
                       (i / 2 + i) % 2 ? 1200 : 300, ROUTE_SOFTMAX, true, 0, 32,
-                      {tiles[i / 2], false}, false, false, NULL};
+                      {tiles[i / 2], false, 0}, false, false, NULL};
         const tile_opts to = forced_tile_opts(&c, false);
         run_moe_tiles(&c, &to, &rng);
     }
     /* 20 slots under a forced 256-row tile: fewer than a tile's worth, so
      * no cluster mode (layer.cu, moe_cluster), and correct. */
     const tile_opts none = {NULL, 0, 0, EXPECT_MODE(MOEK_CLUSTER_NONE), 0,
-                            0, NULL};
+                            0, NULL, 0};
     moe_case few = {s, MOEK_DTYPE_BF16, 5, ROUTE_SOFTMAX, true, 0, 0,
-                    {256, false}, false, false, NULL};
+                    {256, false, 0}, false, false, NULL};
     run_moe_tiles(&few, &none, &rng);
     /* Given routing with a third of the slots routed nowhere: those slots
      * have no sorted position (slot_pos -1), so the copy of x writes no row
      * for them and GEMM 1 reads only the routed ones (the debug build's
      * workspace is poisoned past them). */
     moe_case h = {s, MOEK_DTYPE_BF16, 1200, ROUTE_GIVEN, false, 0, 32,
-                  {256, false}, false, true, NULL};
+                  {256, false, 0}, false, true, NULL};
     run_moe(&h, &rng);
     /* The same at 64 tokens, whose sorted positions (slot_pos, which the
      * copy of x follows) come from the one-block kernel. */
     moe_case h64 = {s, MOEK_DTYPE_BF16, 64, ROUTE_GIVEN, false, 0, 0,
-                    {128, false}, false, true, NULL};
+                    {128, false, 0}, false, true, NULL};
     const tile_opts t64 = forced_tile_opts(&h64, false);
     run_moe_tiles(&h64, &t64, &rng);
     /* A workspace without room for the copy of x (nor for slot mode's
      * rows, which share it): GEMM 1 runs unpaired, GEMM 2 still in pairs
      * (layer.cu), and correct. */
     moe_case tight = {s, MOEK_DTYPE_BF16, 300, ROUTE_SOFTMAX, true, 0, 32,
-                      {256, false}, false, false, NULL};
+                      {256, false, 0}, false, false, NULL};
     const tile_opts ts = {NULL, 0, 0, 0,
-                          (size_t)2 * 300 * s.topk * s.hidden, 0, NULL};
+                          (size_t)2 * 300 * s.topk * s.hidden, 0, NULL, 0};
     run_moe_tiles(&tight, &ts, &rng);
 }
 
@@ -882,7 +996,7 @@ TEST(moe_slot_rows)
     const bool on = device_cc() == 90 && !switch_set("MOEK_CUDA_NO_SLOT_ROWS");
     char *min_kb = env_set("MOEK_CUDA_SLOT_MIN_KB", NULL);
     moek_cuda_moe_layer *l = small_layer(&s, MOEK_DTYPE_BF16, test_rand(&rng));
-    moek_cuda_tuning tune = {128, false};
+    moek_cuda_tuning tune = {128, false, 0};
     CK(moek_cuda_moe_layer_tune(l, &tune));
     CHECK(!moek_cuda_moe_layer_uses_slots(l, 300));
     CHECK_EQ_INT(moek_cuda_moe_layer_uses_slots(l, 1 << 20), on);
@@ -896,7 +1010,7 @@ TEST(moe_slot_rows)
     for (int i = 0; i < 10; i++) {
         moe_case c = {s, i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
                       tokens[i % 5], i < 5 ? ROUTE_SOFTMAX : ROUTE_GIVEN, true,
-                      0, 64, {i < 5 ? 128 : 256, false}, false, i >= 5, NULL};
+                      0, 64, {i < 5 ? 128 : 256, false, 0}, false, i >= 5, NULL};
         tile_opts to = forced_tile_opts(&c, true);
         to.expect_slots = EXPECT_MODE(on);
         run_moe_tiles(&c, &to, &rng);
@@ -905,29 +1019,29 @@ TEST(moe_slot_rows)
     for (int i = 0; i < 2; i++) {
         moe_case c = {s, i ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16,
                       i ? 300 : 100, i ? ROUTE_GIVEN : ROUTE_SOFTMAX, true,
-                      0, 64, {128, false}, false, i == 1, NULL};
+                      0, 64, {128, false, 0}, false, i == 1, NULL};
         tile_opts to = forced_tile_opts(&c, true);
         to.expect_slots = EXPECT_MODE(on);
         run_moe_tiles(&c, &to, &rng);
     }
     env_restore("MOEK_CUDA_ROUTE_CLUSTER", cap);
     moe_case both = {{16, 4, 456, 4168}, MOEK_DTYPE_BF16, 300, ROUTE_GIVEN,
-                     false, 0, 32, {256, false}, false, true, NULL};
+                     false, 0, 32, {256, false, 0}, false, true, NULL};
     tile_opts tb = forced_tile_opts(&both, true);
     tb.expect_slots = EXPECT_MODE(on);
     run_moe_tiles(&both, &tb, &rng);
     char *keep = env_set("MOEK_CUDA_NO_SLOT_ROWS", "1");
     moe_case off = {s, MOEK_DTYPE_BF16, 300, ROUTE_GIVEN, false, 0, 64,
-                    {128, false}, false, true, NULL};
+                    {128, false, 0}, false, true, NULL};
     tile_opts to_off = forced_tile_opts(&off, true);
     to_off.expect_slots = EXPECT_MODE(false);
     run_moe_tiles(&off, &to_off, &rng);
     env_restore("MOEK_CUDA_NO_SLOT_ROWS", keep);
     moe_case tight = {s, MOEK_DTYPE_BF16, 300, ROUTE_SOFTMAX, true, 0, 64,
-                      {128, false}, false, false, NULL};
+                      {128, false, 0}, false, false, NULL};
     const tile_opts ts = {NULL, 0, 0, 0,
                           on ? (size_t)2 * 300 * s.topk * s.hidden : 0, 0,
-                          NULL};
+                          NULL, 0};
     run_moe_tiles(&tight, &ts, &rng);
     env_restore("MOEK_CUDA_SLOT_MIN_KB", min_kb);
 }
@@ -949,13 +1063,13 @@ TEST(moe_stream_k)
     uint64_t rng = test_seed();
     const moe_case cases[] = {
         {{8, 2, 512, 2048}, MOEK_DTYPE_BF16, 1, ROUTE_SOFTMAX, true, 0, 0,
-         {0, false}, false, false, NULL},
+         {0, false, 0}, false, false, NULL},
         {{128, 8, 256, 1024}, MOEK_DTYPE_FP16, 8, ROUTE_SOFTMAX, true, 0, 0,
-         {0, false}, false, false, NULL},
+         {0, false, 0}, false, false, NULL},
         {{64, 4, 384, 1024}, MOEK_DTYPE_BF16, 64, ROUTE_GIVEN, false, 0, 0,
-         {0, false}, false, true, NULL},
+         {0, false, 0}, false, true, NULL},
         {{8, 1, 128, 1024}, MOEK_DTYPE_BF16, 1, ROUTE_SOFTMAX, false, 0, 0,
-         {0, false}, false, false, NULL},
+         {0, false, 0}, false, false, NULL},
     };
     const size_t empty_shares = 3; /* the case run with one-block splits */
     const bool on = device_cc() == 90 && !switch_set("MOEK_CUDA_NO_STREAM_K");
@@ -1005,11 +1119,11 @@ TEST(moe_dep_groups)
     uint64_t rng = test_seed();
     const moe_case cases[] = {
         {{64, 8, 1024, 2048}, MOEK_DTYPE_BF16, 8, ROUTE_SOFTMAX, true, 0, 0,
-         {0, false}, false, false, NULL},
+         {0, false, 0}, false, false, NULL},
         {{16, 4, 256, 3072}, MOEK_DTYPE_FP16, 1, ROUTE_SIGMOID, true, 0, 0,
-         {0, false}, false, false, NULL},
+         {0, false, 0}, false, false, NULL},
         {{128, 8, 512, 2048}, MOEK_DTYPE_BF16, 64, ROUTE_GIVEN, false, 0, 32,
-         {64, false}, false, true, NULL},
+         {64, false, 0}, false, true, NULL},
     };
     /* These cases prefetch nothing, so they take both GEMMs in one launch
      * (mode 3) unless MOEK_CUDA_NO_BOTH=1 makes it two (mode 1). 0: the
@@ -1095,7 +1209,7 @@ TEST(moe_tile_table)
     CHECK_EQ_INT(moek_cuda_moe_layer_token_tile(l, 8), hopper ? 256 : 16);
 
     /* A forced tile wins over the table; the SIMT path has one tile. */
-    moek_cuda_tuning forced = {32, false}, none = {0, false}, simt = {0, true};
+    moek_cuda_tuning forced = {32, false, 0}, none = {0, false, 0}, simt = {0, true, 0};
     CK(moek_cuda_moe_layer_tune(l, &forced));
     CHECK_EQ_INT(moek_cuda_moe_layer_token_tile(l, 100), hopper ? 32 : 16);
     CK(moek_cuda_moe_layer_tune(l, &simt));
@@ -1125,9 +1239,9 @@ TEST(moe_tile_table)
     };
     for (size_t i = 0; i < ARRAY_LEN(runs); i++) {
         moe_case c = {{16, 4, 384, 320}, runs[i].dt, runs[i].tokens,
-                      ROUTE_SOFTMAX, true, 0, 64, {0, false}, false, false, NULL};
+                      ROUTE_SOFTMAX, true, 0, 64, {0, false, 0}, false, false, NULL};
         tile_opts to = {runs[i].rules, runs[i].n, runs[i].expect, 0, 0, 0,
-                        NULL};
+                        NULL, 0};
         run_moe_tiles(&c, &to, &rng);
     }
 }
@@ -1202,7 +1316,7 @@ TEST(moe_autotune)
         CHECK_EQ_INT(moek_cuda_moe_layer_token_tile(l, 5), 32);
         CHECK_EQ_INT(moek_cuda_moe_layer_token_tile(l, 300), 128);
         /* A forced tile survives an autotune too; us may be NULL. */
-        moek_cuda_tuning forced = {64, false};
+        moek_cuda_tuning forced = {64, false, 0};
         CK(moek_cuda_moe_layer_tune(l, &forced));
         const int one = 16;
         CK(moek_cuda_moe_layer_autotune(l, &one, 1, best, NULL));
@@ -1218,7 +1332,7 @@ TEST(moe_autotune)
                      -EINVAL);
         CHECK_EQ_INT(moek_cuda_moe_layer_autotune(l, tokens, n, NULL, NULL),
                      -EINVAL);
-        moek_cuda_tuning simt = {0, true};
+        moek_cuda_tuning simt = {0, true, 0};
         CK(moek_cuda_moe_layer_tune(l, &simt));
         CHECK_EQ_INT(moek_cuda_moe_layer_autotune(l, tokens, n, best, NULL),
                      -ENOTSUP);
@@ -1236,11 +1350,11 @@ TEST(moe_qwen3)
     static const int tokens[] = {1, 8, 64, 512, 4096};
     for (int i = 0; i < 5; i++) {
         moe_case c = {{128, 8, 2048, 768}, MOEK_DTYPE_BF16, tokens[i],
-                      ROUTE_SOFTMAX, true, 0, 8, {0, false}, false, false, NULL};
+                      ROUTE_SOFTMAX, true, 0, 8, {0, false, 0}, false, false, NULL};
         run_moe(&c, &rng);
     }
     moe_case f = {{128, 8, 2048, 768}, MOEK_DTYPE_FP16, 100, ROUTE_GIVEN,
-                  false, 0, 8, {0, false}, false, false, NULL};
+                  false, 0, 8, {0, false, 0}, false, false, NULL};
     run_moe(&f, &rng);
 }
 
@@ -1249,7 +1363,7 @@ TEST(moe_mixtral)
     need_gpu();
     uint64_t rng = test_seed();
     moe_case c = {{8, 2, 4096, 14336}, MOEK_DTYPE_BF16, 1, ROUTE_SOFTMAX,
-                  true, 0, 0, {0, false}, false, false, NULL};
+                  true, 0, 0, {0, false, 0}, false, false, NULL};
     run_moe(&c, &rng);
     c.tokens = 3;
     run_moe(&c, &rng);
@@ -1260,7 +1374,7 @@ TEST(moe_deepseek)
     need_gpu();
     uint64_t rng = test_seed();
     moe_case c = {{256, 8, 7168, 2048}, MOEK_DTYPE_BF16, 1, ROUTE_SIGMOID,
-                  true, 0, 0, {0, false}, false, false, NULL};
+                  true, 0, 0, {0, false, 0}, false, false, NULL};
     run_moe(&c, &rng);
     c.tokens = 3;
     c.route = ROUTE_SOFTMAX;
@@ -1540,7 +1654,7 @@ static void run_gemm(moek_dtype dt, int G, int N, int K, const int64_t *sizes,
     host_fill(a, dt, seed + 1, 0, (size_t)M * K, 1.0f);
     moek_cuda_gemm_weights *w = NULL;
     CK(moek_cuda_gemm_weights_new(dt, G, N, K, b, 0, &w));
-    moek_cuda_tuning tu = {tile, generic};
+    moek_cuda_tuning tu = {tile, generic, 0};
     CK(moek_cuda_gemm_weights_tune(w, &tu));
     moek_cuda_workspace *ws = NULL;
     CK(moek_cuda_workspace_new(0, moek_cuda_gemm_workspace_size(w, M), &ws));
@@ -1783,7 +1897,7 @@ TEST(refuses_unsupported)
     CHECK_EQ_INT(moek_cuda_fused_moe(l, ws, x, NULL, 4, x, NULL), -EINVAL);
     moek_cuda_routing bad = {MOEK_CUDA_ROUTE_GIVEN, NULL, 0, false, NULL, NULL, NULL, 0};
     CHECK_EQ_INT(moek_cuda_fused_moe(l, ws, x, &bad, 4, x, NULL), -EINVAL);
-    moek_cuda_tuning tu = {100, false};
+    moek_cuda_tuning tu = {100, false, 0};
     CHECK_EQ_INT(moek_cuda_moe_layer_tune(l, &tu), -EINVAL);
     CHECK(moek_cuda_context_ok());
     moek_cuda_free(x);
@@ -1816,6 +1930,7 @@ int main(int argc, char **argv)
                          TEST_CASE_TIMEOUT(moe_stream_k, 300),
                          TEST_CASE_TIMEOUT(moe_tile_classes, 300),
                          TEST_CASE_TIMEOUT(moe_two_weight_tiles, 300),
+                         TEST_CASE_TIMEOUT(moe_split_tiles, 300),
                          TEST_CASE_TIMEOUT(moe_tile_table, 120),
                          TEST_CASE_TIMEOUT(moe_autotune, 120),
                          TEST_CASE_TIMEOUT(moe_graph_replay, 120),
