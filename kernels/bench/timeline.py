@@ -30,7 +30,7 @@ import sys
 from collections import defaultdict
 
 # kinds: kernels/cuda/trace.h (MOEK_TR_*)
-ROUTE, ALIGN, GEMM, FINAL, PERMUTE = 1, 3, 10, 40, 50
+ROUTE, ALIGN, GEMM, RELIST, FINAL, PERMUTE = 1, 3, 10, 30, 40, 50
 ENTRY, FIRST, EXIT, ITEM, ITEM_END, EPI_END, ISSUE = 0, 1, 2, 3, 4, 5, 6
 WAITED, LISTED = 7, 8
 STAGE_BYTES = 128 * 64 * 2  # one weight tile's K block (MOEK_WTILE x MOEK_KTILE)
@@ -103,7 +103,7 @@ def report(path, read_gbs, sms, wtiles, pairs):
     end = max(r["us"] for r in rows)
     print("# %s: %d events, %.2f us first to last" % (path, len(rows), end))
     for name, base in (("routing", ROUTE), ("align", ALIGN),
-                       ("copy of x", PERMUTE),
+                       ("relist", RELIST), ("copy of x", PERMUTE),
                        ("finalize", FINAL)):
         s, e = span(rows, base), span(rows, base + 1)
         if s:
@@ -230,7 +230,7 @@ def report(path, read_gbs, sms, wtiles, pairs):
                      ("first item", load2, g2_first)))
     # GEMM 1's first load on each SM after the last kernel before it ends
     before = [r["us"] for r in rows if r["kind"] in (ROUTE + 1, ALIGN + 1,
-                                                    PERMUTE + 1)]
+                                                    RELIST + 1, PERMUTE + 1)]
     load1 = per_sm(rows, GEMM + FIRST)
     if before and load1:
         t0 = max(before)

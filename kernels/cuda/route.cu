@@ -896,6 +896,7 @@ __global__ void __launch_bounds__(MOEK_ALIGN_THREADS)
     __shared__ int s_class[MOEK_CLASSES];
     moek_pdl_wait();
     moek_pdl_trigger();
+    MOEK_TRACE_SCOPE(MOEK_TR_RELIST, 0);
     const int tid = threadIdx.x;
     const int ncg = aa.plan[MOEK_PLAN_NCG];
     if (tid < MOEK_CLASSES)

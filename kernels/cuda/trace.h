@@ -34,6 +34,8 @@ enum {
     MOEK_TR_WAITED = 7,   /* past the wait for the kernel before (early_a:
                              the producer's, after its first loads) */
     MOEK_TR_LISTED = 8,   /* has the tile list (plan, cg_before) */
+    MOEK_TR_RELIST = 30,  /* +0 GEMM 2's tile list of its own starts
+                             (after its wait), +1 ends */
     MOEK_TR_FINAL = 40,   /* +0 a finalize CTA starts, +1 ends */
     MOEK_TR_PERMUTE = 50, /* +0 a CTA of the copy of x starts, +1 ends */
 };
