@@ -32,7 +32,7 @@ from collections import defaultdict
 # kinds: kernels/cuda/trace.h (MOEK_TR_*)
 ROUTE, ALIGN, GEMM, RELIST, FINAL, PERMUTE = 1, 3, 10, 30, 40, 50
 ENTRY, FIRST, EXIT, ITEM, ITEM_END, EPI_END, ISSUE = 0, 1, 2, 3, 4, 5, 6
-WAITED, LISTED = 7, 8
+WAITED, LISTED, ITEM_END1 = 7, 8, 9
 STAGE_BYTES = 128 * 64 * 2  # one weight tile's K block (MOEK_WTILE x MOEK_KTILE)
 
 
@@ -135,15 +135,21 @@ def report(path, read_gbs, sms, wtiles, pairs):
         # kind, in order: item n is the n-th of each kind
         per = defaultdict(lambda: defaultdict(list))
         for r in rows:
-            if k + ITEM <= r["kind"] <= k + ISSUE:
+            if (k + ITEM <= r["kind"] <= k + ISSUE or
+                    r["kind"] == k + ITEM_END1):
                 per[r["cta"]][r["kind"] - k].append(r)
         dur, rate, gaps, kbs, first_item = [], [], [], [], []
         epi, wait, lead, lat = [], [], [], []
+        skew1, lead1, pwait = [], [], []
         times = {}  # per CTA, for pair_skew
         for cta, ev in per.items():
-            it, en, ep, iss = ([r["us"] for r in sorted(ev[x],
-                                                        key=lambda r: r["ns"])]
-                               for x in (ITEM, ITEM_END, EPI_END, ISSUE))
+            it, en, ep, iss, en1 = ([r["us"] for r in sorted(ev[x],
+                                                             key=lambda r: r["ns"])]
+                                    for x in (ITEM, ITEM_END, EPI_END, ISSUE,
+                                              ITEM_END1))
+            # the producer's wait for each item's first stage (ns, in the
+            # issue event's b; traces before it have none)
+            pwait += [r["b"] / 1000.0 for r in ev[ISSUE]]
             if not ent:
                 # mode 3: GEMM 2's first item records the epilogue end of
                 # the CTA's last GEMM 1 item
@@ -173,6 +179,12 @@ def report(path, read_gbs, sms, wtiles, pairs):
                 if n < len(iss) and n - 1 < len(en):
                     lead.append(en[n - 1] - iss[n])
                     lat.append(it[n] - iss[n])
+                # consumer 1 (traces that have it): its last MMA against
+                # consumer 0's, and the next load against the later one
+                if n < len(iss) and n - 1 < min(len(en), len(en1)):
+                    lead1.append(max(en[n - 1], en1[n - 1]) - iss[n])
+            for n in range(min(len(en), len(en1))):
+                skew1.append(en1[n] - en[n])
         print("          items %d, K blocks %s" % (len(dur), fmt(kbs)))
         print("          item us %s" % fmt(dur))
         print("          item GB/s %s (one SM's share of %.0f: %.1f)" %
@@ -185,6 +197,14 @@ def report(path, read_gbs, sms, wtiles, pairs):
             print("            next item's first load issued us before the "
                   "last MMA %s" % fmt(lead))
             print("            its latency us %s" % fmt(lat))
+        if skew1:
+            print("            consumer 1's last MMA after consumer 0's us "
+                  "%s" % fmt(skew1))
+            print("            next item's first load before the later "
+                  "consumer's last MMA us %s" % fmt(lead1))
+        if any(pwait):
+            print("            the producer's wait for that stage us %s" %
+                  fmt(pwait))
         if pairs:
             pair_skew(times)
         if not ex:

@@ -643,7 +643,10 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
             uint8_t *sA = smem + pp.stage * C::STAGE;
             uint8_t *sB = sA + C::A_ALL;
             if (pp.used >= pre) {
+                const unsigned long long t0 =
+                    kb == it.kb0 ? moek_trace_clock() : 0;
                 moek_mbar_wait(&empty[pp.stage], pp.phase ^ 1);
+                (void)t0;
                 if (tid == 0) {
                     /* The item's first stage: its entry goes before the
                      * arrival (a release) the consumers wait on. Pre-issued
@@ -654,7 +657,8 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
                         moek_trace_gemm(a.which, MOEK_TR_FIRST, 1);
                     if (kb == it.kb0)
                         moek_trace_item(a.which, MOEK_TR_ISSUE, pp.items,
-                                        it.g);
+                                        it.g,
+                                        (int)(moek_trace_clock() - t0));
                     moek_mbar_expect_tx(&full[pp.stage], C::A_ALL);
                     load_ws<BN>(a, tmap, sA, it, kb, &full[pp.stage]);
                 }
@@ -811,6 +815,9 @@ __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
         for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
             uint8_t *sA = smem + pp.stage * C::STAGE;
             uint8_t *sB = sA + C::A_ALL;
+            const unsigned long long t0 =
+                kb == it.kb0 ? moek_trace_clock() : 0;
+            (void)t0;
             if (pp.used >= pre)
                 moek_mbar_wait(&empty[pp.stage], pp.phase ^ 1);
             if (threadIdx.x == 0) {
@@ -821,7 +828,8 @@ __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
                         info[pp.items % INFO_ITEMS] = it;
                     if (kb == it.kb0)
                         moek_trace_item(a.which, MOEK_TR_ISSUE, pp.items,
-                                        it.g);
+                                        it.g,
+                                        (int)(moek_trace_clock() - t0));
                     moek_mbar_expect_tx(&full[pp.stage], C::A_ALL + N * 128);
                     load_ws<BN>(a, tmap, sA, it, kb, &full[pp.stage]);
                 } else {
@@ -1195,6 +1203,8 @@ __device__ __forceinline__ void consume(const moek_gemm_args &a, uint8_t *smem,
         wgmma_wait<0>();
         if (tid == 128)
             moek_trace_item(a.which, MOEK_TR_ITEM_END, pp.items, it.g);
+        if (tid == 256)
+            moek_trace_item(a.which, MOEK_TR_ITEM_END1, pp.items, it.g);
         if (prev >= 0 && lane == 0)
             release<CL>(empty, prev);
         if (comb) {

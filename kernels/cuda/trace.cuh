@@ -11,7 +11,7 @@
  * store, with no atomic to wait for in the middle of a pipeline; the host
  * zeroes the buffer first and keeps the entries with a time. A CTA past
  * MOEK_TRACE_CTAS, or an event past MOEK_TRACE_SEQ (a GEMM CTA's items past
- * its 126th), records nothing. The event, its kinds and the buffer's
+ * its 100th), records nothing. The event, its kinds and the buffer's
  * layout are in trace.h; bench_moe with MOEK_TRACE_OUT writes the events
  * of one forward, kernels/bench/timeline.py reads them.
  */
@@ -45,7 +45,8 @@ __device__ __forceinline__ void moek_trace_gemm(int which, int what, int seq,
 {
     moek_trace(MOEK_TR_GEMM + 10 * which + what, seq, a, b);
 }
-/* the same for item `item`'s event `what` (MOEK_TR_ITEM .. MOEK_TR_ISSUE) */
+/* the same for item `item`'s event `what` (MOEK_TR_ITEM .. MOEK_TR_ISSUE,
+ * MOEK_TR_ITEM_END1) */
 __device__ __forceinline__ void moek_trace_item(int which, int what, int item,
                                                 int a = 0, int b = 0)
 {
@@ -76,8 +77,16 @@ struct moek_trace_scope {
                    ? 0                                                        \
                    : -1;                                                      \
     }
+/* The global timer, ns, for an event's value (0 in other builds). */
+__device__ __forceinline__ unsigned long long moek_trace_clock()
+{
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
 #else
 #define moek_trace(...) ((void)0)
+#define moek_trace_clock() 0ULL
 #define moek_trace_gemm(...) ((void)0)
 #define moek_trace_item(...) ((void)0)
 #define MOEK_TRACE_SCOPE(kind, seq) ((void)0)

@@ -29,11 +29,14 @@ enum {
     MOEK_TR_ITEM_END = 4, /* consumer 0's MMAs of it are done */
     MOEK_TR_EPI_END = 5,  /* consumer 0 is done with its epilogue */
     MOEK_TR_ISSUE = 6,    /* the producer issues its first weight load (a:
-                             group) */
+                             group, b: ns it waited for the stage to be
+                             free, 0 where it did not wait) */
     /* the prologue, thread 0 (sequence numbers 3, 4): */
     MOEK_TR_WAITED = 7,   /* past the wait for the kernel before (early_a:
                              the producer's, after its first loads) */
     MOEK_TR_LISTED = 8,   /* has the tile list (plan, cg_before) */
+    MOEK_TR_ITEM_END1 = 9, /* consumer 1's MMAs of an item are done (a:
+                              group; the fifth of an item's events) */
     MOEK_TR_RELIST = 30,  /* +0 GEMM 2's tile list of its own starts
                              (after its wait), +1 ends */
     MOEK_TR_FINAL = 40,   /* +0 a finalize CTA starts, +1 ends */
@@ -47,7 +50,9 @@ enum {
 #define MOEK_TRACE_EVENTS                                                     \
     ((unsigned long)MOEK_TRACE_KERNELS * MOEK_TRACE_CTAS * MOEK_TRACE_SEQ)
 /* a GEMM's sequence numbers: entry, first load, exit, then item i's
- * event `what` (MOEK_TR_ITEM .. MOEK_TR_ISSUE) */
-#define MOEK_TRACE_SEQ_ITEM(i, what) (8 + 4 * (i) + (what) - MOEK_TR_ITEM)
+ * event `what` (MOEK_TR_ITEM .. MOEK_TR_ISSUE, MOEK_TR_ITEM_END1) */
+#define MOEK_TRACE_SEQ_ITEM(i, what)                                          \
+    (8 + 5 * (i) +                                                            \
+     ((what) == MOEK_TR_ITEM_END1 ? 4 : (what) - MOEK_TR_ITEM))
 
 #endif
