@@ -140,7 +140,7 @@ def report(path, read_gbs, sms, wtiles, pairs):
                 per[r["cta"]][r["kind"] - k].append(r)
         dur, rate, gaps, kbs, first_item = [], [], [], [], []
         epi, wait, lead, lat = [], [], [], []
-        skew1, lead1, pwait = [], [], []
+        skew1, lead1, pwait, since = [], [], [], []
         times = {}  # per CTA, for pair_skew
         for cta, ev in per.items():
             it, en, ep, iss, en1 = ([r["us"] for r in sorted(ev[x],
@@ -150,6 +150,7 @@ def report(path, read_gbs, sms, wtiles, pairs):
             # the producer's wait for each item's first stage (ns, in the
             # issue event's b; traces before it have none)
             pwait += [r["b"] / 1000.0 for r in ev[ISSUE]]
+            since += [r["a"] / 1000.0 for r in ev[ISSUE] if r["b"] > 0]
             if not ent:
                 # mode 3: GEMM 2's first item records the epilogue end of
                 # the CTA's last GEMM 1 item
@@ -205,6 +206,8 @@ def report(path, read_gbs, sms, wtiles, pairs):
         if any(pwait):
             print("            the producer's wait for that stage us %s" %
                   fmt(pwait))
+            print("            from the producer's load before to that "
+                  "wait us %s" % fmt(since))
         if pairs:
             pair_skew(times)
         if not ex:

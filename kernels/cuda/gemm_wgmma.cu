@@ -629,6 +629,9 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
      * at 64-row ones qwen3 T=512 2.2% slower (RESULTS.md, run 37). */
     constexpr bool LATE_FETCH = N == 16;
     moek_item_src nx = {};
+    /* the time of this producer's last load (traced builds) */
+    unsigned long long t_last = moek_trace_clock();
+    (void)t_last;
     const auto one = [&](const moek_item &it, int (&rows)[RN], int need,
                          int late) {
         long long off[RN];
@@ -657,10 +660,11 @@ __device__ __forceinline__ void produce(const moek_gemm_args &a,
                         moek_trace_gemm(a.which, MOEK_TR_FIRST, 1);
                     if (kb == it.kb0)
                         moek_trace_item(a.which, MOEK_TR_ISSUE, pp.items,
-                                        it.g,
+                                        (int)(t0 - t_last),
                                         (int)(moek_trace_clock() - t0));
                     moek_mbar_expect_tx(&full[pp.stage], C::A_ALL);
                     load_ws<BN>(a, tmap, sA, it, kb, &full[pp.stage]);
+                    t_last = moek_trace_clock();
                 }
             }
             if constexpr (LATE_FETCH)
@@ -809,7 +813,10 @@ __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
     using C = tile_cfg<BN>;
     constexpr int HALF = N / 2;
     static_assert(HALF % 8 == 0, "token tile halves of whole swizzle atoms");
-    /* pp.items numbers the items for the trace alone */
+    /* pp.items numbers the items for the trace alone; t_last: the time
+     * of this producer's last load (traced builds) */
+    unsigned long long t_last = moek_trace_clock();
+    (void)t_last;
     for (int idx = sp.first; idx < sp.end; idx += sp.step, pp.items++) {
         const moek_item it = moek_decode_item(a, ncg, 1, idx, sb);
         for (int kb = it.kb0; kb < it.kb1; kb++, pp.advance(C::STAGES)) {
@@ -828,7 +835,7 @@ __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
                         info[pp.items % INFO_ITEMS] = it;
                     if (kb == it.kb0)
                         moek_trace_item(a.which, MOEK_TR_ISSUE, pp.items,
-                                        it.g,
+                                        (int)(t0 - t_last),
                                         (int)(moek_trace_clock() - t0));
                     moek_mbar_expect_tx(&full[pp.stage], C::A_ALL + N * 128);
                     load_ws<BN>(a, tmap, sA, it, kb, &full[pp.stage]);
@@ -838,6 +845,7 @@ __device__ __forceinline__ void produce_mc(const moek_gemm_args &a,
                 const int r = (int)rank * HALF;
                 tma_load_2d_mc(sB + r * 128, tmap_b, kb * MOEK_KTILE,
                                it.pos + r, &full[pp.stage], 3);
+                t_last = moek_trace_clock();
             }
             __syncwarp();
         }

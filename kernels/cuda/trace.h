@@ -29,8 +29,10 @@ enum {
     MOEK_TR_ITEM_END = 4, /* consumer 0's MMAs of it are done */
     MOEK_TR_EPI_END = 5,  /* consumer 0 is done with its epilogue */
     MOEK_TR_ISSUE = 6,    /* the producer issues its first weight load (a:
-                             group, b: ns it waited for the stage to be
-                             free, 0 where it did not wait) */
+                             ns since its load before, b: ns it waited for
+                             the stage to be free; both 0 for the stages
+                             issued before the wait for the kernel
+                             before) */
     /* the prologue, thread 0 (sequence numbers 3, 4): */
     MOEK_TR_WAITED = 7,   /* past the wait for the kernel before (early_a:
                              the producer's, after its first loads) */
