@@ -566,8 +566,8 @@ __device__ __forceinline__ int preissue(const moek_gemm_args &a,
             if (threadIdx.x == 0) {
                 if (pre == 0)
                     moek_trace_gemm(a.which, MOEK_TR_FIRST, 1);
-                if (kb == it.kb0)
-                    moek_trace_item(a.which, MOEK_TR_ISSUE, items, it.g);
+                if (kb == it.kb0) /* issued before any wait: a, b 0 */
+                    moek_trace_item(a.which, MOEK_TR_ISSUE, items);
                 /* CL = 2: the stage's one arrival comes with its token rows
                  * (produce_mc), which the peer's multicast also fills. */
                 if (CL == 2)
