@@ -393,9 +393,12 @@ int main(int argc, char **argv)
             }
         } else if ((!strcmp(argv[i], "--tile") ||
                     !strcmp(argv[i], "--tile2")) && i + 1 < argc) {
-            const bool second = argv[i][6] == '2';
+            const bool second = !strcmp(argv[i], "--tile2");
             const int t = atoi(argv[++i]);
-            *(second ? &tile2 : &tile) = t;
+            if (second)
+                tile2 = t;
+            else
+                tile = t;
             bool ok = false;
             for (int j = 0; j < NTILES; j++)
                 ok = ok || TILES[j] == t;

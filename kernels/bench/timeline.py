@@ -147,10 +147,14 @@ def report(path, read_gbs, sms, wtiles, pairs):
                                                              key=lambda r: r["ns"])]
                                     for x in (ITEM, ITEM_END, EPI_END, ISSUE,
                                               ITEM_END1))
-            # the producer's wait for each item's first stage (ns, in the
-            # issue event's b; traces before it have none)
-            pwait += [r["b"] / 1000.0 for r in ev[ISSUE]]
-            since += [r["a"] / 1000.0 for r in ev[ISSUE] if r["b"] > 0]
+            # the producer's time from its load before to its wait for
+            # each item's first stage (ns, the issue event's a) and that
+            # wait (b); 0 in older traces and for stages issued before the
+            # wait for the kernel before
+            for r in ev[ISSUE]:
+                if r["b"] > 0:
+                    since.append(r["a"] / 1000.0)
+                    pwait.append(r["b"] / 1000.0)
             if not ent:
                 # mode 3: GEMM 2's first item records the epilogue end of
                 # the CTA's last GEMM 1 item
@@ -203,7 +207,7 @@ def report(path, read_gbs, sms, wtiles, pairs):
                   "%s" % fmt(skew1))
             print("            next item's first load before the later "
                   "consumer's last MMA us %s" % fmt(lead1))
-        if any(pwait):
+        if pwait:
             print("            the producer's wait for that stage us %s" %
                   fmt(pwait))
             print("            from the producer's load before to that "

@@ -589,7 +589,7 @@ struct moek_cuda_moe_layer {
      * card, unless MOEK_CUDA_MID144 says otherwise. */
     bool mid144;
     /* GEMM 1 may take the 144-row tile where GEMM 2 keeps a wider one
-     * (layer.cu, moe_tile2): MOEK_CUDA_SPLIT_TILES=1. */
+     * (layer.cu, moe_tiles): MOEK_CUDA_SPLIT_TILES=1. */
     bool split_tiles;
     /* The token-tile table (moek_cuda_moe_layer_set_tiles): n_rules rules,
      * min_tokens ascending. */
@@ -671,7 +671,7 @@ cudaError_t moek_launch_route(const moek_route_args &ra,
 cudaError_t moek_launch_align_groups(const moek_align_args &aa,
                                      cudaStream_t stream, bool pdl);
 /* GEMM 2's tile list where its token tile differs from GEMM 1's (layer.cu,
- * moe_tile2): after the align kernels, the compact groups of aa.cg_* (GEMM
+ * moe_tiles): after the align kernels, the compact groups of aa.cg_* (GEMM
  * 1's, in order of its tile classes) into aa.cg2_* in order of the classes
  * of tile aa.bn, with GEMM 2's items before each (aa.cg_before's second
  * half) and its plan tail (K split, class ends) from aa.d[1]. */

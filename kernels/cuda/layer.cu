@@ -463,13 +463,16 @@ int moe_pairs(const moek_cuda_moe_layer *L)
 {
     return moe_wgmma(L) ? L->pairs : MOEK_CLUSTER_NONE;
 }
-/* The mode of a call of T tokens with tile bn (moek_cluster_mode): at
- * least a tile's worth of slots (a TMA box, half a tile's rows, must fit
- * in the token rows' tensor; and a pair needs at least two tiles' worth of
+/* The mode of a call of T tokens with GEMM 1 on tile bn and GEMM 2 on
+ * bn2 (moek_cluster_mode): both tiles cluster mode's, and at least the
+ * wider tile's worth of slots (a TMA box, half a tile's rows, must fit in
+ * the token rows' tensor; and a pair needs at least two tiles' worth of
  * work to pay for the copy of x). */
-int moe_cluster(const moek_cuda_moe_layer *L, int bn, int T)
+int moe_cluster(const moek_cuda_moe_layer *L, int bn, int bn2, int T)
 {
-    return moek_wgmma_cluster_ok(bn) && (long long)T * L->shape.topk >= bn
+    const int wide = bn > bn2 ? bn : bn2;
+    return moek_wgmma_cluster_ok(bn) && moek_wgmma_cluster_ok(bn2) &&
+                   (long long)T * L->shape.topk >= wide
                ? moe_pairs(L)
                : MOEK_CLUSTER_NONE;
 }
@@ -548,11 +551,13 @@ bool moe_stream_k(const moek_cuda_moe_layer *L, int bn, int T)
  * 80: 1.0% gained; deepseek T=1's 256 leave 8).
  */
 constexpr int DEP_MIN_KB = 32, DEP_SHORT_SLOTS = 4;
-bool moe_dep(const moek_cuda_moe_layer *L, int bn, int T)
+bool moe_dep(const moek_cuda_moe_layer *L, int bn, int bn2, int T)
 {
+    /* GEMM 2 waits for a count of GEMM 1's token tiles, which it reckons
+     * with its own tile: one tile for both */
     const long long items1 = moe_items1(L, bn, T);
     if (!moe_wgmma(L) || !L->dep || !L->early || items1 < L->sms ||
-        moek_classes(bn) != 1)
+        moek_classes(bn) != 1 || bn2 != bn)
         return false;
     const long long slots = (long long)T * L->shape.topk;
     if (L->fast_dram && moe_kblocks2(L) < DEP_MIN_KB &&
@@ -695,30 +700,37 @@ int moek_cuda_moe_layer_uses_cluster(const moek_cuda_moe_layer *layer,
         return MOEK_CLUSTER_NONE;
     int bn2;
     const int bn = moe_tiles(layer, tokens, &bn2);
-    return moe_cluster(layer, bn > bn2 ? bn : bn2, tokens);
+    return moe_cluster(layer, bn, bn2, tokens);
 }
 
 bool moek_cuda_moe_layer_uses_stream_k(const moek_cuda_moe_layer *layer,
                                        int tokens)
 {
-    int bn2 = 0;
-    if (layer && tokens > 0)
-        moe_tiles(layer, tokens, &bn2);
-    return bn2 && moe_stream_k(layer, bn2, tokens);
+    if (!layer || tokens <= 0)
+        return false;
+    int bn2;
+    moe_tiles(layer, tokens, &bn2);
+    return moe_stream_k(layer, bn2, tokens);
 }
 
 bool moek_cuda_moe_layer_uses_dep(const moek_cuda_moe_layer *layer,
                                    int tokens)
 {
-    return layer && tokens > 0 &&
-           moe_dep(layer, moe_tile(layer, tokens), tokens);
+    if (!layer || tokens <= 0)
+        return false;
+    int bn2;
+    const int bn = moe_tiles(layer, tokens, &bn2);
+    return moe_dep(layer, bn, bn2, tokens);
 }
 
 bool moek_cuda_moe_layer_uses_slots(const moek_cuda_moe_layer *layer,
                                     int tokens)
 {
-    return layer && tokens > 0 &&
-           moe_slots(layer, moe_tile(layer, tokens), tokens);
+    if (!layer || tokens <= 0)
+        return false;
+    int bn2;
+    moe_tiles(layer, tokens, &bn2);
+    return moe_slots(layer, bn2, tokens); /* GEMM 2's epilogue */
 }
 
 int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
@@ -764,8 +776,8 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     const bool relist = bn2 != bn;
     /* Cluster mode's copy of x and slot mode's rows need room; a workspace
      * sized by moek_cuda_moe_workspace_size has it, else both are off. */
-    const int mode = moe_cluster(L, bn > bn2 ? bn : bn2, T);
-    bool cl = mode == MOEK_CLUSTER_BOTH, slots = moe_slots(L, bn, T);
+    const int mode = moe_cluster(L, bn, bn2, T);
+    bool cl = mode == MOEK_CLUSTER_BOTH, slots = moe_slots(L, bn2, T);
     size_t need = carve_moe(L->shape, L->dt, T, cl || slots, nullptr, nullptr);
     if ((cl || slots) && need > ws->bytes) {
         cl = slots = false;
@@ -919,7 +931,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
      * (RESULTS.md, run 6). */
     if (grid1 < L->sms)
         g2.early_a = 0;
-    if (pdl && !relist && moe_dep(L, bn, T)) {
+    if (pdl && moe_dep(L, bn, bn2, T)) {
         g2.dep_mode = 2;
         g1.dep = g2.dep = w.dep;
         g2.dep_tiles = g1.n_tiles;

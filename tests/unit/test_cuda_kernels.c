@@ -676,16 +676,19 @@ static int cluster_mode(int H, int I, int bn, long long slots)
                : MOEK_CLUSTER_GEMM2;
 }
 
-/* Options for a call of case c under its forced tile: that tile (on sm_90,
- * when check_tile) and the cluster mode cluster_mode gives for it. */
+/* Options for a call of case c under its forced tiles: those tiles (on
+ * sm_90, when check_tile; GEMM 2's where the tuning gives it one) and the
+ * cluster mode cluster_mode gives for the wider. */
 static tile_opts forced_tile_opts(const moe_case *c, bool check_tile)
 {
-    const int bn = c->tune.token_tile;
+    const int bn = c->tune.token_tile, bn2 = c->tune.token_tile2;
+    const bool check = check_tile && device_cc() == 90;
     const tile_opts to = {
-        NULL, 0, check_tile && device_cc() == 90 ? bn : 0,
-        EXPECT_MODE(cluster_mode(c->s.hidden, c->s.intermediate, bn,
+        NULL, 0, check ? bn : 0,
+        EXPECT_MODE(cluster_mode(c->s.hidden, c->s.intermediate,
+                                 bn > bn2 ? bn : bn2,
                                  (long long)c->tokens * c->s.topk)),
-        0, 0, NULL, 0};
+        0, 0, NULL, check ? bn2 : 0};
     return to;
 }
 
@@ -832,11 +835,7 @@ TEST(moe_split_tiles)
                       {p[0], false, p[1]}, false, false,
                       i % 4 == 3 ? small_rows : rows};
         char *keep = env_set("MOEK_CUDA_NO_CLUSTER", off ? "1" : NULL);
-        tile_opts to = forced_tile_opts(&c, true);
-        to.expect_cluster = EXPECT_MODE(cluster_mode(
-            456, c.s.intermediate, p[0] > p[1] ? p[0] : p[1],
-            (long long)c.tokens * 2));
-        to.expect_tile2 = p[1];
+        const tile_opts to = forced_tile_opts(&c, true);
         run_moe_tiles(&c, &to, &rng);
         env_restore("MOEK_CUDA_NO_CLUSTER", keep);
     }
@@ -847,7 +846,6 @@ TEST(moe_split_tiles)
                       {pair[i][0], false, pair[i][1]}, false, false, NULL};
         tile_opts to = forced_tile_opts(&c, true);
         to.expect_cluster = 0;
-        to.expect_tile2 = pair[i][1];
         to.expect_slots = EXPECT_MODE(device_cc() == 90 &&
                                       !switch_set("MOEK_CUDA_NO_SLOT_ROWS"));
         run_moe_tiles(&c, &to, &rng);
@@ -855,9 +853,8 @@ TEST(moe_split_tiles)
     env_restore("MOEK_CUDA_SLOT_MIN_KB", min_kb);
     moe_case few = {{16, 2, 456, 2048}, MOEK_DTYPE_FP16, 7, ROUTE_SOFTMAX,
                     true, 0, 0, {144, false, 192}, false, false, NULL};
-    tile_opts tf = forced_tile_opts(&few, true);
-    tf.expect_cluster = EXPECT_MODE(MOEK_CLUSTER_NONE);
-    tf.expect_tile2 = 192;
+    /* 14 slots, fewer than either tile's: no pairs (cluster_mode) */
+    const tile_opts tf = forced_tile_opts(&few, true);
     run_moe_tiles(&few, &tf, &rng);
     /* GEMM 2 with three weight tiles: 144 there runs as 128, GEMM 1 keeps
      * its own 144 */
@@ -867,7 +864,8 @@ TEST(moe_split_tiles)
                       false, false, rows};
         tile_opts to = forced_tile_opts(&c, true);
         to.expect_cluster = 0;
-        to.expect_tile2 = i ? 192 : 128;
+        if (!i && to.expect_tile2)
+            to.expect_tile2 = 128;
         run_moe_tiles(&c, &to, &rng);
     }
     /* The heuristic's split: 1024 tokens top-2 over 16 experts, 128 rows
@@ -891,12 +889,14 @@ TEST(moe_split_tiles)
     moek_moe_shape sh = {16, 2, 456, 512};
     moek_cuda_moe_layer *layer = small_layer(&sh, MOEK_DTYPE_BF16,
                                              test_rand(&rng));
-    const moek_cuda_tuning bad[] = {{64, false, 144},  {144, false, 64},
-                                    {0, false, 192},   {144, false, 100},
-                                    {192, false, 192}};
+    const moek_cuda_tuning bad[] = {{64, false, 144},
+                                    {144, false, 64},
+                                    {0, false, 192},
+                                    {144, false, 100}};
     for (int i = 0; i < 4; i++)
         CHECK_EQ_INT(moek_cuda_moe_layer_tune(layer, &bad[i]), -EINVAL);
-    CK(moek_cuda_moe_layer_tune(layer, &bad[4])); /* the same tile twice */
+    const moek_cuda_tuning twice = {192, false, 192}; /* the same tile */
+    CK(moek_cuda_moe_layer_tune(layer, &twice));
     if (device_cc() == 90)
         CHECK_EQ_INT(moek_cuda_moe_layer_token_tile2(layer, 1000), 192);
     moek_cuda_moe_layer_free(layer);
