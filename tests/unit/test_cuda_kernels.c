@@ -648,6 +648,13 @@ static bool switch_set(const char *name)
     return e && *e && *e != '0';
 }
 
+/* Whether a call that qualifies for slot mode by its tile and accumulator
+ * takes it: on sm_90, unless MOEK_CUDA_NO_SLOT_ROWS keeps layers off it. */
+static bool slot_rows_on(void)
+{
+    return device_cc() == 90 && !switch_set("MOEK_CUDA_NO_SLOT_ROWS");
+}
+
 /* The cluster mode (moek_cluster_mode) a call of `slots` slots with tile
  * bn takes on a layer of shape H, I: on sm_90, tiles of 128 rows and wider
  * and at least a tile's worth of slots; GEMM 2 pairs when its weight
@@ -756,7 +763,6 @@ TEST(moe_two_weight_tiles)
     uint64_t rng = test_seed();
     static const int rows[16] = {0,   1,   32,  33,  40,  60,  70,  100,
                                  129, 150, 165, 215, 230, 257, 300, 520};
-    const bool hopper = device_cc() == 90;
     for (int i = 0; i < 6; i++) {
         moe_case c = {{16, 2, 456, i < 2 ? 512 : 2048},
                       i % 2 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_BF16, 1151,
@@ -773,8 +779,7 @@ TEST(moe_two_weight_tiles)
                       ROUTE_GIVEN, false, 0, 0, {144, false, 0}, false, i == 1,
                       i ? NULL : rows};
         tile_opts to = forced_tile_opts(&c, true);
-        to.expect_slots = EXPECT_MODE(hopper &&
-                                      !switch_set("MOEK_CUDA_NO_SLOT_ROWS"));
+        to.expect_slots = EXPECT_MODE(slot_rows_on());
         run_moe_tiles(&c, &to, &rng);
     }
     env_restore("MOEK_CUDA_SLOT_MIN_KB", min_kb);
@@ -846,8 +851,7 @@ TEST(moe_split_tiles)
                       {pair[i][0], false, pair[i][1]}, false, false, NULL};
         tile_opts to = forced_tile_opts(&c, true);
         to.expect_cluster = 0;
-        to.expect_slots = EXPECT_MODE(device_cc() == 90 &&
-                                      !switch_set("MOEK_CUDA_NO_SLOT_ROWS"));
+        to.expect_slots = EXPECT_MODE(slot_rows_on());
         run_moe_tiles(&c, &to, &rng);
     }
     env_restore("MOEK_CUDA_SLOT_MIN_KB", min_kb);
@@ -993,7 +997,7 @@ TEST(moe_slot_rows)
     need_gpu();
     uint64_t rng = test_seed();
     const moek_moe_shape s = {32, 8, 264, 320};
-    const bool on = device_cc() == 90 && !switch_set("MOEK_CUDA_NO_SLOT_ROWS");
+    const bool on = slot_rows_on();
     char *min_kb = env_set("MOEK_CUDA_SLOT_MIN_KB", NULL);
     moek_cuda_moe_layer *l = small_layer(&s, MOEK_DTYPE_BF16, test_rand(&rng));
     moek_cuda_tuning tune = {128, false, 0};
