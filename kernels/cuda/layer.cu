@@ -693,44 +693,49 @@ int moek_cuda_moe_layer_token_tile2(const moek_cuda_moe_layer *layer,
     return bn2;
 }
 
+namespace {
+/* The uses_* reports: a call's two tiles (moe_tiles), or false where there
+ * is no layer or no token. */
+bool call_tiles(const moek_cuda_moe_layer *L, int T, int *bn, int *bn2)
+{
+    if (!L || T <= 0)
+        return false;
+    *bn = moe_tiles(L, T, bn2);
+    return true;
+}
+} // namespace
+
 int moek_cuda_moe_layer_uses_cluster(const moek_cuda_moe_layer *layer,
                                      int tokens)
 {
-    if (!layer || tokens <= 0)
-        return MOEK_CLUSTER_NONE;
-    int bn2;
-    const int bn = moe_tiles(layer, tokens, &bn2);
-    return moe_cluster(layer, bn, bn2, tokens);
+    int bn, bn2;
+    return call_tiles(layer, tokens, &bn, &bn2)
+               ? moe_cluster(layer, bn, bn2, tokens)
+               : MOEK_CLUSTER_NONE;
 }
 
 bool moek_cuda_moe_layer_uses_stream_k(const moek_cuda_moe_layer *layer,
                                        int tokens)
 {
-    if (!layer || tokens <= 0)
-        return false;
-    int bn2;
-    moe_tiles(layer, tokens, &bn2);
-    return moe_stream_k(layer, bn2, tokens);
+    int bn, bn2;
+    return call_tiles(layer, tokens, &bn, &bn2) &&
+           moe_stream_k(layer, bn2, tokens);
 }
 
 bool moek_cuda_moe_layer_uses_dep(const moek_cuda_moe_layer *layer,
                                    int tokens)
 {
-    if (!layer || tokens <= 0)
-        return false;
-    int bn2;
-    const int bn = moe_tiles(layer, tokens, &bn2);
-    return moe_dep(layer, bn, bn2, tokens);
+    int bn, bn2;
+    return call_tiles(layer, tokens, &bn, &bn2) &&
+           moe_dep(layer, bn, bn2, tokens);
 }
 
 bool moek_cuda_moe_layer_uses_slots(const moek_cuda_moe_layer *layer,
                                     int tokens)
 {
-    if (!layer || tokens <= 0)
-        return false;
-    int bn2;
-    moe_tiles(layer, tokens, &bn2);
-    return moe_slots(layer, bn2, tokens); /* GEMM 2's epilogue */
+    int bn, bn2;
+    return call_tiles(layer, tokens, &bn, &bn2) &&
+           moe_slots(layer, bn2, tokens); /* GEMM 2's epilogue */
 }
 
 int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
