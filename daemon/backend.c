@@ -33,6 +33,12 @@ void backend_free(struct backend **bp)
         b->ops->destroy(b);
 }
 
+const char *backend_last_error(struct backend *b)
+{
+    const char *e = b->ops->last_error ? b->ops->last_error(b) : NULL;
+    return e ? e : "";
+}
+
 int backend_moe_tune(struct backend *b, const moek_moe_shape *shape, moek_dtype dt,
                      const int *tokens, int n, struct backend_tune *out, char *err,
                      size_t errlen)

@@ -5,8 +5,11 @@
  * one batched FusedMoe or GroupedGemm at a time on host staging buffers that
  * it allocated itself (pinned memory for the CUDA backend). The daemon calls
  * run functions from its compute worker thread only, one call at a time;
- * weights are created from the loader thread; pin/unpin and info from the
- * loop thread. Implementations: backend_cpu.c, backend_cuda.c.
+ * weights are created from the loader thread and freed from the loader
+ * (a spread layer that failed half-way) or the loop thread; pin/unpin from
+ * the pinner thread (the loop thread when that is gone or memory short);
+ * info from the loop thread. Implementations: backend_cpu.c,
+ * backend_cuda.c.
  */
 #ifndef MOED_BACKEND_H
 #define MOED_BACKEND_H
@@ -135,6 +138,11 @@ struct backend_ops {
     /* Optional: false once the device is unusable (a CUDA error that
      * poisons the context); the daemon then exits so it can be restarted. */
     bool (*healthy)(struct backend *b);
+    /* Optional: what the last failed weights or run call made on the
+     * calling thread says beyond its errno (the CUDA error, the kernels'
+     * reason for refusing a shape), or NULL; borrowed until this thread's
+     * next call. Callers go through backend_last_error(). */
+    const char *(*last_error)(struct backend *b);
     void (*destroy)(struct backend *b);
 };
 
@@ -167,6 +175,10 @@ int backend_unavailable_new(const char *why, struct backend **out);
  * exists, else the CPU). */
 int backend_open(const char *which, int device, int cpu_threads, struct backend **out);
 void backend_free(struct backend **b);
+
+/* b->ops->last_error's text, or "" where it has none: for a failure's
+ * message, right after the failed call on the same thread. */
+const char *backend_last_error(struct backend *b);
 
 /* b->ops->moe_tune, or -ENOTSUP (with err saying so) for a backend that
  * does not choose token tiles. */

@@ -135,21 +135,41 @@ static int cuda_check(struct cuda_backend *cb, int rc)
     return rc;
 }
 
+/* A run's end: on failure, what it enqueued may still read the staging
+ * buffer or the clients' regions, which the caller may reuse or release
+ * once it returns, so the stream is waited for first. (A wait that fails
+ * fails for the same sticky error; one that succeeds leaves the run's
+ * error text as it is.) */
+static int cuda_failed(struct cuda_backend *cb, int rc)
+{
+    if (rc)
+        moek_cuda_stream_sync(cb->stream);
+    return cuda_check(cb, rc);
+}
+
+/* The device buffers grow with the batches, with a quarter's headroom so
+ * that slowly growing batches do not move them each time. Their contents
+ * need not survive, so the old buffer goes before the new one is made: at
+ * no moment are both held. Where the headroom does not fit, the exact size
+ * is tried, so a batch that fits the device is not refused for it. */
 static int dbuf_reserve(struct cuda_backend *cb, struct dbuf *b, size_t need)
 {
     if (need <= b->size)
         return 0;
-    size_t size = need + need / 4;
-    void *p = NULL;
     int rc = moek_cuda_stream_sync(cb->stream);
-    if (!rc)
-        rc = moek_cuda_malloc(size, &p);
     if (rc)
         return cuda_check(cb, rc);
     moek_cuda_free(b->p);
-    b->p = p;
-    b->size = size;
+    b->p = NULL;
+    b->size = 0;
     cb->gen++;
+    size_t size = need + need / 4;
+    rc = moek_cuda_malloc(size, &b->p);
+    if (rc == -ENOMEM)
+        rc = moek_cuda_malloc(size = need, &b->p);
+    if (rc)
+        return cuda_check(cb, rc);
+    b->size = size;
     return 0;
 }
 
@@ -162,8 +182,10 @@ static int cuda_ws_reserve(struct cuda_backend *cb, size_t need)
         return cuda_check(cb, rc);
     moek_cuda_workspace_free(cb->ws);
     cb->ws = NULL;
-    rc = moek_cuda_workspace_new(cb->device, need + need / 4, &cb->ws);
     cb->gen++;
+    rc = moek_cuda_workspace_new(cb->device, need + need / 4, &cb->ws);
+    if (rc == -ENOMEM)
+        rc = moek_cuda_workspace_new(cb->device, need, &cb->ws);
     return cuda_check(cb, rc);
 }
 
@@ -198,6 +220,7 @@ static int cuda_moe_new(struct backend *b, const moek_moe_shape *shape, moek_dty
     w->dt = dt;
     w->scoring = scoring;
     w->renormalize = renormalize;
+    moek_cuda_clear_error();
     int rc = moek_cuda_set_device(cb->device);
     if (!rc)
         rc = moek_cuda_moe_layer_new(shape, dt, w1, w3, w2, cb->device, &w->moe);
@@ -222,6 +245,7 @@ static int cuda_gemm_new(struct backend *b, moek_dtype dt, int groups, int n, in
     w->groups = groups;
     w->n = n;
     w->k = k;
+    moek_cuda_clear_error();
     int rc = moek_cuda_set_device(cb->device);
     if (!rc)
         rc = moek_cuda_gemm_weights_new(dt, groups, n, k, bw, cb->device, &w->g);
@@ -336,6 +360,7 @@ static int cuda_moe_run(struct backend *b, void *handle, const struct backend_mo
 {
     struct cuda_backend *cb = (struct cuda_backend *)b;
     struct cuda_weights *w = handle;
+    moek_cuda_clear_error();
     if (cb->broken)
         return -EIO;
     if (io->remap)
@@ -366,12 +391,8 @@ static int cuda_moe_run(struct backend *b, void *handle, const struct backend_mo
     if (io->segs && (io->x || io->out))
         return -EINVAL;
     const struct backend_moe_io *rows = io->segs ? io : NULL;
-    if (rows && (rc = cuda_copy_rows(cb, rows, H * es, true))) {
-        /* Copies or row kernels enqueued before the failure may still read
-         * the clients' regions: they must not be released under them. */
-        moek_cuda_stream_sync(cb->stream);
-        return cuda_check(cb, rc);
-    }
+    if (rows && (rc = cuda_copy_rows(cb, rows, H * es, true)))
+        return cuda_failed(cb, rc);
     io = &key;
     if (T <= GRAPH_MAX_TOKENS) {
         void **g = &w->graph[T];
@@ -405,11 +426,7 @@ static int cuda_moe_run(struct backend *b, void *handle, const struct backend_mo
         rc = cuda_copy_rows(cb, rows, H * es, false);
     if (!rc)
         rc = moek_cuda_stream_sync(cb->stream);
-    else if (rows)
-        /* The copy-in may still read the clients' regions: they must not
-         * be released (unpinned, unmapped) under it. */
-        moek_cuda_stream_sync(cb->stream);
-    return cuda_check(cb, rc);
+    return cuda_failed(cb, rc);
 }
 
 /* The group of these devices, made on first use (NCCL set-up is slow). */
@@ -447,6 +464,7 @@ static int cuda_moe_run_sharded(const struct backend_shard *sh, int n, int exper
                                 const struct backend_moe_io *io)
 {
     struct cuda_backend *home = (struct cuda_backend *)sh[0].b;
+    moek_cuda_clear_error();
     int devices[16];
     moek_cuda_moe_layer *layers[16];
     const int32_t *remaps[16];
@@ -499,6 +517,7 @@ static int cuda_gemm_run(struct backend *b, void *handle, const void *a, const i
 {
     struct cuda_backend *cb = (struct cuda_backend *)b;
     struct cuda_weights *w = handle;
+    moek_cuda_clear_error();
     if (cb->broken)
         return -EIO;
     size_t es = moek_dtype_size(w->dt), M = (size_t)m;
@@ -522,7 +541,7 @@ static int cuda_gemm_run(struct backend *b, void *handle, const void *a, const i
         rc = moek_cuda_copy_async(c, cb->out.p, M * (size_t)w->n * es, 1, cb->stream);
     if (!rc)
         rc = moek_cuda_stream_sync(cb->stream);
-    return cuda_check(cb, rc);
+    return cuda_failed(cb, rc);
 }
 
 /* A client region, pinned once when it is registered, so its rows move by
@@ -687,6 +706,13 @@ static int cuda_devices(struct backend *b, struct backend_device *out, int max)
     return 1;
 }
 
+static const char *cuda_last_error(struct backend *b)
+{
+    (void)b;
+    const char *e = moek_cuda_last_error();
+    return strcmp(e, "no error") ? e : NULL;
+}
+
 static bool cuda_healthy(struct backend *b)
 {
     return !((struct cuda_backend *)b)->broken;
@@ -728,6 +754,7 @@ static const struct backend_ops cuda_ops = {
     .moe_tune = cuda_moe_tune,
     .devices = cuda_devices,
     .healthy = cuda_healthy,
+    .last_error = cuda_last_error,
     .destroy = cuda_destroy,
 };
 

@@ -348,6 +348,17 @@ static int gather_routing(struct layer *l, struct batch_item *it, int32_t *ids, 
     return 0;
 }
 
+/* The message of a failed backend call, for every request of the batch:
+ * the errno's text and the backend's own (the CUDA error, say). Called on
+ * the compute thread right after the call, where that text lives. */
+static void batch_backend_failed(struct batch_job *bj)
+{
+    struct backend *b = bj->s->backend;
+    const char *why = backend_last_error(b);
+    snprintf(bj->err, sizeof(bj->err), "%s backend failed: %s%s%.120s%s", b->name,
+             strerror(-bj->rc), *why ? " (" : "", why, *why ? ")" : "");
+}
+
 static void run_moe(struct batch_job *bj)
 {
     struct layer *l = bj->layer;
@@ -407,8 +418,7 @@ static void run_moe(struct batch_job *bj)
         bj->rc = bj->s->backend->ops->moe_run(bj->s->backend, l->weights, &io);
     free(segs);
     if (bj->rc) {
-        snprintf(bj->err, sizeof(bj->err), "%s backend failed: %s", bj->s->backend->name,
-                 strerror(-bj->rc));
+        batch_backend_failed(bj);
         return;
     }
     if (direct)
@@ -461,8 +471,7 @@ static void run_gemm(struct batch_job *bj)
         bj->rc = bj->s->backend->ops->gemm_run(bj->s->backend, l->weights, a, m_sizes,
                                                (int64_t)M, c);
     if (bj->rc) {
-        snprintf(bj->err, sizeof(bj->err), "%s backend failed: %s", bj->s->backend->name,
-                 strerror(-bj->rc));
+        batch_backend_failed(bj);
     } else {
         memset(first, 0, bj->n_items * sizeof(*first));
         row = 0;
@@ -549,6 +558,9 @@ static void batch_done(struct job *job)
     hist_add(&st->batch_tokens, bj->tokens);
     st->compute_us_total += bj->compute_us;
     ring_add(&st->compute_us, bj->compute_us);
+    if (bj->rc) /* the daemon's own failure, not a client's bad input */
+        log_warn("layer '%s': a batch of %u requests failed: %s", bj->layer->name, bj->n_items,
+                 bj->err);
     for (uint32_t i = 0; i < bj->n_items; i++) {
         struct batch_item *it = &bj->items[i];
         struct request *req = it->req;

@@ -155,10 +155,14 @@ static void load_run(struct job *job)
     } else {
         lj->rc = b->ops->gemm_new(b, l->dt, (int)l->groups, (int)l->n, (int)l->k, w1, &l->weights);
     }
-    if (lj->rc && !lj->err[0])
-        snprintf(lj->err, sizeof(lj->err), "%s backend cannot hold the weights: %s", b->name,
+    if (lj->rc && !lj->err[0]) {
+        const char *why = backend_last_error(b);
+        snprintf(lj->err, sizeof(lj->err), "%s backend cannot hold the weights: %s%s%s%s",
+                 b->name,
                  lj->rc == -ENOMEM ? "out of memory" : lj->rc == -ENOTSUP ? "shape not supported"
-                                                     : strerror(-lj->rc));
+                                                     : strerror(-lj->rc),
+                 *why ? " (" : "", why, *why ? ")" : "");
+    }
     l->weight_bytes = hw.bytes;
     snprintf(l->source, sizeof(l->source), "%s", hw.source);
     host_weights_done(&hw);

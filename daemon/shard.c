@@ -117,8 +117,10 @@ int shard_upload(struct shard_set *set, struct backend **backends, const moek_mo
          * remapped: backend_moe_io.remap). */
         moek_moe_shape local = {(int)n, shape->topk, shape->hidden, shape->intermediate};
         struct backend *be = backends[sh->device];
-        if (!rc)
-            rc = be->ops->moe_new(be, &local, dt, scoring, renormalize, a, b, c, &sh->weights);
+        char why[160] = ""; /* the backend's own text (the kernels' reason) */
+        if (!rc && (rc = be->ops->moe_new(be, &local, dt, scoring, renormalize, a, b, c,
+                                          &sh->weights)))
+            snprintf(why, sizeof(why), "%s", backend_last_error(be));
         free(a);
         free(b);
         free(c);
@@ -129,8 +131,9 @@ int shard_upload(struct shard_set *set, struct backend **backends, const moek_mo
                 bt->ops->weights_free(bt, set->shards[t].weights);
                 set->shards[t].weights = NULL;
             }
-            return errf(err, errlen, rc, "device %d (%s) cannot hold its %zu experts: %s",
-                        sh->device, be->name, n, rc == -ENOMEM ? "out of memory" : strerror(-rc));
+            return errf(err, errlen, rc, "device %d (%s) cannot hold its %zu experts: %s%s%s%s",
+                        sh->device, be->name, n, rc == -ENOMEM ? "out of memory" : strerror(-rc),
+                        *why ? " (" : "", why, *why ? ")" : "");
         }
         sh->bytes = 3 * n * per;
     }

@@ -66,6 +66,9 @@ int moek_cuda_set_device(int device);
 /* The last CUDA error seen by this thread inside moek_cuda_* ("no error" if
  * none). Borrowed; valid until the next moek_cuda_* call on this thread. */
 const char *moek_cuda_last_error(void);
+/* Forget it: moek_cuda_last_error() says "no error" until the next error,
+ * so a caller can tell a failure's own text from an older one. */
+void moek_cuda_clear_error(void);
 
 /* false when the current context holds a sticky error (a kernel fault). */
 bool moek_cuda_context_ok(void);

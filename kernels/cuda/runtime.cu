@@ -43,6 +43,8 @@ int moek_cuda_refuse(int err, const char *fmt, ...)
 
 const char *moek_cuda_last_error(void) { return g_err; }
 
+void moek_cuda_clear_error(void) { snprintf(g_err, sizeof g_err, "no error"); }
+
 bool moek_cuda_context_ok(void)
 {
     (void)cudaGetLastError();

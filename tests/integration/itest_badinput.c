@@ -654,6 +654,47 @@ TEST(an_impossible_region_size_is_said)
     itest_daemon_stop(&d);
 }
 
+/* A layer the device's kernels cannot run (H = 12: the CUDA kernels take
+ * multiples of 8) is refused with the kernels' own reason, and the daemon
+ * goes on serving; the CPU backend runs any shape, so there it loads. */
+TEST(a_shape_the_device_cannot_run_is_said)
+{
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    moe_client *c = itest_connect(&d, "shape");
+    moe_region *r;
+    CHECK(moe_region_create(c, 1 << 16, "w", &r) == 0);
+    const size_t n = 2 * 16 * 12; /* each of w1, w3, w2: E = 2, I = 16, H = 12 */
+    itest_fill(&seed, MOE_DTYPE_BF16, moe_region_data(r), 3 * n, 0.5f);
+    moe_layer_desc odd = {.name = "odd", .kind = MOE_LAYER_MOE, .dtype = MOE_DTYPE_BF16,
+                          .experts = 2, .topk = 1, .hidden = 12, .intermediate = 16,
+                          .routing = MOE_ROUTING_SOFTMAX,
+                          .w1 = moe_tensor_3d(r, 0, MOE_DTYPE_BF16, 2, 16, 12),
+                          .w3 = moe_tensor_3d(r, 2 * n, MOE_DTYPE_BF16, 2, 16, 12),
+                          .w2 = moe_tensor_3d(r, 4 * n, MOE_DTYPE_BF16, 2, 12, 16)};
+    int rc = moe_layer_load(c, &odd, NULL);
+    if (itest_on_gpu()) {
+        CHECK_MSG(rc == -ENOTSUP, "got %d (%s)", rc, moe_errmsg());
+        CHECK_STR_CONTAINS(moe_errmsg(), "shape not supported");
+        CHECK_STR_CONTAINS(moe_errmsg(), "multiples of 8");
+    } else {
+        CHECK_MSG(rc == 0, "%s", moe_errmsg());
+        CHECK(moe_layer_unload(c, "odd") == 0);
+    }
+    /* Nothing was half-loaded, and a shape both backends run loads. */
+    CHECK_EQ_INT(moe_layer_list(c, NULL, 0), 0);
+    odd.hidden = 8;
+    odd.w1 = moe_tensor_3d(r, 0, MOE_DTYPE_BF16, 2, 16, 8);
+    odd.w3 = moe_tensor_3d(r, 2 * n, MOE_DTYPE_BF16, 2, 16, 8);
+    odd.w2 = moe_tensor_3d(r, 4 * n, MOE_DTYPE_BF16, 2, 8, 16);
+    CHECK_MSG(moe_layer_load(c, &odd, NULL) == 0, "%s", moe_errmsg());
+    CHECK_EQ_INT(moe_layer_list(c, NULL, 0), 1);
+    moe_region_free(c, &r);
+    moe_disconnect(&c);
+    itest_daemon_stop(&d);
+}
+
 /* What a client names (here its session's name) cannot begin a line of its
  * own in the daemon's log, where it could pass for one of moed's. */
 TEST(a_client_cannot_forge_log_lines)
@@ -802,5 +843,6 @@ int main(int argc, char **argv)
         TEST_CASE(a_forked_child_does_not_use_its_parents_client),
         TEST_CASE(a_forked_child_does_not_keep_its_parents_session),
         TEST_CASE(a_client_cannot_forge_log_lines),
+        TEST_CASE(a_shape_the_device_cannot_run_is_said),
         {0}});
 }
