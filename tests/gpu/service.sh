@@ -45,8 +45,12 @@ $M info
 # Each routing path of the demo layer (k = 2): T k <= 32 one warp (1, 3,
 # 16), T <= 32 one block (20), T <= 64 two CTAs (48), more: several (100,
 # 700).
-for t in 1 3 16 20 48 100 700; do $M forward --layer demo --tokens $t --check; done
-for m in 1 50 333; do $M gemm --layer demo-gemm --rows $m --check; done
+# The checks' lines also go to $OUT/check.log, where a long run's output
+# cannot push them out of sight.
+for t in 1 3 16 20 48 100 700; do $M forward --layer demo --tokens $t --check; done 2>&1 |
+    tee "$OUT/check.log"
+for m in 1 50 333; do $M gemm --layer demo-gemm --rows $m --check; done 2>&1 |
+    tee -a "$OUT/check.log"
 kill $!; wait
 fi
 
