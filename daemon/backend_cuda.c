@@ -137,13 +137,13 @@ static int cuda_check(struct cuda_backend *cb, int rc)
 
 /* A run's end: on failure, what it enqueued may still read the staging
  * buffer or the clients' regions, which the caller may reuse or release
- * once it returns, so the stream is waited for first. (A wait that fails
- * fails for the same sticky error; one that succeeds leaves the run's
- * error text as it is.) */
+ * once it returns, so the stream is waited for first. A wait that fails
+ * found a fault in that work, whatever the run's own error: the context
+ * is checked for it too. */
 static int cuda_failed(struct cuda_backend *cb, int rc)
 {
-    if (rc)
-        moek_cuda_stream_sync(cb->stream);
+    if (rc && moek_cuda_stream_sync(cb->stream) == -EIO)
+        cuda_check(cb, -EIO);
     return cuda_check(cb, rc);
 }
 
@@ -165,8 +165,10 @@ static int dbuf_reserve(struct cuda_backend *cb, struct dbuf *b, size_t need)
     cb->gen++;
     size_t size = need + need / 4;
     rc = moek_cuda_malloc(size, &b->p);
-    if (rc == -ENOMEM)
+    if (rc == -ENOMEM) {
+        moek_cuda_clear_error(); /* the retry's text, if any, is the one */
         rc = moek_cuda_malloc(size = need, &b->p);
+    }
     if (rc)
         return cuda_check(cb, rc);
     b->size = size;
@@ -184,8 +186,10 @@ static int cuda_ws_reserve(struct cuda_backend *cb, size_t need)
     cb->ws = NULL;
     cb->gen++;
     rc = moek_cuda_workspace_new(cb->device, need + need / 4, &cb->ws);
-    if (rc == -ENOMEM)
+    if (rc == -ENOMEM) {
+        moek_cuda_clear_error();
         rc = moek_cuda_workspace_new(cb->device, need, &cb->ws);
+    }
     return cuda_check(cb, rc);
 }
 
@@ -213,6 +217,7 @@ static int cuda_moe_new(struct backend *b, const moek_moe_shape *shape, moek_dty
                         const void *w2, void **handle)
 {
     struct cuda_backend *cb = (struct cuda_backend *)b;
+    moek_cuda_clear_error();
     struct cuda_weights *w = calloc(1, sizeof(*w));
     if (!w)
         return -ENOMEM;
@@ -220,7 +225,6 @@ static int cuda_moe_new(struct backend *b, const moek_moe_shape *shape, moek_dty
     w->dt = dt;
     w->scoring = scoring;
     w->renormalize = renormalize;
-    moek_cuda_clear_error();
     int rc = moek_cuda_set_device(cb->device);
     if (!rc)
         rc = moek_cuda_moe_layer_new(shape, dt, w1, w3, w2, cb->device, &w->moe);
@@ -237,6 +241,7 @@ static int cuda_gemm_new(struct backend *b, moek_dtype dt, int groups, int n, in
                          const void *bw, void **handle)
 {
     struct cuda_backend *cb = (struct cuda_backend *)b;
+    moek_cuda_clear_error();
     struct cuda_weights *w = calloc(1, sizeof(*w));
     if (!w)
         return -ENOMEM;
@@ -245,7 +250,6 @@ static int cuda_gemm_new(struct backend *b, moek_dtype dt, int groups, int n, in
     w->groups = groups;
     w->n = n;
     w->k = k;
-    moek_cuda_clear_error();
     int rc = moek_cuda_set_device(cb->device);
     if (!rc)
         rc = moek_cuda_gemm_weights_new(dt, groups, n, k, bw, cb->device, &w->g);
@@ -322,6 +326,7 @@ static int cuda_copy_rows(struct cuda_backend *cb, const struct backend_moe_io *
         if (rc != -ENOTSUP)
             return rc;
         cb->rows_kernel = false; /* this device cannot: DMA from now on */
+        moek_cuda_clear_error();
     }
     return moek_cuda_copy_batch_async(dst, src, size, n, cb->stream);
 }

@@ -112,6 +112,7 @@ static void load_run(struct job *job)
     struct backend *b = lj->s->backend;
     struct host_weights hw = {0};
     const void *w1, *w3, *w2;
+    const char *why = ""; /* the backend's own text of its refusal */
     if (lj->upload) {
         w1 = lj->w1.ptr;
         w3 = lj->w3.ptr;
@@ -152,11 +153,12 @@ static void load_run(struct job *job)
         moek_scoring sc = l->routing == MOE__ROUTING__ROUTING_SIGMOID ? MOEK_SCORING_SIGMOID
                                                                      : MOEK_SCORING_SOFTMAX;
         lj->rc = b->ops->moe_new(b, &l->shape, l->dt, sc, l->renormalize, w1, w3, w2, &l->weights);
+        why = lj->rc ? backend_last_error(b) : "";
     } else {
         lj->rc = b->ops->gemm_new(b, l->dt, (int)l->groups, (int)l->n, (int)l->k, w1, &l->weights);
+        why = lj->rc ? backend_last_error(b) : "";
     }
     if (lj->rc && !lj->err[0]) {
-        const char *why = backend_last_error(b);
         snprintf(lj->err, sizeof(lj->err), "%s backend cannot hold the weights: %s%s%s%s",
                  b->name,
                  lj->rc == -ENOMEM ? "out of memory" : lj->rc == -ENOTSUP ? "shape not supported"

@@ -421,16 +421,14 @@ TEST(unload_reload_and_duplicate_names)
     itest_daemon_stop(&d);
 }
 
-/* A client that dies with requests queued and regions mapped: the daemon
- * frees what it held and keeps serving the others. */
 /* The daemon's descriptors once they hold still: a region freed just
  * before may still be being unpinned and closed on the daemon's pinner
  * thread (the CUDA backend's unpin takes a while), so the count is taken
  * when no region is left and five readings 20 ms apart agree. */
 static int steady_fds(const struct itest_daemon *d, moe_client *c)
 {
-    int n = -1;
-    for (int i = 0, same = 0; i < 250 && same < 5; i++) {
+    int n = -1, same = 0;
+    for (int i = 0; i < 250 && same < 5; i++) {
         moe_stats s;
         CHECK(moe_stats_get(c, &s) == 0);
         int m = itest_count_fds(d->pid);
@@ -438,9 +436,12 @@ static int steady_fds(const struct itest_daemon *d, moe_client *c)
         n = m;
         itest_sleep_ms(20);
     }
+    CHECK_MSG(same == 5, "the daemon's descriptors did not hold still in 5 s (last %d)", n);
     return n;
 }
 
+/* A client that dies with requests queued and regions mapped: the daemon
+ * frees what it held and keeps serving the others. */
 TEST(killed_clients_are_cleaned_up)
 {
     uint64_t seed = test_seed();

@@ -636,6 +636,67 @@ TEST(a_spread_layer_over_the_routing_limit_is_refused)
     backend_free(&b[1]);
 }
 
+/* A backend that refuses every layer, saying why through last_error (or
+ * not, with why NULL). */
+struct picky {
+    struct backend base;
+    const char *why;
+};
+
+static int picky_moe_new(struct backend *b, const moek_moe_shape *shape, moek_dtype dt,
+                         moek_scoring scoring, bool renormalize, const void *w1, const void *w3,
+                         const void *w2, void **handle)
+{
+    (void)b, (void)shape, (void)dt, (void)scoring, (void)renormalize, (void)w1, (void)w3, (void)w2;
+    *handle = NULL;
+    return -ENOTSUP;
+}
+
+static const char *picky_last_error(struct backend *b)
+{
+    return ((struct picky *)b)->why;
+}
+
+static const struct backend_ops picky_ops = {.moe_new = picky_moe_new,
+                                             .last_error = picky_last_error};
+
+/* A device that refuses its part of a spread layer: the error names the
+ * device and carries the backend's own reason where it gives one; the
+ * parts already made on other devices are freed. */
+TEST(a_refused_shard_says_the_backends_reason)
+{
+    struct backend *b[2] = {NULL, NULL};
+    CHECK_EQ_INT(backend_cpu_new(1, &b[0]), 0);
+    struct picky dev1 = {.base = {.ops = &picky_ops, .name = "picky"},
+                         .why = "hidden 16: not on this device"};
+    b[1] = &dev1.base;
+    CHECK_STR_CONTAINS(backend_last_error(b[1]), "hidden 16");
+    CHECK(strcmp(backend_last_error(b[0]), "") == 0); /* no last_error op */
+    const uint32_t devs[2] = {0, 1};
+    const moek_moe_shape shape = {8, 2, 16, 8};
+    static uint16_t w[8 * 16 * 8];
+    for (size_t i = 0; i < sizeof(w) / sizeof(w[0]); i++)
+        w[i] = (uint16_t)(0x3c00 + (i % 64));
+    for (int with_why = 1; with_why >= 0; with_why--) {
+        dev1.why = with_why ? "hidden 16: not on this device" : NULL;
+        struct shard_set set;
+        char err[256] = "";
+        CHECK_EQ_INT(shard_plan(8, devs, 2, NULL, 0, 2, &set, err, sizeof(err)), 0);
+        CHECK_EQ_INT(shard_upload(&set, b, &shape, MOEK_DTYPE_BF16, MOEK_SCORING_SOFTMAX, true, w,
+                                  w, w, err, sizeof(err)),
+                     -ENOTSUP);
+        CHECK_STR_CONTAINS(err, "device 1 (picky) cannot hold its 4 experts: ");
+        if (with_why)
+            CHECK_STR_CONTAINS(err, "supported (hidden 16: not on this device)");
+        else
+            CHECK_MSG(strchr(err, '(') == strstr(err, "(picky)"), "%s", err);
+        CHECK(set.shards[0].weights == NULL && set.shards[1].weights == NULL);
+        shard_done(&set, b);
+    }
+    backend_free(&b[0]);
+    CHECK_NO_LEAKS();
+}
+
 /* A backend whose device can fail (healthy() false), for the daemon's
  * check of all its devices. */
 struct flaky {
@@ -793,5 +854,6 @@ int main(int argc, char **argv)
         TEST_CASE(a_failed_device_other_than_the_first_is_noticed),
         TEST_CASE(a_failed_device_stops_the_server),
         TEST_CASE(a_spread_layer_over_the_routing_limit_is_refused),
+        TEST_CASE(a_refused_shard_says_the_backends_reason),
         {0}});
 }
