@@ -39,6 +39,16 @@ const char *backend_last_error(struct backend *b)
     return e ? e : "";
 }
 
+const char *backend_error_note(struct backend *b, char *buf, size_t len)
+{
+    const char *e = backend_last_error(b);
+    if (*e)
+        snprintf(buf, len, " (%s)", e);
+    else if (len)
+        buf[0] = '\0';
+    return buf;
+}
+
 int backend_moe_tune(struct backend *b, const moek_moe_shape *shape, moek_dtype dt,
                      const int *tokens, int n, struct backend_tune *out, char *err,
                      size_t errlen)

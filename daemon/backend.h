@@ -179,6 +179,9 @@ void backend_free(struct backend **b);
 /* b->ops->last_error's text, or "" where it has none: for a failure's
  * message, right after the failed call on the same thread. */
 const char *backend_last_error(struct backend *b);
+/* The same as a note to end a message with: " (text)", or "" where there
+ * is no text; written to buf, which is returned. */
+const char *backend_error_note(struct backend *b, char *buf, size_t len);
 
 /* b->ops->moe_tune, or -ENOTSUP (with err saying so) for a backend that
  * does not choose token tiles. */

@@ -354,9 +354,9 @@ static int gather_routing(struct layer *l, struct batch_item *it, int32_t *ids, 
 static void batch_backend_failed(struct batch_job *bj)
 {
     struct backend *b = bj->s->backend;
-    const char *why = backend_last_error(b);
-    snprintf(bj->err, sizeof(bj->err), "%s backend failed: %s%s%.120s%s", b->name,
-             strerror(-bj->rc), *why ? " (" : "", why, *why ? ")" : "");
+    char why[sizeof(bj->err)];
+    snprintf(bj->err, sizeof(bj->err), "%s backend failed: %s%s", b->name, strerror(-bj->rc),
+             backend_error_note(b, why, sizeof(why)));
 }
 
 static void run_moe(struct batch_job *bj)

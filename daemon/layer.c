@@ -112,7 +112,6 @@ static void load_run(struct job *job)
     struct backend *b = lj->s->backend;
     struct host_weights hw = {0};
     const void *w1, *w3, *w2;
-    const char *why = ""; /* the backend's own text of its refusal */
     if (lj->upload) {
         w1 = lj->w1.ptr;
         w3 = lj->w3.ptr;
@@ -139,7 +138,8 @@ static void load_run(struct job *job)
             l->k = hw.k;
         }
     }
-    if (l->kind == MOE__LAYER_KIND__LAYER_MOE && lj->n_devices > 0) {
+    const bool spread = l->kind == MOE__LAYER_KIND__LAYER_MOE && lj->n_devices > 0;
+    if (spread) {
         lj->rc = shard_plan(l->shape.experts, lj->devices, lj->n_devices, lj->expert_map, lj->n_map,
                             lj->s->n_backends, &l->shards, lj->err, sizeof(lj->err));
         if (!lj->rc)
@@ -153,17 +153,19 @@ static void load_run(struct job *job)
         moek_scoring sc = l->routing == MOE__ROUTING__ROUTING_SIGMOID ? MOEK_SCORING_SIGMOID
                                                                      : MOEK_SCORING_SOFTMAX;
         lj->rc = b->ops->moe_new(b, &l->shape, l->dt, sc, l->renormalize, w1, w3, w2, &l->weights);
-        why = lj->rc ? backend_last_error(b) : "";
     } else {
         lj->rc = b->ops->gemm_new(b, l->dt, (int)l->groups, (int)l->n, (int)l->k, w1, &l->weights);
-        why = lj->rc ? backend_last_error(b) : "";
     }
     if (lj->rc && !lj->err[0]) {
-        snprintf(lj->err, sizeof(lj->err), "%s backend cannot hold the weights: %s%s%s%s",
-                 b->name,
+        /* The backend's note only where its own call failed: a spread
+         * layer's plan can fail short of memory before any. */
+        char why[256] = "";
+        if (!spread)
+            backend_error_note(b, why, sizeof(why));
+        snprintf(lj->err, sizeof(lj->err), "%s backend cannot hold the weights: %s%s", b->name,
                  lj->rc == -ENOMEM ? "out of memory" : lj->rc == -ENOTSUP ? "shape not supported"
                                                      : strerror(-lj->rc),
-                 *why ? " (" : "", why, *why ? ")" : "");
+                 why);
     }
     l->weight_bytes = hw.bytes;
     snprintf(l->source, sizeof(l->source), "%s", hw.source);

@@ -117,10 +117,10 @@ int shard_upload(struct shard_set *set, struct backend **backends, const moek_mo
          * remapped: backend_moe_io.remap). */
         moek_moe_shape local = {(int)n, shape->topk, shape->hidden, shape->intermediate};
         struct backend *be = backends[sh->device];
-        char why[160] = ""; /* the backend's own text (the kernels' reason) */
+        char why[160] = ""; /* the backend's own note (the kernels' reason) */
         if (!rc && (rc = be->ops->moe_new(be, &local, dt, scoring, renormalize, a, b, c,
                                           &sh->weights)))
-            snprintf(why, sizeof(why), "%s", backend_last_error(be));
+            backend_error_note(be, why, sizeof(why));
         free(a);
         free(b);
         free(c);
@@ -131,9 +131,9 @@ int shard_upload(struct shard_set *set, struct backend **backends, const moek_mo
                 bt->ops->weights_free(bt, set->shards[t].weights);
                 set->shards[t].weights = NULL;
             }
-            return errf(err, errlen, rc, "device %d (%s) cannot hold its %zu experts: %s%s%s%s",
+            return errf(err, errlen, rc, "device %d (%s) cannot hold its %zu experts: %s%s",
                         sh->device, be->name, n, rc == -ENOMEM ? "out of memory" : strerror(-rc),
-                        *why ? " (" : "", why, *why ? ")" : "");
+                        why);
         }
         sh->bytes = 3 * n * per;
     }

@@ -13,7 +13,8 @@
 
 #include "cuda_common.cuh"
 
-static thread_local char g_err[256] = "no error";
+#define NO_ERROR "no error"
+static thread_local char g_err[256] = NO_ERROR;
 
 int moek_cuda_fail(cudaError_t e, const char *what)
 {
@@ -43,7 +44,8 @@ int moek_cuda_refuse(int err, const char *fmt, ...)
 
 const char *moek_cuda_last_error(void) { return g_err; }
 
-void moek_cuda_clear_error(void) { snprintf(g_err, sizeof g_err, "no error"); }
+/* Called at the start of every backend call: a copy, not a format. */
+void moek_cuda_clear_error(void) { memcpy(g_err, NO_ERROR, sizeof NO_ERROR); }
 
 bool moek_cuda_context_ok(void)
 {
