@@ -118,6 +118,8 @@ struct cuda_backend {
                          * compute thread, read by the loop) */
     char name[96];
     char model[TILES_DEVICE_MAX]; /* the card's name, the tile table's key */
+    int sms;            /* the card's multiprocessors and memory, read once at open */
+    size_t mem_bytes;
     bool rows_kernel;   /* small batches' rows by kernel (cuda_copy_rows) */
     struct ep_group eps[EP_GROUPS]; /* as the home device of spread layers */
     uint64_t ep_clock;              /* counts cuda_ep_get's calls */
@@ -465,6 +467,16 @@ static int cuda_ep_get(struct cuda_backend *home, const int *devices, int n, moe
     return 0;
 }
 
+/* A group whose forward failed is not reused: the next forward makes another. */
+static void cuda_ep_drop(struct cuda_backend *home, moek_cuda_ep *ep)
+{
+    for (int i = 0; i < EP_GROUPS; i++)
+        if (home->eps[i].ep == ep) {
+            moek_cuda_ep_free(ep);
+            home->eps[i].ep = NULL;
+        }
+}
+
 static int cuda_moe_run_sharded(const struct backend_shard *sh, int n, int experts,
                                 const struct backend_moe_io *io)
 {
@@ -508,6 +520,8 @@ static int cuda_moe_run_sharded(const struct backend_shard *sh, int n, int exper
         .ids_dev = io->ids, .weights_dev = io->weights,
     };
     rc = moek_cuda_ep_forward(ep, layers, remaps, experts, io->x, &r, io->tokens, io->out);
+    if (rc && rc != -EINVAL)
+        cuda_ep_drop(home, ep);
     if (rc == -EIO)
         for (int i = 0; i < n; i++) {
             struct cuda_backend *cb = (struct cuda_backend *)sh[i].b;
@@ -701,13 +715,10 @@ static int cuda_devices(struct backend *b, struct backend_device *out, int max)
     struct cuda_backend *cb = (struct cuda_backend *)b;
     if (max < 1)
         return 0;
-    int sms = 0;
-    size_t mem = 0;
     memset(out, 0, sizeof(*out));
     snprintf(out->name, sizeof(out->name), "%s", cb->name);
-    moek_cuda_device_info(cb->device, NULL, &sms, &mem);
-    out->memory_bytes = mem;
-    out->compute_units = (uint32_t)sms;
+    out->memory_bytes = cb->mem_bytes;
+    out->compute_units = (uint32_t)cb->sms;
     return 1;
 }
 
@@ -785,6 +796,8 @@ int backend_cuda_new(int device, struct backend **out)
         return -ENOMEM;
     cb->device = device;
     int rc = moek_cuda_set_device(device);
+    if (!rc)
+        rc = moek_cuda_device_info(device, NULL, &cb->sms, &cb->mem_bytes);
     if (!rc)
         rc = moek_cuda_stream_new(&cb->stream);
     if (rc) {

@@ -50,6 +50,7 @@ struct nccl_api {
     void *lib;
     ncclResult_t (*comm_init_all)(ncclComm_t *, int, const int *);
     ncclResult_t (*comm_destroy)(ncclComm_t);
+    ncclResult_t (*comm_abort)(ncclComm_t); /* NULL where the library lacks it */
     ncclResult_t (*group_start)(void);
     ncclResult_t (*group_end)(void);
     ncclResult_t (*send)(const void *, size_t, ncclDataType_t, int, ncclComm_t,
@@ -83,6 +84,9 @@ static int nccl_open(nccl_api *api)
     SYM(error_string, "ncclGetErrorString");
     SYM(get_version, "ncclGetVersion");
 #undef SYM
+    /* Drops a communicator without waiting for its operations: for a group
+     * whose forward failed (NCCL 2.4 and later). */
+    *(void **)&api->comm_abort = dlsym(api->lib, "ncclCommAbort");
     return 0;
 }
 
@@ -105,6 +109,7 @@ struct ep_dev {
 struct moek_cuda_ep {
     int n;
     moek_cuda_ep_transport transport;
+    bool failed; /* a forward failed part way: the group is not reused */
     nccl_api nccl;
     ncclComm_t comm[EP_MAX];
     cudaEvent_t in_ready; /* the home device holds the batch (peer) */
@@ -139,6 +144,15 @@ void moek_cuda_ep_free(moek_cuda_ep *ep)
 {
     if (!ep)
         return;
+    /* After a failure, send/recv may be left without their pairs: abort the
+     * communicators before waiting for the streams their kernels are on. */
+    if (ep->failed && ep->nccl.comm_abort)
+        for (int i = 0; i < ep->n; i++)
+            if (ep->comm[i]) {
+                cudaSetDevice(ep->d[i].device);
+                ep->nccl.comm_abort(ep->comm[i]);
+                ep->comm[i] = nullptr;
+            }
     for (int i = 0; i < ep->n; i++) {
         ep_dev *d = &ep->d[i];
         cudaSetDevice(d->device);
@@ -347,24 +361,19 @@ static int ep_dispatch(moek_cuda_ep *ep, size_t off, size_t bytes)
     return 0;
 }
 
-int moek_cuda_ep_forward(moek_cuda_ep *ep, moek_cuda_moe_layer *const *layers,
-                         const int32_t *const *remap_dev, int route_experts,
-                         const void *x_host,
-                         const moek_cuda_routing *routing_host, int T,
-                         void *out_host)
+/* The shards match the group and each other, and the routing is whole. */
+static int ep_check(const moek_cuda_ep *ep, moek_cuda_moe_layer *const *layers,
+                    const int32_t *const *remap_dev,
+                    const moek_cuda_routing *routing_host)
 {
-    if (!ep || !layers || !remap_dev || !routing_host || !x_host ||
-        !out_host || T < 0)
-        return moek_cuda_refuse(-EINVAL, "ep_forward: bad argument");
-    if (T == 0)
-        return 0;
-    const moek_moe_shape &s0 = layers[0]->shape;
-    const moek_dtype dt = layers[0]->dt;
-    const int H = s0.hidden, k = s0.topk, E = route_experts;
+    if (!layers[0])
+        return moek_cuda_refuse(-EINVAL, "ep_forward: no home shard");
+    const moek_cuda_moe_layer *L0 = layers[0];
     for (int i = 0; i < ep->n; i++) {
         const moek_cuda_moe_layer *L = layers[i];
         if (!L || !remap_dev[i] || L->device != ep->d[i].device ||
-            L->dt != dt || L->shape.hidden != H || L->shape.topk != k)
+            L->dt != L0->dt || L->shape.hidden != L0->shape.hidden ||
+            L->shape.topk != L0->shape.topk)
             return moek_cuda_refuse(-EINVAL, "ep_forward: shard %d does not "
                                     "match the group", i);
     }
@@ -372,6 +381,19 @@ int moek_cuda_ep_forward(moek_cuda_ep *ep, moek_cuda_moe_layer *const *layers,
     if (logits ? !routing_host->logits_dev
                : (!routing_host->ids_dev || !routing_host->weights_dev))
         return moek_cuda_refuse(-EINVAL, "ep_forward: bad routing");
+    return 0;
+}
+
+/* The forward itself, once ep_check has passed. */
+static int ep_forward(moek_cuda_ep *ep, moek_cuda_moe_layer *const *layers,
+                      const int32_t *const *remap_dev, int route_experts,
+                      const void *x_host, const moek_cuda_routing *routing_host,
+                      int T, void *out_host)
+{
+    const moek_moe_shape &s0 = layers[0]->shape;
+    const moek_dtype dt = layers[0]->dt;
+    const int H = s0.hidden, k = s0.topk, E = route_experts;
+    const bool logits = routing_host->kind == MOEK_CUDA_ROUTE_LOGITS;
     const size_t xb = (size_t)T * H * moek_dtype_size(dt);
     const size_t rb = (size_t)T * (logits ? E : k) * 4;
     const size_t wb = logits ? 0 : (size_t)T * k * 4;
@@ -494,4 +516,28 @@ int moek_cuda_ep_forward(moek_cuda_ep *ep, moek_cuda_moe_layer *const *layers,
                             h->stream));
     MOEK_CU(cudaStreamSynchronize(h->stream));
     return 0;
+}
+
+int moek_cuda_ep_forward(moek_cuda_ep *ep, moek_cuda_moe_layer *const *layers,
+                         const int32_t *const *remap_dev, int route_experts,
+                         const void *x_host,
+                         const moek_cuda_routing *routing_host, int T,
+                         void *out_host)
+{
+    if (!ep || !layers || !remap_dev || !routing_host || !x_host ||
+        !out_host || T < 0)
+        return moek_cuda_refuse(-EINVAL, "ep_forward: bad argument");
+    if (ep->failed)
+        return moek_cuda_refuse(-EIO, "ep_forward: the group failed before; "
+                                "free it and make another");
+    if (T == 0)
+        return 0;
+    int rc = ep_check(ep, layers, remap_dev, routing_host);
+    if (rc)
+        return rc;
+    rc = ep_forward(ep, layers, remap_dev, route_experts, x_host, routing_host,
+                    T, out_host);
+    if (rc)
+        ep->failed = true;
+    return rc;
 }

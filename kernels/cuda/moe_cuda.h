@@ -299,7 +299,10 @@ const char *moek_cuda_ep_transport_name(const moek_cuda_ep *ep);
  * memory, pinned for speed. The batch goes to every device, each computes
  * its experts' slots, the partial outputs are summed in fp32 on the home
  * device. Returns when out_host holds the result. Every device's work is
- * enqueued before the host waits once.
+ * enqueued before the host waits once. Shards or routing that do not match
+ * the group are refused with -EINVAL before any work. A forward that fails
+ * after that leaves the group unusable: later forwards return -EIO, and
+ * moek_cuda_ep_free aborts its NCCL communicators rather than wait on them.
  */
 int moek_cuda_ep_forward(moek_cuda_ep *ep, moek_cuda_moe_layer *const *layers,
                          const int32_t *const *remap_dev, int route_experts,

@@ -1542,6 +1542,21 @@ static void run_shards(moek_cuda_routing_kind kind, uint64_t *rng)
         err = moek_rel_error(tmp, wf, (size_t)T * H);
         fprintf(stderr, "  a group of one device: rel err %.2e\n", err);
         CHECK_MSG(err < 1e-2, "a group of one device: rel err %g", err);
+
+        /* A shard that does not match is refused before any work, and the
+         * group still serves; a forward that fails part way (its buffers,
+         * hundreds of GB, cannot be had) spends the group: later forwards
+         * are refused until it is freed. */
+        moek_cuda_routing no_ids = rh;
+        no_ids.kind = MOEK_CUDA_ROUTE_GIVEN;
+        no_ids.ids_dev = NULL;
+        CHECK_EQ_INT(moek_cuda_ep_forward(ep, layers, remaps, E, x, &no_ids, T, got), -EINVAL);
+        CK(moek_cuda_ep_forward(ep, layers, remaps, E, x, &rh, T, got));
+        CHECK_EQ_INT(moek_cuda_ep_forward(ep, layers, remaps, E, x, &rh, 1 << 30, got),
+                     -ENOMEM);
+        CHECK_EQ_INT(moek_cuda_ep_forward(ep, layers, remaps, E, x, &rh, T, got), -EIO);
+        CHECK_MSG(strstr(moek_cuda_last_error(), "failed before") != NULL, "%s",
+                  moek_cuda_last_error());
         moek_cuda_ep_free(ep);
         moek_cuda_free(d_ident);
     }

@@ -5,7 +5,8 @@
  * cudaHostRegister takes about 15 ms per 256 MiB) and an unpin that
  * counts; its clients are libmoe's, and a raw session socket where the
  * test must say what libmoe never would. One case slows the GEMMs down
- * instead, to time libmoe's waits (moe_set_spin_ahead_us).
+ * instead, to time libmoe's waits (moe_set_spin_ahead_us); another fails
+ * them, as a device can, to read what the client is told.
  */
 #include "tests/unit/unit.h"
 
@@ -761,6 +762,22 @@ static uint64_t spin_gemms(moe_client *c, moe_region *r, int n, uint64_t *seed)
     return cpu;
 }
 
+/* A client of its own with a region and layer "g1" loaded from it. */
+static void gemm_layer_load(struct daemon_here *d, const char *name, moe_client **c,
+                            moe_region **r, uint64_t *seed)
+{
+    CHECK_MSG(moe_connect(d->cfg.runtime_dir, name, c) == 0, "%s", moe_errmsg());
+    CHECK_MSG(moe_region_create(*c, C_OFF + AN * 2, name, r) == 0, "%s", moe_errmsg());
+    *(uint8_t *)moe_region_data(*r) = 0x5a;
+    uint16_t *w = (uint16_t *)((uint8_t *)moe_region_data(*r) + W_OFF);
+    for (int i = 0; i < AN * AN; i++)
+        w[i] = moek_f32_to_bf16(test_randf(seed) * 0.3f);
+    moe_layer_desc gd = {.name = "g1", .kind = MOE_LAYER_GEMM, .dtype = MOE_DTYPE_BF16,
+                         .groups = 1, .n = AN, .k = AN,
+                         .w1 = moe_tensor_3d(*r, W_OFF, MOE_DTYPE_BF16, 1, AN, AN)};
+    CHECK_MSG(moe_layer_load(*c, &gd, NULL) == 0, "%s", moe_errmsg());
+}
+
 TEST(a_client_spinning_ahead_spins_around_its_replies_time_only)
 {
     struct daemon_here d;
@@ -770,18 +787,9 @@ TEST(a_client_spinning_ahead_spins_around_its_replies_time_only)
     d.ops.gemm_run = slow_gemm_run;
     atomic_store(&gemm_ms, 40);
     moe_client *c = NULL;
-    CHECK_MSG(moe_connect(d.cfg.runtime_dir, "ahead", &c) == 0, "%s", moe_errmsg());
     moe_region *r = NULL;
-    CHECK_MSG(moe_region_create(c, C_OFF + AN * 2, "ahead", &r) == 0, "%s", moe_errmsg());
     uint64_t seed = 0x5eed5;
-    *(uint8_t *)moe_region_data(r) = 0x5a;
-    uint16_t *w = (uint16_t *)((uint8_t *)moe_region_data(r) + W_OFF);
-    for (int i = 0; i < AN * AN; i++)
-        w[i] = moek_f32_to_bf16(test_randf(&seed) * 0.3f);
-    moe_layer_desc gd = {.name = "g1", .kind = MOE_LAYER_GEMM, .dtype = MOE_DTYPE_BF16,
-                         .groups = 1, .n = AN, .k = AN,
-                         .w1 = moe_tensor_3d(r, W_OFF, MOE_DTYPE_BF16, 1, AN, AN)};
-    CHECK_MSG(moe_layer_load(c, &gd, NULL) == 0, "%s", moe_errmsg());
+    gemm_layer_load(&d, "ahead", &c, &r, &seed);
     /* Sleeping waits (these also time the round trip, about 40 ms). */
     uint64_t cpu_off = spin_gemms(c, r, 4, &seed);
     /* Spinning from 15 ms before the reply is due: some 15 ms a call. */
@@ -805,6 +813,81 @@ TEST(a_client_spinning_ahead_spins_around_its_replies_time_only)
     uint64_t cpu_again = spin_gemms(c, r, 2, &seed);
     CHECK_MSG(cpu_again < 4000, "sleeping waits took %llu us of CPU",
               (unsigned long long)cpu_again);
+    CHECK_EQ_INT(moe_region_free(c, &r), 0);
+    moe_disconnect(&c);
+    daemon_stop(&d);
+    CHECK_NO_LEAKS();
+}
+
+/* ---- a batch the backend fails -----------------------------------------
+ *
+ * The backend's GEMM fails (as a device's run can): the batch's client
+ * hears the backend's own reason where it gives one, the output is not
+ * touched, and the daemon goes on serving.
+ */
+static atomic_int gemm_failures;           /* the next this many GEMM runs fail */
+static _Atomic(const char *) gemm_fail_why; /* the backend's text for it, or NULL */
+
+static int failing_gemm_run(struct backend *b, void *handle, const void *a,
+                            const int64_t *m_sizes, int64_t m, void *c)
+{
+    if (atomic_load(&gemm_failures) > 0) {
+        atomic_fetch_sub(&gemm_failures, 1);
+        return -EIO;
+    }
+    return cpu_gemm_run(b, handle, a, m_sizes, m, c);
+}
+
+static const char *failing_last_error(struct backend *b)
+{
+    (void)b;
+    return atomic_load(&gemm_fail_why);
+}
+
+/* One GEMM that the backend fails: its message, and its output untouched. */
+static void failed_gemm(moe_client *c, moe_region *r, char *msg, size_t len)
+{
+    uint8_t *base = moe_region_data(r);
+    uint16_t *out = (uint16_t *)(base + C_OFF);
+    for (int j = 0; j < AN; j++)
+        out[j] = 0x7fc1;
+    uint64_t ms[1] = {1};
+    moe_gemm_args ga = {.layer = "g1", .a = moe_tensor_2d(r, A_OFF, MOE_DTYPE_BF16, 1, AN),
+                        .c = moe_tensor_2d(r, C_OFF, MOE_DTYPE_BF16, 1, AN), .m_sizes = ms,
+                        .groups = 1};
+    atomic_store(&gemm_failures, 1);
+    CHECK_EQ_INT(moe_gemm(c, &ga, NULL), -EIO);
+    snprintf(msg, len, "%s", moe_errmsg());
+    CHECK_EQ_INT(atomic_load(&gemm_failures), 0);
+    for (int j = 0; j < AN; j++)
+        CHECK_MSG(out[j] == 0x7fc1, "output %d written: %#x", j, out[j]);
+}
+
+TEST(a_batch_the_backend_fails_says_why_and_the_next_runs)
+{
+    struct daemon_here d;
+    atomic_store(&pin_ms, 0);
+    daemon_start(&d);
+    cpu_gemm_run = d.ops.gemm_run;
+    d.ops.gemm_run = failing_gemm_run;
+    d.ops.last_error = failing_last_error;
+    moe_client *c = NULL;
+    moe_region *r = NULL;
+    uint64_t seed = 0xfa11;
+    gemm_layer_load(&d, "fails", &c, &r, &seed);
+    char msg[512];
+    atomic_store(&gemm_fail_why, "the device's run failed: illegal address");
+    failed_gemm(c, r, msg, sizeof(msg));
+    CHECK_STR_CONTAINS(msg, "cpu backend failed: ");
+    CHECK_STR_CONTAINS(msg, strerror(EIO));
+    CHECK_STR_CONTAINS(msg, " (the device's run failed: illegal address)");
+    /* No reason from the backend: no empty parentheses. */
+    atomic_store(&gemm_fail_why, NULL);
+    failed_gemm(c, r, msg, sizeof(msg));
+    CHECK_STR_CONTAINS(msg, "cpu backend failed: ");
+    CHECK_MSG(strchr(msg, '(') == NULL, "%s", msg);
+    /* The daemon serves on: the next GEMMs are computed, and checked. */
+    spin_gemms(c, r, 2, &seed);
     CHECK_EQ_INT(moe_region_free(c, &r), 0);
     moe_disconnect(&c);
     daemon_stop(&d);
@@ -1290,6 +1373,7 @@ int main(int argc, char **argv)
         TEST_CASE(a_reconnection_does_not_hold_up_the_clients_other_threads),
         TEST_CASE(a_reconnection_into_a_full_backlog_does_not_hold_up_the_clients_other_threads),
         TEST_CASE(a_client_spinning_ahead_spins_around_its_replies_time_only),
+        TEST_CASE(a_batch_the_backend_fails_says_why_and_the_next_runs),
         TEST_CASE_TIMEOUT(stress_regions_gemms_and_raw_sessions_under_random_pins, 180),
         TEST_CASE_TIMEOUT(stress_regions_across_daemon_restarts_under_random_pins, 180),
         {0}});
