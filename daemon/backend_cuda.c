@@ -363,6 +363,15 @@ static int cuda_moe_enqueue(struct cuda_backend *cb, struct cuda_weights *w,
     return rc;
 }
 
+/* A graph captured for a's buffers replays for b's: field by field, as a
+ * struct's padding may differ between two calls' copies. */
+static bool graph_io_same(const struct backend_moe_io *a, const struct backend_moe_io *b)
+{
+    return a->x == b->x && a->logits == b->logits && a->ids == b->ids &&
+           a->weights == b->weights && a->tokens == b->tokens && a->out == b->out &&
+           a->remap == b->remap && a->route_experts == b->route_experts;
+}
+
 static int cuda_moe_run(struct backend *b, void *handle, const struct backend_moe_io *io)
 {
     struct cuda_backend *cb = (struct cuda_backend *)b;
@@ -403,8 +412,7 @@ static int cuda_moe_run(struct backend *b, void *handle, const struct backend_mo
     io = &key;
     if (T <= GRAPH_MAX_TOKENS) {
         void **g = &w->graph[T];
-        if (*g && (w->graph_gen[T] != cb->gen ||
-                   memcmp(&w->graph_io[T], io, sizeof(*io)) != 0)) {
+        if (*g && (w->graph_gen[T] != cb->gen || !graph_io_same(&w->graph_io[T], io))) {
             moek_cuda_graph_free(*g);
             *g = NULL;
         }
