@@ -88,6 +88,9 @@ struct session {
     uint32_t queued_requests;
     uint64_t queued_tokens;
     bool pinning; /* a region of its is being pinned: its socket is not read */
+    /* Answers to its session requests waiting for room on its socket,
+     * which is then watched for room, not read (session.c). */
+    struct out_msg *unsent;
     struct session *next;
     struct session *id_next; /* the next in its session_by_id bucket */
 };

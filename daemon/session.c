@@ -79,18 +79,80 @@ struct region *session_region(struct session *se, uint64_t region_id)
     return NULL;
 }
 
+/* A packed message waiting for room on its socket. */
+struct out_msg {
+    struct out_msg *next;
+    uint64_t id; /* the reply's, for the error that may take its place */
+    size_t n;
+    uint8_t data[];
+};
+
+/* Answers to session requests go out in order. One that finds the socket
+ * full (a client that sends session requests without reading their
+ * answers) waits in se->unsent, and the socket is watched for room instead
+ * of read (session_watch) until it has gone: every request is answered,
+ * and the answers held never outnumber the requests read. */
+static int session_send_bytes(struct session *se, const void *buf, size_t n)
+{
+    return send(se->fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT) < 0 ? -errno : 0;
+}
+
+/* Send what waits: 0 once nothing does, -EAGAIN while the socket is still
+ * full, or the socket's error. */
+static int session_flush(struct session *se)
+{
+    while (se->unsent) {
+        struct out_msg *m = se->unsent;
+        int rc = session_send_bytes(se, m->data, m->n);
+        if (rc == -EWOULDBLOCK)
+            rc = -EAGAIN;
+        if (rc)
+            return rc;
+        se->unsent = m->next;
+        free(m);
+    }
+    return 0;
+}
+
+/* The socket's watch for the session's state: nothing while a region of
+ * its is being pinned (only a hang-up wakes it), room while an answer
+ * waits, else requests. False, and the session closed, if the watch
+ * cannot be changed (the socket would be left spinning or deaf). */
+static bool session_watch(struct server *s, struct session *se)
+{
+    uint32_t ev = se->pinning ? 0 : se->unsent ? EPOLLOUT : EPOLLIN;
+    int rc = loop_watch_events(s->loop, se->watch, ev);
+    if (rc)
+        session_close(s, se, "its socket cannot be watched");
+    return rc == 0;
+}
+
 /* One datagram per reply. A reply must not pack to zero bytes: on a
  * seqpacket socket an empty datagram is indistinguishable from EOF. */
 static void session_send(struct server *s, struct session *se, Moe__SessionReply *rep)
 {
+    (void)s;
     uint8_t buf[SESSION_MSG_MAX];
     size_t n = moe__session_reply__get_packed_size(rep);
     if (n > sizeof(buf))
         return;
     moe__session_reply__pack(rep, buf);
-    if (send(se->fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT) < 0)
+    int rc = se->unsent ? -EAGAIN : session_send_bytes(se, buf, n);
+    if (rc == -EAGAIN || rc == -EWOULDBLOCK) {
+        struct out_msg *m = malloc(sizeof(*m) + n), **tail = &se->unsent;
+        if (m) {
+            *m = (struct out_msg){.n = n};
+            memcpy(m->data, buf, n);
+            while (*tail)
+                tail = &(*tail)->next;
+            *tail = m;
+            return;
+        }
+        rc = -ENOMEM;
+    }
+    if (rc)
         log_debug("session %llu (pid %d): reply not sent: %s",
-                  (unsigned long long)se->id, (int)se->pid, strerror(errno));
+                  (unsigned long long)se->id, (int)se->pid, strerror(-rc));
 }
 
 /* One datagram on the reply socket, never waiting: 0 or -errno. */
@@ -131,12 +193,6 @@ int session_push_reply(struct session *se, void *reply)
  * a client that does not read its replies stops being read, and the queue
  * never holds more than its requests in flight. */
 
-struct out_msg {
-    struct out_msg *next;
-    uint64_t id; /* the reply's, for the error that may take its place */
-    size_t n;
-    uint8_t data[];
-};
 
 /* At most this many requests read from one socket per wake-up, so one busy
  * client cannot hold the loop. */
@@ -433,8 +489,7 @@ static void pin_done(struct job *job)
         return;
     }
     region_add(s, se, r);
-    if (loop_watch_events(s->loop, se->watch, EPOLLIN) < 0)
-        session_close(s, se, "its socket cannot be watched again");
+    session_watch(s, se);
 }
 
 /* Queue r's pin: true, and pin_done answers; false (out of memory), and r
@@ -442,7 +497,7 @@ static void pin_done(struct job *job)
 static bool pin_submit(struct server *s, struct session *se, struct region *r)
 {
     struct pin_job *pj = calloc(1, sizeof(*pj));
-    if (!pj || loop_watch_events(s->loop, se->watch, 0) < 0) {
+    if (!pj || loop_watch_events(s->loop, se->watch, 0) < 0) { /* before se->pinning */
         free(pj);
         return false;
     }
@@ -706,6 +761,22 @@ static void session_on_readable(void *data, int fd, uint32_t events)
         session_close(s, se, (events & EPOLLERR) ? "failed" : "closed");
         return;
     }
+    /* Watched for room: the answers that wait go first, then reading. */
+    if (se->unsent) {
+        if (events & (EPOLLERR | EPOLLHUP)) {
+            session_close(s, se, (events & EPOLLERR) ? "failed" : "closed");
+            return;
+        }
+        int rc = session_flush(se);
+        if (rc == -EAGAIN)
+            return;
+        if (rc) {
+            session_close(s, se, strerror(-rc));
+            return;
+        }
+        if (!session_watch(s, se))
+            return;
+    }
     for (int iter = 0; iter < 64; iter++) {
         uint8_t buf[SESSION_MSG_MAX];
         union {
@@ -751,6 +822,10 @@ static void session_on_readable(void *data, int fd, uint32_t events)
         }
         if (se->pinning)
             return; /* read again once its region is answered */
+        if (se->unsent) {
+            session_watch(s, se); /* read again once the answer has gone */
+            return;
+        }
     }
 }
 
@@ -778,6 +853,11 @@ static void session_close(struct server *s, struct session *se, const char *why)
     loop_unwatch(s->loop, &se->watch);
     close_fd(&se->fd);
     reply_socket_close(s, se, NULL);
+    while (se->unsent) {
+        struct out_msg *m = se->unsent;
+        se->unsent = m->next;
+        free(m);
+    }
     free(se);
 }
 

@@ -928,6 +928,101 @@ TEST(unregistering_a_region_is_answered)
     itest_daemon_stop(&d);
 }
 
+/* A session request sent without waiting: 1 sent, 0 no room (EAGAIN). */
+static int session_send_nowait(struct raw *r, const Moe__SessionRequest *req, int fd)
+{
+    uint8_t buf[256];
+    size_t n = moe__session_request__pack(req, buf);
+    union {
+        char raw[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr a;
+    } cb;
+    struct iovec iov = {buf, n};
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
+    if (fd >= 0) {
+        memset(&cb, 0, sizeof(cb));
+        mh.msg_control = cb.raw;
+        mh.msg_controllen = sizeof(cb.raw);
+        struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(c), &fd, sizeof(int));
+    }
+    ssize_t k = sendmsg(r->sfd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+        return 0;
+    CHECK_MSG(k == (ssize_t)n, "sendmsg: %s", strerror(errno));
+    return 1;
+}
+
+/* A client that sends its session requests back to back and reads their
+ * answers only when it cannot send more: the daemon's answers fill the
+ * socket, and the rest wait in the daemon, which stops reading that
+ * client meanwhile. Every request is answered, in order: the unknown
+ * regions' refusals, and the registration among them with an id that
+ * works. Another client is served all the while. */
+TEST(session_requests_sent_back_to_back_are_all_answered)
+{
+    enum { N = 3000, REG = N / 2 };
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    struct raw r, other;
+    raw_open(&r, d.dir, true);
+    raw_open(&other, d.dir, true);
+    Moe__SessionRequest un = MOE__SESSION_REQUEST__INIT, reg = MOE__SESSION_REQUEST__INIT;
+    Moe__UnregisterRegion ur = MOE__UNREGISTER_REGION__INIT;
+    Moe__RegisterRegion rr = MOE__REGISTER_REGION__INIT;
+    ur.region = 12345;
+    un.body_case = MOE__SESSION_REQUEST__BODY_UNREGISTER_REGION;
+    un.unregister_region = &ur;
+    rr.size = 4096;
+    reg.body_case = MOE__SESSION_REQUEST__BODY_REGISTER_REGION;
+    reg.register_region = &rr;
+    int mfd = memfd_sized(4096, F_SEAL_SHRINK | F_SEAL_GROW);
+    int sent = 0, got = 0, stalls = 0;
+    uint64_t region = 0;
+    while (got < N) {
+        if (sent < N && session_send_nowait(&r, sent == REG ? &reg : &un,
+                                            sent == REG ? mfd : -1)) {
+            sent++;
+            continue;
+        }
+        /* No room for more: the daemon has stopped reading this client. */
+        if (sent < N && stalls++ % 64 == 0)
+            raw_hello(&other);
+        struct pollfd p = {r.sfd, POLLIN, 0};
+        CHECK_MSG(poll(&p, 1, 5000) == 1, "no answer to request %d of %d (%d sent)", got, N,
+                  sent);
+        uint8_t buf[512];
+        ssize_t k = recv(r.sfd, buf, sizeof(buf), 0);
+        CHECK_MSG(k > 0, "answer %d: %s", got, k < 0 ? strerror(errno) : "end of session");
+        Moe__SessionReply *rep = moe__session_reply__unpack(NULL, (size_t)k, buf);
+        CHECK(rep != NULL);
+        if (got == REG) {
+            CHECK_MSG(rep->status == MOE__STATUS__STATUS_OK && rep->region,
+                      "registration: status %d (%s)", (int)rep->status,
+                      rep->message ? rep->message : "");
+            region = rep->region;
+        } else {
+            CHECK_MSG(rep->status == MOE__STATUS__STATUS_NOT_FOUND,
+                      "answer %d: status %d (%s)", got, (int)rep->status,
+                      rep->message ? rep->message : "");
+        }
+        moe__session_reply__free_unpacked(rep, NULL);
+        got++;
+    }
+    fprintf(stderr, "  %d requests, %d times the client could not send more\n", N, stalls);
+    CHECK_MSG(stalls > 0, "the client never had to wait: the daemon's answers did not back up");
+    close(mfd);
+    CHECK_EQ_INT(raw_unregister(&r, region), MOE__STATUS__STATUS_OK);
+    raw_hello(&r);
+    raw_close(&r);
+    raw_hello(&other);
+    raw_close(&other);
+    itest_daemon_stop(&d);
+}
+
 /* OpenSession asking for a reply socket, with these descriptors beside it. */
 static Moe__SessionReply *open_asking_reply_socket(struct raw *r, const int *fds, int nfds)
 {
@@ -1626,6 +1721,7 @@ int main(int argc, char **argv)
         TEST_CASE(an_empty_grouped_gemm_does_not_stall_the_batcher),
         TEST_CASE(a_huge_timeout_is_no_deadline),
         TEST_CASE(unregistering_a_region_is_answered),
+        TEST_CASE(session_requests_sent_back_to_back_are_all_answered),
         TEST_CASE(a_bad_reply_socket_is_refused),
         TEST_CASE(requests_on_a_reply_socket_are_checked),
         TEST_CASE(a_reply_too_large_for_the_reply_socket_is_an_error),
