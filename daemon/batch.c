@@ -266,25 +266,32 @@ void batch_cancel_layer(struct server *s, struct layer *l, int err, const char *
     cancel_where(s, l, 0, true, err, why);
 }
 
-/* Requests whose deadline passed before any of their rows started. */
-static void expire_queued(struct server *s, uint64_t now)
+/* Requests whose deadline passed before any of their rows started are
+ * failed; returns the earliest deadline of those left that have not
+ * started, or 0 for none. */
+static uint64_t expire_queued(struct server *s, uint64_t now)
 {
     if (!s->queued_deadlines)
-        return; /* the usual case: no walk over every queue at each kick */
+        return 0; /* the usual case: no walk over every queue at each kick */
+    uint64_t first = 0;
     for (struct layer *l = s->layers; l; l = l->next) {
         struct request *prev = NULL, *req = l->queue_head;
         while (req) {
             struct request *next = req->next;
-            if (req->deadline_us && now >= req->deadline_us && req->next_row == 0) {
+            bool waiting = req->deadline_us && req->next_row == 0;
+            if (waiting && now >= req->deadline_us) {
                 queue_account(s, req, req->tokens);
                 queue_unlink(s, l, prev, req);
                 request_fail(s, req, -ETIME, "deadline passed while the request was queued");
             } else {
+                if (waiting && (!first || req->deadline_us < first))
+                    first = req->deadline_us;
                 prev = req;
             }
             req = next;
         }
     }
+    return first;
 }
 
 /* ---- compute thread ------------------------------------------------------ */
@@ -679,13 +686,17 @@ static bool delay_until(struct server *s, uint64_t due, uint64_t now)
     return true;
 }
 
-/* True while a session served by the last batch has not come back. */
-static bool batch_awaiting_returns(struct server *s, struct layer *l, uint64_t now)
+/* True while a session served by the last batch has not come back.
+ * deadline: the earliest of the queued requests' (0: none); the batcher
+ * never waits past it, for a request to expire that it chose not to start. */
+static bool batch_awaiting_returns(struct server *s, struct layer *l, uint64_t now,
+                                   uint64_t deadline)
 {
     if (!s->n_awaited)
         return false;
     if (now >= s->awaited_until_us || s->draining ||
-        l->queued_tokens >= s->cfg->max_batch_tokens) {
+        l->queued_tokens >= s->cfg->max_batch_tokens ||
+        (deadline && deadline <= s->awaited_until_us)) {
         s->n_awaited = 0;
         return false;
     }
@@ -698,16 +709,17 @@ static bool batch_awaiting_returns(struct server *s, struct layer *l, uint64_t n
     return false;
 }
 
-static bool batch_should_wait(struct server *s, struct layer *l, uint64_t now)
+static bool batch_should_wait(struct server *s, struct layer *l, uint64_t now,
+                              uint64_t deadline)
 {
-    if (batch_awaiting_returns(s, l, now))
+    if (batch_awaiting_returns(s, l, now, deadline))
         return true;
     uint64_t delay = s->cfg->max_delay_us;
     if (!delay || !s->cfg->batching || s->draining ||
         l->queued_tokens >= s->cfg->max_batch_tokens)
         return false;
     uint64_t due = l->queue_head->arrival_us + delay;
-    if (now >= due)
+    if (now >= due || (deadline && deadline <= due))
         return false;
     return delay_until(s, due, now); /* cannot wait: run now rather than never */
 }
@@ -732,9 +744,9 @@ void batch_kick(struct server *s)
     if (s->batch_running || s->queued_total == 0 || !s->compute)
         return;
     uint64_t now = now_us();
-    expire_queued(s, now);
+    uint64_t deadline = expire_queued(s, now);
     struct layer *l = batch_pick_layer(s);
-    if (!l || batch_should_wait(s, l, now))
+    if (!l || batch_should_wait(s, l, now, deadline))
         return;
     struct batch_job *bj = calloc(1, sizeof(*bj));
     if (!bj)

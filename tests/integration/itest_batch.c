@@ -370,6 +370,68 @@ TEST(max_delay_waits_for_more_requests)
     itest_daemon_stop(&d);
 }
 
+/* The batcher waits for company (max_delay_us) or for the sessions it just
+ * served (return_wait_us) only while no queued request's deadline would
+ * pass meanwhile: a request it chose not to start must not expire. */
+TEST(the_batcher_never_waits_past_a_deadline)
+{
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--max-delay-us", "200000", NULL);
+    moe_client *c = itest_connect(&d, "itest");
+    struct itest_layer L = make_layer("delay", 8, 2, 64, 64);
+    itest_layer_upload(c, &L, &seed);
+    struct itest_fwd f;
+    itest_fwd_make(c, &L, 2, &seed, &f);
+    moe_timings tm;
+    f.args.timeout_us = 20000;
+    int rc = moe_forward(c, &f.args, &tm);
+    CHECK_MSG(rc == 0, "a lone request with a 20 ms deadline: %d %s", rc, moe_errmsg());
+    CHECK(itest_fwd_error(&L, &f) <= itest_tolerance(L.dt));
+    CHECK_MSG(tm.queue_us < 20000, "queued %llu us", (unsigned long long)tm.queue_us);
+    /* Without a deadline it still waits for company. */
+    f.args.timeout_us = 0;
+    CHECK(moe_forward(c, &f.args, &tm) == 0);
+    CHECK_MSG(tm.queue_us >= 150000, "queued %llu us", (unsigned long long)tm.queue_us);
+    moe_disconnect(&c);
+    itest_layer_free(&L);
+    itest_daemon_stop(&d);
+
+    if (itest_on_gpu()) /* the big request must outlast the two small submits */
+        return;
+    itest_daemon_start(&d, "--return-wait-us", "300000", NULL);
+    moe_client *a = itest_connect(&d, "a"), *b = itest_connect(&d, "b");
+    L = make_layer("rw", 8, 2, 512, 1024);
+    itest_layer_upload(a, &L, &seed);
+    struct itest_fwd big, fa, fb, fa2;
+    itest_fwd_make(a, &L, 1024, &seed, &big); /* tens of ms on the CPU backend */
+    itest_fwd_make(a, &L, 1, &seed, &fa);
+    itest_fwd_make(b, &L, 1, &seed, &fb);
+    itest_fwd_make(a, &L, 1, &seed, &fa2);
+    moe_request *rbig, *ra, *rb;
+    CHECK(moe_forward_submit(a, &big.args, &rbig) == 0);
+    itest_sleep_ms(5); /* a's and b's next queue behind it: one batch of two */
+    CHECK(moe_forward_submit(a, &fa.args, &ra) == 0);
+    CHECK(moe_forward_submit(b, &fb.args, &rb) == 0);
+    CHECK(moe_wait(a, &rbig, 60000, NULL) == 0);
+    CHECK(moe_wait(a, &ra, 60000, &tm) == 0);
+    CHECK_EQ_INT(tm.batch_requests, 2);
+    CHECK(moe_wait(b, &rb, 60000, NULL) == 0);
+    /* b does not come back; a's next request has 20 ms. */
+    fa2.args.timeout_us = 20000;
+    rc = moe_forward(a, &fa2.args, &tm);
+    CHECK_MSG(rc == 0, "a request with a 20 ms deadline while b is awaited: %d %s", rc,
+              moe_errmsg());
+    CHECK(itest_fwd_error(&L, &fa2) <= itest_tolerance(L.dt));
+    moe_stats st;
+    CHECK(moe_stats_get(a, &st) == 0);
+    CHECK_EQ_INT(st.expired, 0);
+    moe_disconnect(&a);
+    moe_disconnect(&b);
+    itest_layer_free(&L);
+    itest_daemon_stop(&d);
+}
+
 /* Clients in a decode loop fall into groups that alternate on the device;
  * waiting for the sessions just served merges them into one batch. With a
  * generous return_wait_us, four lock-step clients always share a batch;
@@ -447,5 +509,6 @@ int main(int argc, char **argv)
         TEST_CASE(prefill_does_not_starve_decode),
         TEST_CASE(max_delay_waits_for_more_requests),
         TEST_CASE(returning_clients_are_merged),
+        TEST_CASE(the_batcher_never_waits_past_a_deadline),
         {0}});
 }
