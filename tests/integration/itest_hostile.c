@@ -931,28 +931,11 @@ TEST(unregistering_a_region_is_answered)
 /* A session request sent without waiting: 1 sent, 0 no room (EAGAIN). */
 static int session_send_nowait(struct raw *r, const Moe__SessionRequest *req, int fd)
 {
-    uint8_t buf[256];
-    size_t n = moe__session_request__pack(req, buf);
-    union {
-        char raw[CMSG_SPACE(sizeof(int))];
-        struct cmsghdr a;
-    } cb;
-    struct iovec iov = {buf, n};
-    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
-    if (fd >= 0) {
-        memset(&cb, 0, sizeof(cb));
-        mh.msg_control = cb.raw;
-        mh.msg_controllen = sizeof(cb.raw);
-        struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
-        c->cmsg_level = SOL_SOCKET;
-        c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(sizeof(int));
-        memcpy(CMSG_DATA(c), &fd, sizeof(int));
-    }
-    ssize_t k = sendmsg(r->sfd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    ssize_t k = raw_session_send(r, req, &fd, fd >= 0, MSG_DONTWAIT);
     if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
         return 0;
-    CHECK_MSG(k == (ssize_t)n, "sendmsg: %s", strerror(errno));
+    CHECK_MSG(k == (ssize_t)moe__session_request__get_packed_size(req), "sendmsg: %s",
+              strerror(errno));
     return 1;
 }
 

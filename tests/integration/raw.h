@@ -25,9 +25,9 @@ struct raw {
     uint64_t next_id;
 };
 
-/* Send one session message (with fds) and read its reply; NULL on error. */
-static inline Moe__SessionReply *raw_session_call_try(struct raw *r, const Moe__SessionRequest *req,
-                                                      const int *fds, int nfds)
+/* Send one session message (with fds): sendmsg's result (flags: its). */
+static inline ssize_t raw_session_send(struct raw *r, const Moe__SessionRequest *req,
+                                       const int *fds, int nfds, int flags)
 {
     uint8_t buf[4096];
     size_t n = moe__session_request__pack(req, buf);
@@ -47,7 +47,15 @@ static inline Moe__SessionReply *raw_session_call_try(struct raw *r, const Moe__
         c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
         memcpy(CMSG_DATA(c), fds, sizeof(int) * (size_t)nfds);
     }
-    if (sendmsg(r->sfd, &mh, MSG_NOSIGNAL) != (ssize_t)n)
+    return sendmsg(r->sfd, &mh, MSG_NOSIGNAL | flags);
+}
+
+/* Send one session message (with fds) and read its reply; NULL on error. */
+static inline Moe__SessionReply *raw_session_call_try(struct raw *r, const Moe__SessionRequest *req,
+                                                      const int *fds, int nfds)
+{
+    uint8_t buf[4096];
+    if (raw_session_send(r, req, fds, nfds, 0) != (ssize_t)moe__session_request__get_packed_size(req))
         return NULL;
     ssize_t got = recv(r->sfd, buf, sizeof(buf), 0);
     if (got <= 0)
