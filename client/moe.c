@@ -111,6 +111,9 @@ struct moe_client {
     char dir[PATH_MAX];
     char name[64];
     pid_t pid;            /* the process that connected it */
+    uint64_t serial;      /* unique in this process: a request handle of a
+                           * client gone names it, not one made since at
+                           * the same address (request_of) */
     unsigned forks;       /* fork_count then (see forked()) */
     struct moe_client *next_live; /* this process's clients (live_clients) */
 };
@@ -119,6 +122,7 @@ struct moe_request {
     /* Request ids are the client's own (each client counts from 1): in
      * another client's hands id would name one of that client's requests. */
     const moe_client *client;
+    uint64_t client_serial;
     uint64_t id;
     unsigned generation;
     uint64_t sent_us;     /* when it was sent (mono_us) */
@@ -135,6 +139,7 @@ static _Thread_local char moe_err_buf[512];
  * it held them, the parent's session would outlive the parent's
  * disconnect (or exit) for as long as the child lives. */
 static atomic_uint fork_count;
+static atomic_ullong client_serials;
 static pthread_once_t fork_watch_once = PTHREAD_ONCE_INIT;
 static pthread_mutex_t live_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct moe_client *live_clients;
@@ -431,13 +436,18 @@ static int session_call(moe_client *c, Moe__SessionRequest *req, int fd, bool un
         session_over(c, "a session call timed out, which ends the session; the request is lost");
         return seterr(-ETIMEDOUT, "the daemon did not answer within %d ms", timeout_ms);
     }
-    if (r < 0) {
-        session_over(c, "a session call failed, which ends the session; the request is lost");
-        /* The refusal came, but the daemon closed with the request unread:
-         * the reset is reported first, the answer is still there. */
-        int why = r == -ECONNRESET ? refusal(c->sfd, buf, sizeof(buf)) : 0;
+    /* The daemon went away, or refused and closed, with this request
+     * unread: the reset is reported before what was sent. The replies it
+     * sent before it went are taken, and a refusal's answer is still there. */
+    if (r == -ECONNRESET) {
+        (void)session_gone(c);
+        int why = refusal(c->sfd, buf, sizeof(buf));
         if (why)
             return why;
+        return seterr(-ECONNRESET, "the daemon closed the session");
+    }
+    if (r < 0) {
+        session_over(c, "a session call failed, which ends the session; the request is lost");
         return seterr((int)r, "waiting for the daemon: %s", strerror((int)-r));
     }
     if (r == 0) {
@@ -697,6 +707,7 @@ int moe_connect(const char *runtime_dir, const char *client_name, moe_client **o
     if (!c)
         return seterr(-ENOMEM, "out of memory");
     c->pid = getpid();
+    c->serial = atomic_fetch_add(&client_serials, 1) + 1;
     c->forks = atomic_load(&fork_count);
     pthread_mutex_init(&c->mu, NULL);
     pthread_condattr_t ca;
@@ -933,16 +944,22 @@ static int pending_add(moe_client *c, const void *buf, size_t n, uint64_t stop_i
 static int receive_pushed(moe_client *c, uint64_t stop_id)
 {
     int found = 0;
+    bool reset = false;
     for (;;) {
         uint8_t buf[4096];
         ssize_t r = recv(c->rfd, buf, sizeof(buf), MSG_DONTWAIT);
         if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
             return found;
-        /* End of file, or ECONNRESET (closed with requests of ours unread):
-         * the daemon closed this socket, or went away, which the session
-         * socket tells. Either way requests and replies go by ZeroMQ from
-         * now on, and a socket that polls as hung up forever is no longer
-         * polled. */
+        /* ECONNRESET (closed with requests of ours unread) is reported once,
+         * before the replies that came ahead of the close: read on. */
+        if (r < 0 && errno == ECONNRESET && !reset) {
+            reset = true;
+            continue;
+        }
+        /* End of file: the daemon closed this socket, or went away, which
+         * the session socket tells. Either way requests and replies go by
+         * ZeroMQ from now on, and a socket that polls as hung up forever is
+         * no longer polled. */
         if (r == 0 || (r < 0 && errno == ECONNRESET)) {
             fd_drop(&c->rfd);
             c->socket_requests = false;
@@ -1710,6 +1727,7 @@ static int submit(moe_client *c, build_fn *build, const void *args, moe_request 
     if (!rc)
         rc = send_request(c, &cm.req, true);
     r->client = c;
+    r->client_serial = c->serial;
     r->generation = c->generation;
     r->id = rc ? 0 : cm.req.id;
     r->sent_us = mono_us();
@@ -1762,6 +1780,13 @@ static int request_wait(moe_client *c, const moe_request *r, int timeout_ms, moe
     return rc;
 }
 
+/* r was made by c: by this client, not by one disconnected before c was
+ * made at the same address (request ids restart at 1 in every client). */
+static bool request_of(const moe_client *c, const moe_request *r)
+{
+    return r->client == c && r->client_serial == c->serial;
+}
+
 int moe_wait(moe_client *c, moe_request **rp, int timeout_ms, moe_timings *timings)
 {
     if (!c)
@@ -1769,7 +1794,7 @@ int moe_wait(moe_client *c, moe_request **rp, int timeout_ms, moe_timings *timin
     moe_request *r = rp ? *rp : NULL;
     if (!r)
         return null_arg("the request");
-    if (r->client != c)
+    if (!request_of(c, r))
         return seterr(-EINVAL, "the request is not this client's");
     if (forked(c))
         return refuse_forked(c); /* the handle stays the caller's */
@@ -1785,7 +1810,7 @@ int moe_poll(moe_client *c, moe_request *r)
 {
     if (!c || !r)
         return null_arg(!c ? "the client" : "the request");
-    if (r->client != c)
+    if (!request_of(c, r))
         return seterr(-EINVAL, "the request is not this client's");
     if (forked(c))
         return refuse_forked(c);
@@ -1819,7 +1844,7 @@ void moe_request_free(moe_client *c, moe_request **rp)
         return;
     /* Another client's hands: its requests of the same id are not touched
      * (the owner keeps the reply, when it comes, until it disconnects). */
-    if (c && c == r->client && !forked(c))
+    if (c && request_of(c, r) && !forked(c))
         give_up(c, r->id, r->generation);
     free(r);
 }

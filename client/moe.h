@@ -221,7 +221,9 @@ int moe_hello(moe_client *c, moe_server_info *info);
 int moe_region_create(moe_client *c, size_t size, const char *name, moe_region **out);
 /* Unregister, unmap and free; sets *r = NULL. Accepts NULL. A region that
  * is not one of c's (another client's, or freed already through a copy of
- * the handle) is refused with -EINVAL and left as it is. */
+ * the handle) is refused with -EINVAL and left as it is; but a copy of a
+ * freed handle, like any freed pointer, may name a region made since at
+ * the same address. */
 int moe_region_free(moe_client *c, moe_region **r);
 void *moe_region_data(const moe_region *r);
 size_t moe_region_size(const moe_region *r);

@@ -431,6 +431,62 @@ TEST(a_request_is_waited_for_only_by_its_own_client)
     itest_daemon_stop(&d);
 }
 
+/* A handle of a client disconnected with it uncollected names that client
+ * alone, also when a client made since got its address (and counts its
+ * request ids from 1 again, as every client does): moe_request_free
+ * through the new one frees the handle alone, and moe_wait refuses it. */
+TEST(a_request_of_a_client_gone_is_not_the_next_clients)
+{
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    itest_daemon_start(&d, NULL);
+    struct itest_layer L = {.name = "L", .dt = MOE_DTYPE_BF16, .sh = {E, K, H, I},
+                            .routing = MOE_ROUTING_SOFTMAX, .renorm = true};
+    moe_client *c1 = itest_connect(&d, "c1");
+    itest_layer_upload(c1, &L, &seed); /* c1's request 1 */
+    struct itest_fwd f, g;
+    itest_fwd_make(c1, &L, T, &seed, &f);
+    moe_request *old = NULL, *old2 = NULL;
+    CHECK(moe_forward_submit(c1, &f.args, &old) == 0);  /* 2 */
+    CHECK(moe_forward_submit(c1, &f.args, &old2) == 0); /* 3 */
+    const void *addr = c1;
+    moe_region_free(c1, &f.r);
+    moe_disconnect(&c1);
+    /* glibc hands the freed block back to the next allocation of its
+     * size; a few tries where another thread's allocation got there. */
+    moe_client *c2 = NULL, *spare[8] = {0};
+    for (int i = 0; i < 8; i++) {
+        c2 = itest_connect(&d, "c2");
+        if ((const void *)c2 == addr)
+            break;
+        spare[i] = c2;
+        c2 = NULL;
+    }
+    for (int i = 0; i < 8; i++)
+        if (spare[i])
+            moe_disconnect(&spare[i]);
+    if (!c2)
+        TEST_SKIP("no new client got the old one's address");
+    itest_fwd_make(c2, &L, T, &seed, &g);
+    CHECK(moe_hello(c2, NULL) == 0); /* 1 */
+    moe_request *mine = NULL, *mine2 = NULL;
+    CHECK(moe_forward_submit(c2, &g.args, &mine) == 0);  /* 2 */
+    CHECK(moe_forward_submit(c2, &g.args, &mine2) == 0); /* 3 */
+    moe_request *wrong = old2;
+    CHECK_EQ_INT(moe_wait(c2, &wrong, 5000, NULL), -EINVAL);
+    CHECK_STR_CONTAINS(moe_errmsg(), "not this client's");
+    CHECK_EQ_INT(moe_poll(c2, old2), -EINVAL);
+    moe_request_free(c2, &old);
+    moe_request_free(NULL, &old2);
+    CHECK_MSG(moe_wait(c2, &mine, 10000, NULL) == 0, "%s", moe_errmsg());
+    CHECK_MSG(moe_wait(c2, &mine2, 10000, NULL) == 0, "%s", moe_errmsg());
+    CHECK(itest_fwd_error(&L, &g) <= itest_tolerance(L.dt));
+    moe_region_free(c2, &g.r);
+    moe_disconnect(&c2);
+    itest_layer_free(&L);
+    itest_daemon_stop(&d);
+}
+
 /* Arguments libmoe cannot put on the wire as they are get -EINVAL and a
  * message naming them, and the client goes on. */
 TEST(arguments_libmoe_cannot_send_are_refused)
@@ -835,6 +891,7 @@ int main(int argc, char **argv)
         TEST_CASE(bad_weight_files_are_refused),
         TEST_CASE(a_region_is_freed_only_by_its_own_client),
         TEST_CASE(a_request_is_waited_for_only_by_its_own_client),
+        TEST_CASE(a_request_of_a_client_gone_is_not_the_next_clients),
         TEST_CASE(arguments_libmoe_cannot_send_are_refused),
         TEST_CASE(an_empty_runtime_dir_is_the_default),
         TEST_CASE(null_pointers_are_refused),

@@ -7,6 +7,8 @@
  */
 #include "tests/integration/itest.h"
 
+#include <pthread.h>
+
 /* A daemon, a client of it, a layer L the client uploaded, and f, a
  * forward of T tokens through L. */
 static moe_client *start_with_layer(struct itest_daemon *d, const char *client, size_t T,
@@ -225,6 +227,20 @@ TEST(a_hung_daemon_never_holds_a_call_past_its_timeout)
     itest_daemon_stop(&d);
 }
 
+/* Another client, w, sees the daemon answer n requests more than s0 had
+ * (a request is counted once its reply is sent). */
+static void wait_answered(moe_client *w, const moe_stats *s0, int n)
+{
+    moe_stats s;
+    for (int i = 0; i < 1000; i++) {
+        CHECK_MSG(moe_stats_get(w, &s) == 0, "%s", moe_errmsg());
+        if (s.requests + s.errors >= s0->requests + s0->errors + (uint64_t)n)
+            break;
+        itest_sleep_ms(10);
+    }
+    CHECK_EQ_INT(s.requests, s0->requests + (uint64_t)n);
+}
+
 /* Replies the daemon sent before it died are delivered: moe_poll says they
  * have come and moe_wait returns their results, though the session is
  * over. */
@@ -239,18 +255,12 @@ TEST(replies_sent_before_the_daemon_died_are_delivered)
     /* Another client watches the daemon answer both (a request is counted
      * once its reply is sent); this one reads nothing before the kill. */
     moe_client *w = itest_connect(&d, "watcher");
-    moe_stats s0, s;
+    moe_stats s0;
     CHECK_MSG(moe_stats_get(w, &s0) == 0, "%s", moe_errmsg());
     moe_request *rf, *rg;
     CHECK(moe_forward_submit(c, &f.args, &rf) == 0);
     CHECK(moe_forward_submit(c, &g.args, &rg) == 0);
-    for (int i = 0; i < 1000; i++) { /* both answered, the replies unread */
-        CHECK_MSG(moe_stats_get(w, &s) == 0, "%s", moe_errmsg());
-        if (s.requests + s.errors >= s0.requests + s0.errors + 2)
-            break;
-        itest_sleep_ms(10);
-    }
-    CHECK_EQ_INT(s.requests, s0.requests + 2);
+    wait_answered(w, &s0, 2); /* both answered, the replies unread */
     moe_disconnect(&w);
     itest_daemon_kill(&d);
     CHECK_EQ_INT(moe_poll(c, rf), 1);
@@ -364,6 +374,91 @@ TEST(replies_that_came_survive_a_region_free_that_finds_the_daemon_gone)
     itest_rmdir(d.dir);
 }
 
+/* c's request f answered, its reply unread here; the daemon then stopped
+ * (SIGSTOP), so what c sends next stays unread there. */
+static moe_request *answered_then_frozen(struct itest_daemon *d, moe_client *c,
+                                         struct itest_fwd *f)
+{
+    moe_client *w = itest_connect(d, "watcher");
+    moe_stats s0;
+    CHECK_MSG(moe_stats_get(w, &s0) == 0, "%s", moe_errmsg());
+    moe_request *r = NULL;
+    CHECK_MSG(moe_forward_submit(c, &f->args, &r) == 0, "%s", moe_errmsg());
+    wait_answered(w, &s0, 1);
+    moe_disconnect(&w);
+    CHECK(kill(d->pid, SIGSTOP) == 0);
+    return r;
+}
+
+struct creator {
+    moe_client *c;
+    int rc;
+};
+
+static void *create_region(void *arg)
+{
+    struct creator *cr = arg;
+    moe_region *r = NULL;
+    cr->rc = moe_region_create(cr->c, 4096, "late", &r);
+    if (!cr->rc)
+        moe_region_free(cr->c, &r);
+    return NULL;
+}
+
+/* The daemon dies with a session message of the client's unread (a region
+ * being registered): the client's socket reports the reset before its end,
+ * and the replies that came before are still delivered. */
+TEST(replies_that_came_survive_a_daemon_dying_with_a_session_call_unread)
+{
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    struct itest_layer L;
+    struct itest_fwd f;
+    moe_client *c = start_with_layer(&d, "c", 16, &seed, &L, &f);
+    moe_request *rf = answered_then_frozen(&d, c, &f);
+    struct creator cr = {.c = c};
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, create_region, &cr) == 0);
+    itest_sleep_ms(300); /* the registration sent, unread */
+    itest_daemon_kill(&d);
+    CHECK(pthread_join(t, NULL) == 0);
+    CHECK_EQ_INT(cr.rc, -ECONNRESET);
+    int rc = moe_wait(c, &rf, 5000, NULL);
+    CHECK_MSG(rc == 0, "the answered request: %d (%s)", rc, moe_errmsg());
+    CHECK(itest_fwd_error(&L, &f) <= itest_tolerance(L.dt));
+    moe_region_free(c, &f.r);
+    moe_disconnect(&c);
+    itest_layer_free(&L);
+    itest_rmdir(d.dir);
+}
+
+/* The same with a compute request unread on the reply socket (where libmoe
+ * sends them by default): that socket too reports the reset before the
+ * replies queued in it, which are still delivered; the unread request
+ * fails. */
+TEST(replies_that_came_survive_a_daemon_dying_with_a_request_unread)
+{
+    uint64_t seed = test_seed();
+    struct itest_daemon d;
+    struct itest_layer L;
+    struct itest_fwd f, g;
+    moe_client *c = start_with_layer(&d, "c", 16, &seed, &L, &f);
+    itest_fwd_make(c, &L, 16, &seed, &g);
+    moe_request *rf = answered_then_frozen(&d, c, &f), *rg = NULL;
+    CHECK_MSG(moe_forward_submit(c, &g.args, &rg) == 0, "%s", moe_errmsg());
+    itest_daemon_kill(&d);
+    int rc = moe_wait(c, &rf, 5000, NULL);
+    CHECK_MSG(rc == 0, "the answered request: %d (%s)", rc, moe_errmsg());
+    CHECK(itest_fwd_error(&L, &f) <= itest_tolerance(L.dt));
+    rc = moe_wait(c, &rg, 5000, NULL);
+    CHECK_MSG(rc == -ECONNRESET, "the unread request: %d (%s)", rc, moe_errmsg());
+    moe_region_free(c, &f.r);
+    moe_region_free(c, &g.r);
+    moe_disconnect(&c);
+    itest_layer_free(&L);
+    itest_rmdir(d.dir);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -372,6 +467,8 @@ int main(int argc, char **argv)
         TEST_CASE(replies_sent_before_the_daemon_died_are_delivered),
         TEST_CASE(replies_that_came_survive_another_calls_reconnect),
         TEST_CASE(replies_that_came_survive_a_region_free_that_finds_the_daemon_gone),
+        TEST_CASE(replies_that_came_survive_a_daemon_dying_with_a_session_call_unread),
+        TEST_CASE(replies_that_came_survive_a_daemon_dying_with_a_request_unread),
         TEST_CASE_TIMEOUT(a_hung_daemon_never_holds_a_call_past_its_timeout, 120),
         {0}});
 }
