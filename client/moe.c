@@ -916,6 +916,12 @@ static int pending_add(moe_client *c, const void *buf, size_t n, uint64_t stop_i
     Moe__Reply *rep = moe__reply__unpack(NULL, n, buf);
     if (!rep)
         return 0;
+    /* An id never issued answers nobody; kept, it would stay in the list,
+     * or answer a later request of that id. */
+    if (rep->id == 0 || rep->id > c->next_id) {
+        moe__reply__free_unpacked(rep, NULL);
+        return 0;
+    }
     for (struct pending **pp = &c->pending; *pp; pp = &(*pp)->next)
         if ((*pp)->id == rep->id && !(*pp)->reply) { /* given up on */
             struct pending *gone = *pp;
