@@ -20,6 +20,7 @@
 
 #include "daemon/log.h"
 #include "daemon/reload.h"
+#include "daemon/safetensors.h"
 #include "daemon/server.h"
 #include "daemon/util.h"
 
@@ -255,48 +256,43 @@ static struct {
     pthread_t thread;
     bool running, stop;
     unsigned layers_begun;
-} keeper = {.mu = PTHREAD_MUTEX_INITIALIZER};
+    clockid_t cpu_clock; /* the loading thread's */
+    uint64_t check_us;
+} keeper = {.mu = PTHREAD_MUTEX_INITIALIZER, .check_us = LOAD_CHECK_US};
 
-/* Bytes this process has read (rchar counts pread too), or 0. */
-static uint64_t bytes_read(void)
+void notify_set_loading_check_us(uint64_t us)
 {
-    FILE *f = fopen("/proc/self/io", "re");
-    char line[128];
-    unsigned long long v = 0;
-    if (!f)
-        return 0;
-    while (fgets(line, sizeof(line), f))
-        if (sscanf(line, "rchar: %llu", &v) == 1)
-            break;
-    fclose(f);
-    return v;
+    keeper.check_us = us ? us : LOAD_CHECK_US;
 }
 
 static uint64_t cpu_us(void)
 {
     struct timespec ts;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    if (clock_gettime(keeper.cpu_clock, &ts) < 0)
+        return 0;
     return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
 }
 
 static void *keeper_main(void *arg)
 {
-    uint64_t rd = bytes_read(), cpu = cpu_us();
+    uint64_t rd = st_bytes_read(), cpu = cpu_us();
     unsigned layers = 0;
     bool stalled = false;
     pthread_mutex_lock(&keeper.mu);
     while (!keeper.stop) {
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
-        ts.tv_sec += LOAD_CHECK_US / 1000000;
+        uint64_t ns = (uint64_t)ts.tv_nsec + keeper.check_us % 1000000 * 1000;
+        ts.tv_sec += (time_t)(keeper.check_us / 1000000 + ns / 1000000000);
+        ts.tv_nsec = (long)(ns % 1000000000);
         while (!keeper.stop && pthread_cond_timedwait(&keeper.cv, &keeper.mu, &ts) != ETIMEDOUT)
             ;
         if (keeper.stop)
             break;
-        uint64_t rd2 = bytes_read(), cpu2 = cpu_us();
+        uint64_t rd2 = st_bytes_read(), cpu2 = cpu_us();
         /* Reading, or computing (converting, packing, uploading) for at
          * least a tenth of the time, or a new layer begun: progress. */
-        bool progress = rd2 != rd || cpu2 - cpu >= LOAD_CHECK_US / 10 ||
+        bool progress = rd2 != rd || cpu2 - cpu >= keeper.check_us / 10 ||
                         keeper.layers_begun != layers;
         rd = rd2;
         cpu = cpu2;
@@ -305,8 +301,8 @@ static void *keeper_main(void *arg)
             notify_send(false, "EXTEND_TIMEOUT_USEC=%llu", (unsigned long long)LOAD_EXTEND_US);
             stalled = false;
         } else if (!stalled) {
-            log_warn("loading weights: no progress in %llu s; no longer extending the start-up "
-                     "timeout", (unsigned long long)(LOAD_CHECK_US / 1000000));
+            log_warn("loading weights: no progress in %.1f s; no longer extending the start-up "
+                     "timeout", (double)keeper.check_us / 1e6);
             stalled = true;
         }
     }
@@ -314,11 +310,12 @@ static void *keeper_main(void *arg)
     return arg;
 }
 
-void notify_loading_begin(void)
+void notify_loading_begin(clockid_t cpu_clock)
 {
     const char *ns = getenv("NOTIFY_SOCKET");
     if (!ns || !ns[0] || keeper.running)
         return;
+    keeper.cpu_clock = cpu_clock;
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);

@@ -12,6 +12,8 @@
 #ifndef MOED_NOTIFY_H
 #define MOED_NOTIFY_H
 
+#include <time.h>
+
 #include <stddef.h>
 #include <stdint.h>
 
@@ -39,12 +41,17 @@ void notify_stopping(struct server *s);
 /*
  * Start-up and reload loads. While loading is on, a helper thread sends
  * EXTEND_TIMEOUT_USEC= every few seconds for as long as the process makes
- * progress (bytes read from files, or CPU time spent), so a large checkpoint
+ * progress (bytes read from weight files, or CPU time spent by the loading
+ * thread: cpu_clock, the clock of the thread that loads, or
+ * CLOCK_PROCESS_CPUTIME_ID where nothing else runs), so a large checkpoint
  * can take as long as it needs while a stuck read still runs into
  * TimeoutStartSec=. notify_loading_layer() also extends at once and says in
  * STATUS= which layer is loading.
  */
-void notify_loading_begin(void);
+void notify_loading_begin(clockid_t cpu_clock);
+/* How often the helper looks for progress (5 s; tests make it shorter);
+ * CPU time counts where it is a tenth of that or more. */
+void notify_set_loading_check_us(uint64_t us);
 void notify_loading_layer(const char *name, unsigned index, unsigned count);
 void notify_loading_end(void);
 

@@ -263,7 +263,7 @@ int reload_load_initial(struct reload *r, char *err, size_t errlen)
     int rc = 0;
     if (!n)
         return 0;
-    notify_loading_begin();
+    notify_loading_begin(CLOCK_PROCESS_CPUTIME_ID); /* the loop is not serving yet */
     for (const struct layer_conf *lc = s->cfg->layers; lc; lc = lc->next) {
         notify_loading_layer(lc->name, ++i, n);
         struct stat st;
@@ -559,7 +559,12 @@ static void reconcile_apply(struct reload *r, struct plan *p)
         return;
     }
     r->phase = WAIT_LOADS;
-    notify_loading_begin();
+    /* The loads' own CPU time: the loop's, serving meanwhile, is no
+     * progress of theirs. */
+    clockid_t loader_cpu;
+    if (worker_cpu_clock(s->loader, &loader_cpu) < 0)
+        loader_cpu = CLOCK_PROCESS_CPUTIME_ID;
+    notify_loading_begin(loader_cpu);
     if (!poll_start(r)) {
         /* Without the timer the outcome is never checked; the loads still
          * complete on their own. */
@@ -568,10 +573,9 @@ static void reconcile_apply(struct reload *r, struct plan *p)
     }
 }
 
-static bool dirs_same(const struct config *a, const struct config *b)
+/* Every directory of a is in b. */
+static bool dirs_within(const struct config *a, const struct config *b)
 {
-    if (a->n_allowed_dirs != b->n_allowed_dirs)
-        return false;
     for (size_t i = 0; i < a->n_allowed_dirs; i++) {
         bool found = false;
         for (size_t j = 0; j < b->n_allowed_dirs && !found; j++)
@@ -580,6 +584,11 @@ static bool dirs_same(const struct config *a, const struct config *b)
             return false;
     }
     return true;
+}
+
+static bool dirs_same(const struct config *a, const struct config *b)
+{
+    return dirs_within(a, b) && dirs_within(b, a);
 }
 
 static void swap_dirs(struct config *a, struct config *b)

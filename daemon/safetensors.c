@@ -7,6 +7,7 @@
 
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <stdatomic.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <math.h>
@@ -230,11 +231,21 @@ out:
     return rc;
 }
 
+static atomic_uint_fast64_t bytes_read_total;
+
+uint64_t st_bytes_read(void)
+{
+    return atomic_load_explicit(&bytes_read_total, memory_order_relaxed);
+}
+
+/* In parts of at most 64 MiB, each counted as it completes: a large
+ * tensor's read shows progress long before its end, even from slow
+ * storage. */
 static int pread_full(int fd, void *dst, uint64_t n, uint64_t off)
 {
     uint8_t *p = dst;
     while (n > 0) {
-        size_t chunk = n > (1u << 30) ? (1u << 30) : (size_t)n;
+        size_t chunk = n > (64u << 20) ? (64u << 20) : (size_t)n;
         ssize_t r = pread(fd, p, chunk, (off_t)off);
         if (r < 0) {
             if (errno == EINTR)
@@ -243,6 +254,7 @@ static int pread_full(int fd, void *dst, uint64_t n, uint64_t off)
         }
         if (r == 0)
             return -EIO;
+        atomic_fetch_add_explicit(&bytes_read_total, (uint_fast64_t)r, memory_order_relaxed);
         p += r;
         n -= (uint64_t)r;
         off += (uint64_t)r;

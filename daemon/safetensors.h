@@ -63,6 +63,9 @@ const struct st_tensor *st_find(const struct st_file *f, const char *name);
 
 /* Read the tensor's bytes into dst (t->nbytes). 0, -EIO (short file). */
 int st_read(const struct st_file *f, const struct st_tensor *t, void *dst);
+/* Bytes read from weight files by this process so far (any thread): what
+ * the start-up timeout's keeper counts as a load's progress (notify.c). */
+uint64_t st_bytes_read(void);
 
 /* A tensor for st_write(). */
 struct st_out {

@@ -226,3 +226,8 @@ double worker_busy_seconds(struct worker *w)
     pthread_mutex_unlock(&w->mu);
     return since ? (double)(now_us() - since) / 1e6 : 0.0;
 }
+
+int worker_cpu_clock(struct worker *w, clockid_t *out)
+{
+    return -pthread_getcpuclockid(w->thread, out);
+}

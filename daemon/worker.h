@@ -12,6 +12,7 @@
 
 #include <stdbool.h>
 #include <stdint.h>
+#include <time.h>
 
 struct loop;
 struct worker;
@@ -50,5 +51,9 @@ unsigned worker_pending(const struct worker *w);
 /* Seconds since the running job started, 0 when idle; any thread. Lets the
  * watchdog notice a job that never ends. */
 double worker_busy_seconds(struct worker *w);
+
+/* The CPU-time clock of the worker's thread (pthread_getcpuclockid): 0 or
+ * -errno. */
+int worker_cpu_clock(struct worker *w, clockid_t *out);
 
 #endif

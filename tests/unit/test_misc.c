@@ -11,6 +11,8 @@
 #include "tests/unit/unit.h"
 #include "daemon/backend.h"
 #include "daemon/loop.h"
+#include "daemon/notify.h"
+#include "daemon/safetensors.h"
 #include "daemon/server.h"
 #include "daemon/shard.h"
 #include "daemon/stats.h"
@@ -19,7 +21,11 @@
 #include "proto/rundir.h"
 #include "proto/status.h"
 
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -834,6 +840,98 @@ TEST(sessions_are_found_by_id_across_one_bucket)
     CHECK_NO_LEAKS();
 }
 
+/* ---- the start-up timeout's keeper (notify.c) ------------------------- */
+
+/* EXTEND_TIMEOUT_USEC= datagrams on the notify socket within ms. */
+static int extensions_within(int fd, int ms)
+{
+    int n = 0;
+    uint64_t end = now_us() + (uint64_t)ms * 1000;
+    for (uint64_t now; (now = now_us()) < end;) {
+        struct pollfd p = {fd, POLLIN, 0};
+        if (poll(&p, 1, (int)((end - now) / 1000) + 1) != 1)
+            continue;
+        char buf[512];
+        ssize_t k = recv(fd, buf, sizeof(buf) - 1, 0);
+        buf[k > 0 ? k : 0] = '\0';
+        n += strstr(buf, "EXTEND_TIMEOUT_USEC=") != NULL;
+    }
+    return n;
+}
+
+static atomic_bool reader_stop;
+
+static void *weights_reader(void *arg)
+{
+    struct st_file *f = arg;
+    const struct st_tensor *t = st_find(f, "w");
+    static uint8_t buf[1 << 16];
+    while (!atomic_load(&reader_stop)) {
+        CHECK_EQ_INT(st_read(f, t, buf), 0);
+        usleep(20000);
+    }
+    return NULL;
+}
+
+/* While weights load the timeout is extended only for progress: weights
+ * read (by any thread), or CPU time of the loading thread; a load stuck in
+ * a read (here a loading thread that sleeps) gets no extension, however
+ * much the process's other threads read or compute (the keeper's own look
+ * at its progress included). */
+TEST(the_loading_keeper_extends_the_timeout_for_progress_only)
+{
+    const char *dir = tmp_dir_new("keeper");
+    char sock[PATH_MAX], wpath[PATH_MAX];
+    snprintf(sock, sizeof(sock), "%s/notify", dir);
+    snprintf(wpath, sizeof(wpath), "%s/w.safetensors", dir);
+    int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    CHECK(strlen(sock) < sizeof(sa.sun_path));
+    memcpy(sa.sun_path, sock, strlen(sock) + 1);
+    CHECK(fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0);
+    CHECK(setenv("NOTIFY_SOCKET", sock, 1) == 0);
+    static uint16_t w[1 << 15];
+    struct st_out o = {.name = "w", .dtype = ST_BF16, .ndim = 1, .shape = {1 << 15}, .data = w};
+    CHECK_EQ_INT(st_write(wpath, &o, 1), 0);
+    struct st_file *f = NULL;
+    char err[256];
+    CHECK_MSG(st_open(wpath, &f, err, sizeof(err)) == 0, "%s", err);
+
+    clockid_t mine;
+    CHECK_EQ_INT(pthread_getcpuclockid(pthread_self(), &mine), 0);
+    notify_set_loading_check_us(100000);
+    notify_loading_begin(mine);
+    notify_loading_layer("stuck", 1, 1);
+    /* The layer's own, and the first look's (a layer begun is progress). */
+    int begun = extensions_within(fd, 300);
+    CHECK_MSG(begun >= 1 && begun <= 2, "%d extensions as the layer began", begun);
+    /* Stuck: this thread sleeps (in poll) through several looks. */
+    int stuck = extensions_within(fd, 550);
+    CHECK_MSG(stuck == 0, "%d extensions while nothing was read or computed", stuck);
+    /* Computing on the loading thread. */
+    uint64_t end = now_us() + 400000;
+    volatile uint64_t x = 0;
+    while (now_us() < end)
+        x = x * 6364136223846793005ull + 1;
+    CHECK(extensions_within(fd, 150) >= 2);
+    /* Reading weights, on another thread. */
+    pthread_t t;
+    atomic_store(&reader_stop, false);
+    CHECK_EQ_INT(pthread_create(&t, NULL, weights_reader, f), 0);
+    int reading = extensions_within(fd, 550);
+    atomic_store(&reader_stop, true);
+    CHECK_EQ_INT(pthread_join(t, NULL), 0);
+    CHECK_MSG(reading >= 3, "%d extensions while weights were read", reading);
+    notify_loading_end();
+    notify_set_loading_check_us(0);
+    unsetenv("NOTIFY_SOCKET");
+    st_close(&f);
+    close(fd);
+    unlink(sock);
+    unlink(wpath);
+    rmdir(dir);
+}
+
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
@@ -855,5 +953,6 @@ int main(int argc, char **argv)
         TEST_CASE(a_failed_device_stops_the_server),
         TEST_CASE(a_spread_layer_over_the_routing_limit_is_refused),
         TEST_CASE(a_refused_shard_says_the_backends_reason),
+        TEST_CASE(the_loading_keeper_extends_the_timeout_for_progress_only),
         {0}});
 }
