@@ -174,9 +174,13 @@ int config_add_allowed_dir(struct config *c, const char *dir)
         return -errno;
     /* A file would be taken and allow nothing under it. */
     int e = stat(canon, &st) < 0 ? -errno : S_ISDIR(st.st_mode) ? 0 : -ENOTDIR;
+    /* Once each: a directory named twice (or through a link to it) is one. */
+    for (size_t i = 0; i < c->n_allowed_dirs && !e; i++)
+        if (!strcmp(c->allowed_dirs[i], canon))
+            e = 1;
     if (e) {
         free(canon);
-        return e;
+        return e > 0 ? 0 : e;
     }
     return strv_push(&c->allowed_dirs, &c->n_allowed_dirs, canon);
 }

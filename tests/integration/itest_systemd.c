@@ -900,6 +900,38 @@ TEST(reload_loads_past_max_loads_and_names_what_it_refuses)
  * mends them loads both again: alpha's section as it was before, beta's
  * file with new weights.
  */
+/* A reload that swaps the allowed directories applies them whatever the
+ * running list held: here the same directory twice (the file's and
+ * --allow-dir's), which once made [W, W] against [W2, W] look the same. */
+TEST(reload_applies_new_allowed_dirs)
+{
+    uint64_t seed = test_seed();
+    char wdir[] = "/tmp/moed-sdk.XXXXXX", conf[128], fa[128], w2[] = "/tmp/moed-sdk2.XXXXXX",
+         fb[128];
+    work_dir(wdir, conf, fa);
+    CHECK(mkdtemp(w2) != NULL);
+    snprintf(fb, sizeof(fb), "%s/b.safetensors", w2);
+    struct itest_layer G = layer_def("gamma", 4, 2, 32, 48);
+    layer_file(&G, fb, "m.", &seed);
+    write_file(conf, "[daemon]\nallowed_dirs = %s\n", wdir);
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--config", conf, "--allow-dir", wdir, NULL);
+    moe_client *c = itest_connect(&d, "dirs");
+    moe_layer_desc desc = {.name = "gamma", .kind = MOE_LAYER_MOE, .topk = 2,
+                           .renormalize = 1, .path = fb, .prefix = "m."};
+    CHECK_EQ_INT(moe_layer_load(c, &desc, NULL), -EACCES);
+    write_file(conf, "[daemon]\nallowed_dirs = %s\n", w2);
+    kill(d.pid, SIGHUP);
+    free(wait_log(d.log, "reload: 0 layers loaded", 10000));
+    int rc = moe_layer_load(c, &desc, NULL);
+    CHECK_MSG(rc == 0, "a directory the reload allowed: %d %s", rc, moe_errmsg());
+    moe_disconnect(&c);
+    itest_daemon_stop(&d);
+    itest_rmdir(d.dir);
+    itest_rmdir(wdir);
+    itest_rmdir(w2);
+}
+
 TEST(reload_keeps_a_layer_whose_new_load_would_fail)
 {
     uint64_t seed = test_seed();
@@ -1995,6 +2027,7 @@ int main(int argc, char **argv)
         TEST_CASE_TIMEOUT(reload_places_layers_on_their_devices, 60),
         TEST_CASE_TIMEOUT(reload_loads_past_max_loads_and_names_what_it_refuses, 60),
         TEST_CASE_TIMEOUT(reload_keeps_a_layer_whose_new_load_would_fail, 60),
+        TEST_CASE_TIMEOUT(reload_applies_new_allowed_dirs, 60),
         TEST_CASE_TIMEOUT(reload_serves_a_layer_again_when_its_new_load_fails, 60),
         TEST_CASE_TIMEOUT(reload_does_not_serve_a_layer_again_from_a_replaced_file, 60),
         TEST_CASE_TIMEOUT(reload_parses_headers_off_the_loop, 120),

@@ -535,6 +535,13 @@ TEST(error_allowed_dirs)
     CHECK_EQ_INT(config_add_allowed_dir(&c, text), 0);
     CHECK_EQ_INT(c.n_allowed_dirs, 1);
     CHECK_STR_EQ(c.allowed_dirs[0], good);
+    /* Named again, or through a link to it: still one (a reload compares
+     * the lists as sets). */
+    CHECK_EQ_INT(config_add_allowed_dir(&c, good), 0);
+    snprintf(text, sizeof(text), "%s/link", dir);
+    CHECK(symlink(good, text) == 0);
+    CHECK_EQ_INT(config_add_allowed_dir(&c, text), 0);
+    CHECK_EQ_INT(c.n_allowed_dirs, 1);
     config_done(&c);
     tmp_cleanup();
     CHECK_NO_LEAKS();
