@@ -495,11 +495,32 @@ static void reconcile_apply(struct reload *r, struct plan *p)
         finish(r);
         return;
     }
+    /* A changed layer is unloaded to be loaded again, which needs room under
+     * the new max_layers: if the layers that stay (those whose sections
+     * are gone leave) are more than that, no such load would find room and
+     * the layer would be lost. Then the changed layers stay as they are. */
+    unsigned n_now = 0, n_gone = 0;
+    for (struct layer *l = s->layers; l; l = l->next)
+        n_now++;
+    for (unsigned i = 0; i < p->n_items; i++) {
+        const struct layer *l = layer_find(s, p->items[i].name);
+        n_gone += p->items[i].why && !p->items[i].is && l && l->from_config &&
+                  l->state == LAYER_READY;
+    }
+    bool no_room = n_now - n_gone > s->cfg->max_layers;
     for (unsigned i = 0; i < p->n_items; i++) {
         const struct plan_item *it = &p->items[i];
         struct layer *l = layer_find(s, it->name);
         if (!it->why || !l || !l->from_config || l->state != LAYER_READY)
             continue; /* unchanged, or unloaded by a client meanwhile */
+        if (it->is && no_room) {
+            log_err("reload: keeping layer '%s' as loaded (%s): %u layers stay loaded, more "
+                    "than max_layers (%u), so its new load would find no room",
+                    l->name, it->why, n_now - n_gone, s->cfg->max_layers);
+            l->conf_behind = true; /* the next reload tries again */
+            r->failed++;
+            continue;
+        }
         if (it->bad) {
             log_err("reload: keeping layer '%s' as loaded (%s), since the load would fail: %s",
                     l->name, it->why, it->bad_why);
