@@ -1139,13 +1139,14 @@ static int wait_reply(moe_client *c, uint64_t id, unsigned gen, uint64_t sent_us
     }
     Moe__Reply *rep = NULL;
     int rc = 0;
-    bool tried = false;
+    bool tried = false, waited = false;
     for (;; tried = true) {
         /* A reply that came stands, even when the connection broke or was
          * replaced since (the replies sent before the daemon went are
          * collected; ids are not reused). */
         if ((rep = pending_take(c, id)) != NULL)
             break;
+        waited = tried; /* the first pass only looks: not there yet */
         if (gen != c->generation || c->broken || !c->zsock) {
             rc = seterr(-ECONNRESET, "%s", lost_why(c));
             break;
@@ -1165,7 +1166,7 @@ static int wait_reply(moe_client *c, uint64_t id, unsigned gen, uint64_t sent_us
          * start. */
         uint64_t wait = now >= deadline ? 0 : 1000 * (deadline - now > 1000 ? 1000 : deadline - now);
         const bool in_window = now_u >= win_lo && now_u < win_hi;
-        if ((spin_end && now_u < spin_end) || in_window)
+        if ((spin_end && now_u < spin_end) || in_window || !tried)
             wait = 0;
         else if (now_u < win_lo && win_lo - now_u < wait)
             wait = win_lo - now_u;
@@ -1184,8 +1185,9 @@ static int wait_reply(moe_client *c, uint64_t id, unsigned gen, uint64_t sent_us
         }
     }
     /* A compute reply that was waited for times the round trip (one
-     * already here when the wait began says nothing of it). */
-    if (rep && sent_us && tried) {
+     * already here, or in the sockets, when the wait began says nothing of
+     * it). */
+    if (rep && sent_us && waited) {
         uint64_t rt = mono_us() - sent_us;
         c->rt_us = c->rt_us ? (3 * c->rt_us + rt) / 4 : rt;
     }
