@@ -519,6 +519,10 @@ int cmd_load(const char *rt, int argc, char **argv)
         moe_disconnect(&cl);
         return 1;
     }
+    /* A large checkpoint's layer may take minutes to read: the load is
+     * waited for as long as it takes (a daemon that goes away still ends
+     * the wait, through the session socket). */
+    moe_set_timeout(cl, -1);
     moe_layer_info info;
     rc = moe_layer_load(cl, &d, &info);
     if (r)
@@ -533,7 +537,7 @@ int cmd_load(const char *rt, int argc, char **argv)
 
 int cmd_unload(const char *rt, int argc, char **argv)
 {
-    if (argc != 2) {
+    if (argc != 2 || argv[1][0] == '-') {
         fprintf(stderr, "usage: moectl unload NAME\n");
         return 2;
     }

@@ -600,6 +600,7 @@ TEST(cli_usage_errors_name_what_is_wrong)
         {"--runtime-dir= info", "--runtime-dir needs a runtime directory"},
         {"-r /nonexistent ping --bogus", "moectl ping: unrecognized option '--bogus'"},
         {"-r /nonexistent forward --layer", "moectl forward: option '--layer' requires an argument"},
+        {"-r /nonexistent unload --help", "usage: moectl unload NAME"},
     };
     for (size_t i = 0; i < ARRAY_LEN(bad); i++) {
         CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "timeout 60 %s/moectl %s", b,
