@@ -258,7 +258,10 @@ int moek_cuda_ep_new(const int *devices, int n,
         transport = MOEK_CUDA_EP_PEER;
     } else if (!rc && transport != MOEK_CUDA_EP_PEER) {
         rc = ep_open_nccl(ep);
-        if (rc == -ENOTSUP && transport == MOEK_CUDA_EP_AUTO) {
+        /* AUTO takes peer copies where NCCL is missing, and also where it
+         * loads but cannot start (its bootstrap needs sockets that a
+         * sandbox, moed.service's among them, may not allow). */
+        if (rc && transport == MOEK_CUDA_EP_AUTO) {
             memset(ep->comm, 0, sizeof(ep->comm));
             transport = MOEK_CUDA_EP_PEER;
             rc = 0;

@@ -1089,6 +1089,10 @@ int moek_cuda_grouped_gemm(moek_cuda_gemm_weights *W, moek_cuda_workspace *ws,
         return 0;
     if (!a || !c)
         return moek_cuda_refuse(-EINVAL, "grouped_gemm: NULL a or c");
+    /* 16-byte loads of a's rows (cp.async); 4-byte stores of c's pairs. */
+    if (((uintptr_t)a & 15) || ((uintptr_t)c & 15))
+        return moek_cuda_refuse(-EINVAL,
+                                "grouped_gemm: a and c must be 16-byte aligned");
     if (total_m >= (1LL << 31))
         return moek_cuda_refuse(-ENOTSUP, "grouped_gemm: %lld rows is too many",
                                 (long long)total_m);

@@ -259,7 +259,8 @@ size_t moek_cuda_gemm_workspace_size(const moek_cuda_gemm_weights *w,
  * [total_m, N] (the weights' dtype), m_sizes_dev int64 [G] on the device.
  * total_m must equal the sum of m_sizes (the host knows it: it sized A);
  * group sizes are clamped so no row past total_m is touched, and negative
- * sizes count as 0. Groups of size 0 cost nothing. Asynchronous, no host
+ * sizes count as 0. Groups of size 0 cost nothing. a_dev and c_dev are
+ * 16-byte aligned (-EINVAL otherwise). Asynchronous, no host
  * synchronisation inside, capturable.
  */
 int moek_cuda_grouped_gemm(moek_cuda_gemm_weights *w, moek_cuda_workspace *ws,
@@ -273,8 +274,8 @@ int moek_cuda_grouped_gemm(moek_cuda_gemm_weights *w, moek_cuda_workspace *ws,
  * spread over them; devices[0] is the home device, where batches arrive
  * and results are summed. Transports: NCCL send/recv (libnccl.so.2, opened
  * at run time; -ENOTSUP when it is missing), peer copies (over NVLink where
- * the devices have it, else staged by the driver), or AUTO (NCCL when
- * installed, else peer copies). NVLink multicast is never used. Caller owns
+ * the devices have it, else staged by the driver), or AUTO (NCCL where it
+ * loads and starts, else peer copies). NVLink multicast is never used. Caller owns
  * *out; free with moek_cuda_ep_free(), which accepts NULL. A group serves
  * one forward at a time.
  */

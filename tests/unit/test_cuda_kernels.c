@@ -1917,6 +1917,25 @@ TEST(refuses_unsupported)
     CHECK_EQ_INT(moek_cuda_fused_moe(l, ws, x, &bad, 4, x, NULL), -EINVAL);
     moek_cuda_tuning tu = {100, false, 0};
     CHECK_EQ_INT(moek_cuda_moe_layer_tune(l, &tu), -EINVAL);
+    /* A grouped GEMM on rows that are not 16-byte aligned (its loads and
+     * stores would fault, poisoning the context) is refused. */
+    CK(moek_cuda_gemm_weights_new(MOEK_DTYPE_BF16, 2, 16, 64, w, 0, &g));
+    moek_cuda_workspace *gws = NULL;
+    CK(moek_cuda_workspace_new(0, moek_cuda_gemm_workspace_size(g, 4), &gws));
+    const int64_t ms[2] = {2, 2};
+    int64_t *dms = dmalloc(sizeof(ms));
+    CK(moek_cuda_copy_to_device(dms, ms, sizeof(ms)));
+    char *ga = dmalloc(4 * 64 * 2 + 16), *gc = dmalloc(4 * 16 * 2 + 16);
+    CHECK_EQ_INT(moek_cuda_grouped_gemm(g, gws, ga + 2, dms, 4, gc, NULL), -EINVAL);
+    CHECK_STR_CONTAINS(moek_cuda_last_error(), "aligned");
+    CHECK_EQ_INT(moek_cuda_grouped_gemm(g, gws, ga, dms, 4, gc + 4, NULL), -EINVAL);
+    CK(moek_cuda_grouped_gemm(g, gws, ga, dms, 4, gc, NULL));
+    CK(moek_cuda_stream_sync(NULL));
+    moek_cuda_free(ga);
+    moek_cuda_free(gc);
+    moek_cuda_free(dms);
+    moek_cuda_workspace_free(gws);
+    moek_cuda_gemm_weights_free(g);
     CHECK(moek_cuda_context_ok());
     moek_cuda_free(x);
     moek_cuda_free(lg);
