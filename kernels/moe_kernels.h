@@ -20,7 +20,11 @@
  *     [E, I, H] and [E, H, I].
  *   - The MoE forward for token t with routed experts ids[t][j] and weights
  *     w[t][j], j < k:  out[t] = sum_j w[t][j] * W2[e] (silu(W1[e] x) * (W3[e] x))
- *     with silu(v) = v / (1 + exp(-v)); every sum in fp32, out rounded once.
+ *     with silu(v) = v / (1 + exp(-v)); every sum in fp32. The activation
+ *     silu(W1[e] x) * (W3[e] x) is rounded to the layer's dtype, as the
+ *     GEMMs it passes between store it (so in fp16 it overflows to inf past
+ *     65504, on every backend); out is rounded once. The CUDA backend may
+ *     also round each slot's weighted row to the dtype before the top-k sum.
  *   - Routing picks the k largest scores; ties go to the lower expert index and
  *     a NaN score ranks below every number. Softmax weights are the softmax
  *     over all E logits; sigmoid weights are sigmoid(logit). With renormalise
@@ -60,6 +64,9 @@ float moek_bf16_to_f32(uint16_t v);
 uint16_t moek_f32_to_bf16(float f);
 float moek_fp16_to_f32(uint16_t v);
 uint16_t moek_f32_to_fp16(float f);
+
+/* f rounded to dtype dt (as stored, then read back). */
+float moek_round(moek_dtype dt, float f);
 
 /* Convert n elements of src (dtype dt) to fp32, or fp32 to dtype dt. */
 void moek_to_f32(moek_dtype dt, const void *src, float *dst, size_t n);

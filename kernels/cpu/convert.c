@@ -123,6 +123,19 @@ uint16_t moek_f32_to_fp16(float f)
     return convert_f32_fp16(f);
 }
 
+float moek_round(moek_dtype dt, float f)
+{
+    switch (dt) {
+    case MOEK_DTYPE_BF16:
+        return convert_bf16_f32(convert_f32_bf16(f));
+    case MOEK_DTYPE_FP16:
+        return convert_fp16_f32(convert_f32_fp16(f));
+    case MOEK_DTYPE_FP32:
+        break;
+    }
+    return f;
+}
+
 void moek_to_f32(moek_dtype dt, const void *src, float *dst, size_t n)
 {
     const uint16_t *s16 = src;

@@ -390,8 +390,9 @@ static void moe_store_act(const void *arg, size_t i, size_t col, int ncols,
 {
     const struct moe_rows *r = arg;
     float *dst = r->c->act + (r->base + i) * r->c->I + col;
+    const moek_dtype dt = r->c->w->dt;
     for (int n = 0; n < ncols; n++)
-        dst[n] = moe_silu(vals[n]) * vals[PANEL_NR + n];
+        dst[n] = moek_round(dt, moe_silu(vals[n]) * vals[PANEL_NR + n]);
 }
 
 static void moe_store_y(const void *arg, size_t i, size_t col, int ncols,

@@ -181,7 +181,7 @@ int moek_ref_fused_moe(const moek_moe_shape *shape, moek_dtype dt,
             for (size_t q = 0; q < n; q++) {
                 const float *xt = xf + list[q] / k * H;
                 float gv = ref_dot(row1, xt, H), uv = ref_dot(row3, xt, H);
-                act[list[q] * I + i] = ref_silu(gv) * uv;
+                act[list[q] * I + i] = moek_round(dt, ref_silu(gv) * uv);
             }
         }
         for (size_t h = 0; h < H; h++) {

@@ -675,6 +675,51 @@ TEST(fused_moe_check_size)
     }
 }
 
+/* The activation silu(W1 x) * (W3 x) is rounded to the layer's dtype (as
+ * the CUDA GEMMs store it): in fp16 a value past 65504 is inf on the
+ * reference and the CPU backend alike, and in bf16 the output matches the
+ * rounded activation's. x = 16, W1 = W3 = 32 over H = 8: each activation
+ * is silu(4096) * 4096 = 2^24; W2 = 2^-13 over I = 8 brings it to 2^14. */
+TEST(fused_moe_rounds_the_activation_to_the_dtype)
+{
+    const moek_moe_shape sh = {1, 1, 8, 8};
+    moek_cpu_pool *pool = moek_cpu_pool_new(1);
+    for (int d = 0; d < 2; d++) {
+        const moek_dtype dt = d ? MOEK_DTYPE_BF16 : MOEK_DTYPE_FP16;
+        float xf[8], w13f[64], w2f[64];
+        for (int i = 0; i < 8; i++)
+            xf[i] = 16.0f;
+        for (int i = 0; i < 64; i++) {
+            w13f[i] = 32.0f;
+            w2f[i] = 1.0f / 8192.0f;
+        }
+        uint16_t x[8], w13[64], w2[64], want[8], got[8];
+        moek_from_f32(dt, xf, x, 8);
+        moek_from_f32(dt, w13f, w13, 64);
+        moek_from_f32(dt, w2f, w2, 64);
+        const int32_t ids[1] = {0};
+        const float wts[1] = {1.0f};
+        CHECK_EQ_INT(moek_ref_fused_moe(&sh, dt, x, ids, wts, w13, w13, w2, 1, want), 0);
+        moek_cpu_moe_weights *cw = NULL;
+        CHECK_EQ_INT(moek_cpu_moe_weights_new(&sh, dt, w13, w13, w2, &cw), 0);
+        CHECK_EQ_INT(moek_cpu_fused_moe(pool, cw, x, ids, wts, 1, got), 0);
+        moek_cpu_moe_weights_free(cw);
+        float wf[8], gf[8];
+        moek_to_f32(dt, want, wf, 8);
+        moek_to_f32(dt, got, gf, 8);
+        for (int h = 0; h < 8; h++) {
+            if (dt == MOEK_DTYPE_FP16) {
+                CHECK_MSG(isinf(wf[h]) && isinf(gf[h]), "fp16: reference %g, CPU %g", wf[h],
+                          gf[h]);
+            } else {
+                CHECK_MSG(wf[h] == 16384.0f && gf[h] == 16384.0f, "bf16: reference %g, CPU %g",
+                          wf[h], gf[h]);
+            }
+        }
+    }
+    moek_cpu_pool_free(pool);
+}
+
 TEST(fused_moe_rejects_bad_ids)
 {
     uint64_t s = test_seed();
@@ -1025,6 +1070,7 @@ int main(int argc, char **argv)
         TEST_CASE(fused_moe_matches_reference),
         TEST_CASE(fused_moe_check_size),
         TEST_CASE(fused_moe_empty_slots),
+        TEST_CASE(fused_moe_rounds_the_activation_to_the_dtype),
         TEST_CASE(fused_moe_rejects_bad_ids),
         TEST_CASE(fused_moe_bit_identical_per_token),
         TEST_CASE(grouped_gemm_matches_reference),
