@@ -119,7 +119,9 @@ endif
 deps: $(BUILD)/.deps
 $(BUILD)/.deps:
 	@mkdir -p $(BUILD)
-	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	@missing=$$(for p in $(DEB_PKGS); do \
+	  case "$$(dpkg-query -W -f='$${db:Status-Status}' $$p 2>/dev/null)" in \
+	    installed) ;; *) echo $$p ;; esac; done); \
 	if [ -n "$$missing" ]; then \
 	  echo "installing build dependencies:" $$missing; \
 	  if [ "$$(id -u)" != 0 ]; then echo "make deps: run as root (apt-get) or install:" $$missing >&2; exit 1; fi; \
