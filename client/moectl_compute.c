@@ -115,6 +115,22 @@ static double compare(moe_dtype dt, const void *got, const void *want, size_t n)
     return e;
 }
 
+/* --check's verdict on got against the reference, whose call returned
+ * ref_rc (ref unwritten unless 0): printed; 0, or 1 for the exit status. */
+static int check_report(const char *cmd, int ref_rc, moe_dtype dt, const void *got,
+                        const void *ref, size_t n)
+{
+    if (ref_rc) {
+        fprintf(stderr, "moectl: %s: the reference cannot run: %s\n", cmd, strerror(-ref_rc));
+        return 1;
+    }
+    double err = compare(dt, got, ref, n), tol = tolerance(dt);
+    bool ok = err <= tol;
+    printf("check: relative error %.3e against the reference (tolerance %.0e, %s): %s\n", err,
+           tol, moectl_dtype_name(dt), ok ? "ok" : "FAILED");
+    return ok ? 0 : 1;
+}
+
 /* Inputs read from a safetensors file into the region. */
 static int load_input(const char *file, const moe_layer_info *li, uint64_t *tokens,
                       struct st_file **out)
@@ -439,15 +455,7 @@ int cmd_forward(const char *rt, int argc, char **argv)
             }
             int rrc = moek_ref_fused_moe(&sh, kdt(li.dtype), base + x_off, ids, w, hw.w1, hw.w3,
                                          hw.w2, (int)T, ref);
-            double err = rrc ? 0 : compare(li.dtype, base + o_off, ref, T * H),
-                   tol = tolerance(li.dtype);
-            if (rrc)
-                fprintf(stderr, "moectl: forward: the reference cannot run: %s\n",
-                        strerror(-rrc));
-            else
-                printf("check: relative error %.3e against the reference (tolerance %.0e, %s): "
-                       "%s\n", err, tol, moectl_dtype_name(li.dtype), err <= tol ? "ok" : "FAILED");
-            if (rrc || !(err <= tol))
+            if (check_report("forward", rrc, li.dtype, base + o_off, ref, T * H))
                 status = 1;
         }
         free(ids);
@@ -558,16 +566,7 @@ int cmd_gemm(const char *rt, int argc, char **argv)
         }
         int rrc = moek_ref_grouped_gemm(kdt(li.dtype), (int)G, (int)N, (int)K, base, ms64,
                                         hw.w1, ref);
-        if (rrc) {
-            fprintf(stderr, "moectl: gemm: the reference cannot run: %s\n", strerror(-rrc));
-            status = 1;
-        } else {
-            double err = compare(li.dtype, base + c_off, ref, M * N), tol = tolerance(li.dtype);
-            bool ok = err <= tol;
-            printf("check: relative error %.3e against the reference (tolerance %.0e): %s\n",
-                   err, tol, ok ? "ok" : "FAILED");
-            status = ok ? 0 : 1;
-        }
+        status = check_report("gemm", rrc, li.dtype, base + c_off, ref, M * N);
         free(ref);
         host_weights_done(&hw);
     }

@@ -528,7 +528,7 @@ static int cuda_moe_run_sharded(const struct backend_shard *sh, int n, int exper
         .ids_dev = io->ids, .weights_dev = io->weights,
     };
     rc = moek_cuda_ep_forward(ep, layers, remaps, experts, io->x, &r, io->tokens, io->out);
-    if (rc && rc != -EINVAL)
+    if (moek_cuda_ep_failed(ep))
         cuda_ep_drop(home, ep);
     if (rc == -EIO)
         for (int i = 0; i < n; i++) {

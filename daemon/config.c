@@ -175,12 +175,12 @@ int config_add_allowed_dir(struct config *c, const char *dir)
     /* A file would be taken and allow nothing under it. */
     int e = stat(canon, &st) < 0 ? -errno : S_ISDIR(st.st_mode) ? 0 : -ENOTDIR;
     /* Once each: a directory named twice (or through a link to it) is one. */
-    for (size_t i = 0; i < c->n_allowed_dirs && !e; i++)
-        if (!strcmp(c->allowed_dirs[i], canon))
-            e = 1;
-    if (e) {
+    bool known = false;
+    for (size_t i = 0; i < c->n_allowed_dirs && !known; i++)
+        known = !strcmp(c->allowed_dirs[i], canon);
+    if (e || known) {
         free(canon);
-        return e > 0 ? 0 : e;
+        return e;
     }
     return strv_push(&c->allowed_dirs, &c->n_allowed_dirs, canon);
 }

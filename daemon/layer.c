@@ -55,6 +55,14 @@ struct layer *layer_find(struct server *s, const char *name)
     return NULL;
 }
 
+unsigned layer_count(const struct server *s)
+{
+    unsigned n = 0;
+    for (const struct layer *l = s->layers; l; l = l->next)
+        n++;
+    return n;
+}
+
 struct layer *layer_ref(struct layer *l)
 {
     l->refs++;
@@ -433,9 +441,7 @@ static int load_prepare(struct server *s, struct session *se, const Moe__LoadLay
     }
     /* Layers outlive the sessions that load them, so their number is
      * capped, and so is the loader's queue. */
-    unsigned n_layers = 0;
-    for (struct layer *l = s->layers; l; l = l->next)
-        n_layers++;
+    unsigned n_layers = layer_count(s);
     if (n_layers >= s->cfg->max_layers) {
         snprintf(err, errlen, "%u layers are loaded or loading, the limit (max_layers)", n_layers);
         return -EDQUOT;

@@ -445,9 +445,7 @@ static void reconcile(struct reload *r)
 {
     struct server *s = r->s;
     const struct layer_conf *old = s->cfg->layers, *now = r->next.layers;
-    unsigned n_layers = 0;
-    for (struct layer *l = s->layers; l; l = l->next)
-        n_layers++;
+    unsigned n_layers = layer_count(s);
     struct plan *p = calloc(1, sizeof(*p));
     if (p) {
         p->items = calloc(n_layers + 1, sizeof(*p->items));
@@ -476,6 +474,14 @@ static void reconcile(struct reload *r)
     plan_submit(r, p, reconcile_apply);
 }
 
+/* The layer an item of the plan unloads (to load again, or for good), or
+ * NULL: unchanged, or unloaded by a client meanwhile. */
+static struct layer *item_layer(struct server *s, const struct plan_item *it)
+{
+    struct layer *l = it->why ? layer_find(s, it->name) : NULL;
+    return l && l->from_config && l->state == LAYER_READY ? l : NULL;
+}
+
 static void reconcile_apply(struct reload *r, struct plan *p)
 {
     struct server *s = r->s;
@@ -499,31 +505,22 @@ static void reconcile_apply(struct reload *r, struct plan *p)
      * the new max_layers: if the layers that stay (those whose sections
      * are gone leave) are more than that, no such load would find room and
      * the layer would be lost. Then the changed layers stay as they are. */
-    unsigned n_now = 0, n_gone = 0;
-    for (struct layer *l = s->layers; l; l = l->next)
-        n_now++;
-    for (unsigned i = 0; i < p->n_items; i++) {
-        const struct layer *l = layer_find(s, p->items[i].name);
-        n_gone += p->items[i].why && !p->items[i].is && l && l->from_config &&
-                  l->state == LAYER_READY;
-    }
-    bool no_room = n_now - n_gone > s->cfg->max_layers;
+    unsigned n_stay = layer_count(s);
+    for (unsigned i = 0; i < p->n_items; i++)
+        n_stay -= !p->items[i].is && item_layer(s, &p->items[i]);
+    char no_room[128] = "";
+    if (n_stay > s->cfg->max_layers)
+        snprintf(no_room, sizeof(no_room), "%u layers stay loaded, more than max_layers (%u), "
+                 "so its new load would find no room", n_stay, s->cfg->max_layers);
     for (unsigned i = 0; i < p->n_items; i++) {
         const struct plan_item *it = &p->items[i];
-        struct layer *l = layer_find(s, it->name);
-        if (!it->why || !l || !l->from_config || l->state != LAYER_READY)
-            continue; /* unchanged, or unloaded by a client meanwhile */
-        if (it->is && no_room) {
-            log_err("reload: keeping layer '%s' as loaded (%s): %u layers stay loaded, more "
-                    "than max_layers (%u), so its new load would find no room",
-                    l->name, it->why, n_now - n_gone, s->cfg->max_layers);
-            l->conf_behind = true; /* the next reload tries again */
-            r->failed++;
+        struct layer *l = item_layer(s, it);
+        if (!l)
             continue;
-        }
-        if (it->bad) {
+        const char *fail = it->bad ? it->bad_why : it->is && no_room[0] ? no_room : NULL;
+        if (fail) {
             log_err("reload: keeping layer '%s' as loaded (%s), since the load would fail: %s",
-                    l->name, it->why, it->bad_why);
+                    l->name, it->why, fail);
             l->conf_behind = true; /* the next reload tries again */
             r->failed++;
             continue;

@@ -342,6 +342,8 @@ void wire_layer_info(const struct layer *l, void *info /* Moe__LayerInfo */);
 
 /* layer.c */
 struct layer *layer_find(struct server *s, const char *name);
+/* Layers loaded or loading (what max_layers caps). */
+unsigned layer_count(const struct server *s);
 struct layer *layer_ref(struct layer *l);
 void layer_unref(struct server *s, struct layer **l);
 /* Start loading; the reply is sent when the load finishes. */

@@ -87,25 +87,36 @@ struct out_msg {
     uint8_t data[];
 };
 
+static void out_msgs_free(struct out_msg **q)
+{
+    while (*q) {
+        struct out_msg *m = *q;
+        *q = m->next;
+        free(m);
+    }
+}
+
+/* One datagram, never waiting: 0, -EAGAIN (no room now) or -errno. */
+static int send_nowait(int fd, const void *buf, size_t n)
+{
+    if (send(fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT) >= 0)
+        return 0;
+    return errno == EWOULDBLOCK ? -EAGAIN : -errno;
+}
+
 /* Answers to session requests go out in order. One that finds the socket
  * full (a client that sends session requests without reading their
  * answers) waits in se->unsent, and the socket is watched for room instead
  * of read (session_watch) until it has gone: every request is answered,
- * and the answers held never outnumber the requests read. */
-static int session_send_bytes(struct session *se, const void *buf, size_t n)
-{
-    return send(se->fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT) < 0 ? -errno : 0;
-}
-
-/* Send what waits: 0 once nothing does, -EAGAIN while the socket is still
- * full, or the socket's error. */
+ * and the answers held never outnumber the requests read.
+ *
+ * session_flush sends what waits: 0 once nothing does, -EAGAIN while the
+ * socket is still full, or the socket's error. */
 static int session_flush(struct session *se)
 {
     while (se->unsent) {
         struct out_msg *m = se->unsent;
-        int rc = session_send_bytes(se, m->data, m->n);
-        if (rc == -EWOULDBLOCK)
-            rc = -EAGAIN;
+        int rc = send_nowait(se->fd, m->data, m->n);
         if (rc)
             return rc;
         se->unsent = m->next;
@@ -131,14 +142,13 @@ static bool session_watch(struct server *s, struct session *se)
  * seqpacket socket an empty datagram is indistinguishable from EOF. */
 static void session_send(struct server *s, struct session *se, Moe__SessionReply *rep)
 {
-    (void)s;
     uint8_t buf[SESSION_MSG_MAX];
     size_t n = moe__session_reply__get_packed_size(rep);
     if (n > sizeof(buf))
         return;
     moe__session_reply__pack(rep, buf);
-    int rc = se->unsent ? -EAGAIN : session_send_bytes(se, buf, n);
-    if (rc == -EAGAIN || rc == -EWOULDBLOCK) {
+    int rc = se->unsent ? -EAGAIN : send_nowait(se->fd, buf, n);
+    if (rc == -EAGAIN) {
         struct out_msg *m = malloc(sizeof(*m) + n), **tail = &se->unsent;
         if (m) {
             *m = (struct out_msg){.n = n};
@@ -155,10 +165,10 @@ static void session_send(struct server *s, struct session *se, Moe__SessionReply
                   (unsigned long long)se->id, (int)se->pid, strerror(-rc));
 }
 
-/* One datagram on the reply socket, never waiting: 0 or -errno. */
+/* One datagram on the reply socket, never waiting. */
 static int chan_send_bytes(const struct reply_chan *c, const void *buf, size_t n)
 {
-    return send(c->fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT) < 0 ? -errno : 0;
+    return send_nowait(c->fd, buf, n);
 }
 
 int reply_chan_send(struct reply_chan *c, void *reply)
@@ -225,11 +235,7 @@ static void reply_socket_close(struct server *s, struct session *se, const char 
         loop_unwatch(s->loop, &se->reply_watch);
     atomic_store_explicit(&se->chan->direct, false, memory_order_release);
     reply_chan_unref(&se->chan); /* closes it unless a batch still holds it */
-    while (se->outq) {
-        struct out_msg *m = se->outq;
-        se->outq = m->next;
-        free(m);
-    }
+    out_msgs_free(&se->outq);
     se->outq_tail = &se->outq;
     se->n_out = 0;
 }
@@ -240,7 +246,7 @@ static int reply_socket_sent(struct server *s, struct session *se, int rc)
 {
     if (rc == 0)
         return 1;
-    if (rc == -EAGAIN || rc == -EWOULDBLOCK)
+    if (rc == -EAGAIN)
         return 0;
     reply_socket_close(s, se, strerror(-rc));
     return -1;
@@ -497,7 +503,7 @@ static void pin_done(struct job *job)
 static bool pin_submit(struct server *s, struct session *se, struct region *r)
 {
     struct pin_job *pj = calloc(1, sizeof(*pj));
-    if (!pj || loop_watch_events(s->loop, se->watch, 0) < 0) { /* before se->pinning */
+    if (!pj || loop_watch_events(s->loop, se->watch, 0) < 0) {
         free(pj);
         return false;
     }
@@ -853,11 +859,7 @@ static void session_close(struct server *s, struct session *se, const char *why)
     loop_unwatch(s->loop, &se->watch);
     close_fd(&se->fd);
     reply_socket_close(s, se, NULL);
-    while (se->unsent) {
-        struct out_msg *m = se->unsent;
-        se->unsent = m->next;
-        free(m);
-    }
+    out_msgs_free(&se->unsent);
     free(se);
 }
 

@@ -178,6 +178,11 @@ void moek_cuda_ep_free(moek_cuda_ep *ep)
     free(ep);
 }
 
+bool moek_cuda_ep_failed(const moek_cuda_ep *ep)
+{
+    return ep && ep->failed;
+}
+
 static int ep_open_peer(moek_cuda_ep *ep)
 {
     for (int i = 0; i < ep->n; i++)

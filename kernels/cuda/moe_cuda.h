@@ -288,6 +288,8 @@ typedef struct moek_cuda_ep moek_cuda_ep;
 int moek_cuda_ep_new(const int *devices, int n, moek_cuda_ep_transport transport,
                      moek_cuda_ep **out);
 void moek_cuda_ep_free(moek_cuda_ep *ep);
+/* A forward of the group failed part way: free it, it serves no more. */
+bool moek_cuda_ep_failed(const moek_cuda_ep *ep);
 /* "NCCL 2.27.7", "peer copies", ... (borrowed). */
 const char *moek_cuda_ep_transport_name(const moek_cuda_ep *ep);
 
@@ -302,8 +304,9 @@ const char *moek_cuda_ep_transport_name(const moek_cuda_ep *ep);
  * device. Returns when out_host holds the result. Every device's work is
  * enqueued before the host waits once. Shards or routing that do not match
  * the group are refused with -EINVAL before any work. A forward that fails
- * after that leaves the group unusable: later forwards return -EIO, and
- * moek_cuda_ep_free aborts its NCCL communicators rather than wait on them.
+ * after that leaves the group unusable (moek_cuda_ep_failed): later
+ * forwards return -EIO, and moek_cuda_ep_free aborts its NCCL
+ * communicators rather than wait on them.
  */
 int moek_cuda_ep_forward(moek_cuda_ep *ep, moek_cuda_moe_layer *const *layers,
                          const int32_t *const *remap_dev, int route_experts,

@@ -900,87 +900,6 @@ TEST(reload_loads_past_max_loads_and_names_what_it_refuses)
  * mends them loads both again: alpha's section as it was before, beta's
  * file with new weights.
  */
-/* A reload that lowers max_layers below the layers loaded (a client's
- * count too) and changes a configured layer's section keeps that layer as
- * it was: unloaded, its new load would find no room, and the section it
- * came from none either. Raised again, the next reload applies it. */
-TEST(reload_keeps_a_changed_layer_when_max_layers_leaves_no_room)
-{
-    uint64_t seed = test_seed();
-    char wdir[] = "/tmp/moed-sdk.XXXXXX", conf[128], fa[128], fb[128];
-    work_dir(wdir, conf, fa);
-    snprintf(fb, sizeof(fb), "%s/b.safetensors", wdir);
-    struct itest_layer A = layer_def("alpha", 4, 2, 32, 48), G = layer_def("gamma", 4, 2, 32, 48);
-    layer_file(&A, fa, "m.", &seed);
-    layer_file(&G, fb, "m.", &seed);
-    const char *text = "[daemon]\nallowed_dirs = %s\n\n[limits]\nmax_layers = %d\n\n"
-                       "[layer alpha]\nfile = %s\nprefix = m.\ntopk = 2\nrenormalize = %s\n";
-    write_file(conf, text, wdir, 4, fa, "true");
-    struct itest_daemon d;
-    itest_daemon_start(&d, "--config", conf, NULL);
-    moe_client *c = itest_connect(&d, "quota");
-    moe_layer_desc desc = {.name = "gamma", .kind = MOE_LAYER_MOE, .topk = 2,
-                           .renormalize = 1, .path = fb, .prefix = "m."};
-    CHECK_MSG(moe_layer_load(c, &desc, NULL) == 0, "load gamma: %s", moe_errmsg());
-    write_file(conf, text, wdir, 1, fa, "false");
-    kill(d.pid, SIGHUP);
-    free(wait_log(d.log, "so its new load would find no room", 10000));
-    moe_layer_info infos[8];
-    int n = moe_layer_list(c, infos, 8);
-    const moe_layer_info *a = info_of(infos, n, "alpha");
-    CHECK_MSG(a != NULL, "the configured layer alpha is gone after the reload");
-    CHECK(a->renormalize);
-    forward_and_check(c, &A, 5, &seed);
-    /* Room again: the new section applies. */
-    write_file(conf, text, wdir, 4, fa, "false");
-    kill(d.pid, SIGHUP);
-    free(wait_log(d.log, "reload: unloading layer 'alpha'", 10000));
-    for (int i = 0; i < 500; i++) {
-        n = moe_layer_list(c, infos, 8);
-        a = info_of(infos, n, "alpha");
-        if (a && !a->renormalize)
-            break;
-        usleep(20000);
-    }
-    CHECK_MSG(a && !a->renormalize, "alpha's new section was not applied");
-    moe_disconnect(&c);
-    itest_daemon_stop(&d);
-    itest_rmdir(d.dir);
-    itest_rmdir(wdir);
-}
-
-/* A reload that swaps the allowed directories applies them whatever the
- * running list held: here the same directory twice (the file's and
- * --allow-dir's), which once made [W, W] against [W2, W] look the same. */
-TEST(reload_applies_new_allowed_dirs)
-{
-    uint64_t seed = test_seed();
-    char wdir[] = "/tmp/moed-sdk.XXXXXX", conf[128], fa[128], w2[] = "/tmp/moed-sdk2.XXXXXX",
-         fb[128];
-    work_dir(wdir, conf, fa);
-    CHECK(mkdtemp(w2) != NULL);
-    snprintf(fb, sizeof(fb), "%s/b.safetensors", w2);
-    struct itest_layer G = layer_def("gamma", 4, 2, 32, 48);
-    layer_file(&G, fb, "m.", &seed);
-    write_file(conf, "[daemon]\nallowed_dirs = %s\n", wdir);
-    struct itest_daemon d;
-    itest_daemon_start(&d, "--config", conf, "--allow-dir", wdir, NULL);
-    moe_client *c = itest_connect(&d, "dirs");
-    moe_layer_desc desc = {.name = "gamma", .kind = MOE_LAYER_MOE, .topk = 2,
-                           .renormalize = 1, .path = fb, .prefix = "m."};
-    CHECK_EQ_INT(moe_layer_load(c, &desc, NULL), -EACCES);
-    write_file(conf, "[daemon]\nallowed_dirs = %s\n", w2);
-    kill(d.pid, SIGHUP);
-    free(wait_log(d.log, "reload: 0 layers loaded", 10000));
-    int rc = moe_layer_load(c, &desc, NULL);
-    CHECK_MSG(rc == 0, "a directory the reload allowed: %d %s", rc, moe_errmsg());
-    moe_disconnect(&c);
-    itest_daemon_stop(&d);
-    itest_rmdir(d.dir);
-    itest_rmdir(wdir);
-    itest_rmdir(w2);
-}
-
 TEST(reload_keeps_a_layer_whose_new_load_would_fail)
 {
     uint64_t seed = test_seed();
@@ -1033,6 +952,90 @@ TEST(reload_keeps_a_layer_whose_new_load_would_fail)
     itest_layer_free(&B2);
     itest_rmdir(d.dir);
     itest_rmdir(wdir);
+}
+
+/* A reload that lowers max_layers below the layers loaded (a client's
+ * count too) and changes a configured layer's section keeps that layer as
+ * it was: unloaded, its new load would find no room, and the section it
+ * came from none either. Raised again, the next reload applies it. */
+TEST(reload_keeps_a_changed_layer_when_max_layers_leaves_no_room)
+{
+    uint64_t seed = test_seed();
+    char wdir[] = "/tmp/moed-sdk.XXXXXX", conf[128], fa[128], fb[128];
+    work_dir(wdir, conf, fa);
+    snprintf(fb, sizeof(fb), "%s/b.safetensors", wdir);
+    struct itest_layer A = layer_def("alpha", 4, 2, 32, 48), G = layer_def("gamma", 4, 2, 32, 48);
+    layer_file(&A, fa, "m.", &seed);
+    layer_file(&G, fb, "m.", &seed);
+    const char *text = "[daemon]\nallowed_dirs = %s\n\n[limits]\nmax_layers = %d\n\n"
+                       "[layer alpha]\nfile = %s\nprefix = m.\ntopk = 2\nrenormalize = %s\n";
+    write_file(conf, text, wdir, 4, fa, "true");
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--config", conf, NULL);
+    moe_client *c = itest_connect(&d, "quota");
+    moe_layer_desc desc = {.name = "gamma", .kind = MOE_LAYER_MOE, .topk = 2,
+                           .renormalize = 1, .path = fb, .prefix = "m."};
+    CHECK_MSG(moe_layer_load(c, &desc, NULL) == 0, "load gamma: %s", moe_errmsg());
+    write_file(conf, text, wdir, 1, fa, "false");
+    kill(d.pid, SIGHUP);
+    free(wait_log(d.log, "so its new load would find no room", 10000));
+    moe_layer_info infos[8];
+    int n = moe_layer_list(c, infos, 8);
+    const moe_layer_info *a = info_of(infos, n, "alpha");
+    CHECK_MSG(a != NULL, "the configured layer alpha is gone after the reload");
+    CHECK(a->renormalize);
+    forward_and_check(c, &A, 5, &seed);
+    /* Room again: the new section applies. */
+    write_file(conf, text, wdir, 4, fa, "false");
+    kill(d.pid, SIGHUP);
+    free(wait_log(d.log, "reload: unloading layer 'alpha'", 10000));
+    for (int i = 0; i < 500; i++) {
+        n = moe_layer_list(c, infos, 8);
+        a = info_of(infos, n, "alpha");
+        if (a && !a->renormalize)
+            break;
+        usleep(20000);
+    }
+    CHECK_MSG(a && !a->renormalize, "alpha's new section was not applied");
+    moe_disconnect(&c);
+    itest_daemon_stop(&d);
+    itest_layer_free(&A);
+    itest_layer_free(&G);
+    itest_rmdir(d.dir);
+    itest_rmdir(wdir);
+}
+
+/* A reload that swaps the allowed directories applies them whatever the
+ * running list held: here the same directory twice (the file's and
+ * --allow-dir's), which once made [W, W] against [W2, W] look the same. */
+TEST(reload_applies_new_allowed_dirs)
+{
+    uint64_t seed = test_seed();
+    char wdir[] = "/tmp/moed-sdk.XXXXXX", conf[128], fa[128], w2[] = "/tmp/moed-sdk2.XXXXXX",
+         fb[128];
+    work_dir(wdir, conf, fa);
+    CHECK(mkdtemp(w2) != NULL);
+    snprintf(fb, sizeof(fb), "%s/b.safetensors", w2);
+    struct itest_layer G = layer_def("gamma", 4, 2, 32, 48);
+    layer_file(&G, fb, "m.", &seed);
+    write_file(conf, "[daemon]\nallowed_dirs = %s\n", wdir);
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--config", conf, "--allow-dir", wdir, NULL);
+    moe_client *c = itest_connect(&d, "dirs");
+    moe_layer_desc desc = {.name = "gamma", .kind = MOE_LAYER_MOE, .topk = 2,
+                           .renormalize = 1, .path = fb, .prefix = "m."};
+    CHECK_EQ_INT(moe_layer_load(c, &desc, NULL), -EACCES);
+    write_file(conf, "[daemon]\nallowed_dirs = %s\n", w2);
+    kill(d.pid, SIGHUP);
+    free(wait_log(d.log, "reload: 0 layers loaded", 10000));
+    int rc = moe_layer_load(c, &desc, NULL);
+    CHECK_MSG(rc == 0, "a directory the reload allowed: %d %s", rc, moe_errmsg());
+    moe_disconnect(&c);
+    itest_daemon_stop(&d);
+    itest_layer_free(&G);
+    itest_rmdir(d.dir);
+    itest_rmdir(wdir);
+    itest_rmdir(w2);
 }
 
 /* The daemon's address space in bytes (VmSize). */

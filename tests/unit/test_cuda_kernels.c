@@ -1552,8 +1552,10 @@ static void run_shards(moek_cuda_routing_kind kind, uint64_t *rng)
         no_ids.ids_dev = NULL;
         CHECK_EQ_INT(moek_cuda_ep_forward(ep, layers, remaps, E, x, &no_ids, T, got), -EINVAL);
         CK(moek_cuda_ep_forward(ep, layers, remaps, E, x, &rh, T, got));
+        CHECK(!moek_cuda_ep_failed(ep));
         CHECK_EQ_INT(moek_cuda_ep_forward(ep, layers, remaps, E, x, &rh, 1 << 30, got),
                      -ENOMEM);
+        CHECK(moek_cuda_ep_failed(ep));
         CHECK_EQ_INT(moek_cuda_ep_forward(ep, layers, remaps, E, x, &rh, T, got), -EIO);
         CHECK_MSG(strstr(moek_cuda_last_error(), "failed before") != NULL, "%s",
                   moek_cuda_last_error());
