@@ -702,15 +702,15 @@ int main(int argc, char **argv)
         if (d.backends[i]->ops->devices(d.backends[i], &dev, 1) == 1)
             log_info("backend %s, device %d: %s", d.backends[i]->name, i, dev.name);
     }
-    /* Before any layer is made: MoE layers take their token tiles from it. */
-    reload_tiles(d.cfg.tile_table, d.backends, d.n_backends);
-
     if ((rc = loop_new(&d.loop)) < 0 || (rc = setup_signals(&d)) < 0 ||
         (rc = server_new(&d.cfg, d.backends, d.n_backends, d.loop, &d.server)) < 0 ||
         (rc = reload_new(d.server, read_config, &d, &d.reload)) < 0) {
         log_err("cannot start: %s", strerror(-rc));
         return 1;
     }
+    /* Before any layer is made: MoE layers take their token tiles from it.
+     * A table that cannot be used is no reason not to serve. */
+    reload_tiles(d.reload);
     int fd_session = -1, fd_zmq = -1;
     if (notify_listen_fds(d.cfg.runtime_dir, &fd_session, &fd_zmq, err, sizeof(err)) < 0) {
         log_err("socket activation: %s", err);

@@ -75,6 +75,8 @@ struct reload {
     bool orphan;              /* reload_free ran meanwhile: the plan frees it */
     unsigned loaded, unloaded, kept, failed, restored;
     bool unread;              /* the configuration could not be read: nothing changed */
+    bool tiles_in_use;        /* a tile table was read (reload_tiles) */
+    size_t tiles_entries;     /* and has this many entries */
 };
 
 int reload_new(struct server *s, reload_read_fn read, void *read_data, struct reload **out)
@@ -192,15 +194,23 @@ static bool file_replaced(struct reload *r, const char *name, const char *path)
 
 /* ---- the token-tile table ------------------------------------------------ */
 
-void reload_tiles(const char *path, struct backend *const *backends, int n)
+int reload_tiles(struct reload *r)
 {
+    struct server *s = r->s;
+    const char *path = s->cfg->tile_table;
     bool chooses = false;
-    for (int i = 0; i < n; i++)
-        chooses |= backends[i]->ops->set_tiles != NULL;
+    for (int i = 0; i < s->n_backends; i++)
+        chooses |= s->backends[i]->ops->set_tiles != NULL;
     struct tile_table t;
-    char err[512] = "";
+    char err[512] = "", keep[128] = "token tiles from the kernels' heuristic";
     int rc = -ENOENT;
     tiles_init(&t);
+    /* A table in use stays when its file cannot be used: the file may be
+     * half-written, and the layers loaded meanwhile deserve the tiles the
+     * others have. */
+    if (r->tiles_in_use)
+        snprintf(keep, sizeof(keep), "keeping the table in use (%zu entr%s)", r->tiles_entries,
+                 r->tiles_entries == 1 ? "y" : "ies");
     if (!path[0])
         log_debug("no tile table (tile_table is empty): token tiles from the kernels' heuristic");
     else if ((rc = tiles_read(&t, path, err, sizeof(err))) == -ENOENT)
@@ -208,18 +218,24 @@ void reload_tiles(const char *path, struct backend *const *backends, int n)
                 "no tile table at %s (moed --tune writes one): token tiles from the kernels' "
                 "heuristic", path);
     else if (rc == -EINVAL)
-        log_warn("tile table %s; token tiles from the kernels' heuristic", err);
+        log_warn("tile table %s; %s", err, keep);
     else if (rc)
-        log_warn("tile table: %s; token tiles from the kernels' heuristic", err);
+        log_warn("tile table: %s; %s", err, keep);
     else
         log_info("tile table %s: %zu entr%s", path, t.n, t.n == 1 ? "y" : "ies");
-    for (int i = 0; i < n; i++) {
-        struct backend *b = backends[i];
-        if (b->ops->set_tiles && b->ops->set_tiles(b, rc ? NULL : &t) < 0)
-            log_warn("device %d: cannot take the tile table (out of memory); token tiles from "
-                     "the kernels' heuristic", i);
+    bool bad = rc && rc != -ENOENT;
+    if (!(bad && r->tiles_in_use)) {
+        for (int i = 0; i < s->n_backends; i++) {
+            struct backend *b = s->backends[i];
+            if (b->ops->set_tiles && b->ops->set_tiles(b, rc ? NULL : &t) < 0)
+                log_warn("device %d: cannot take the tile table (out of memory); token tiles "
+                         "from the kernels' heuristic", i);
+        }
+        r->tiles_in_use = rc == 0;
+        r->tiles_entries = rc == 0 ? t.n : 0;
     }
     tiles_done(&t);
+    return bad ? rc : 0;
 }
 
 /* ---- configured layers ----------------------------------------------------- */
@@ -782,7 +798,8 @@ static void reload_begin(struct reload *r)
     char *tt = c->tile_table;
     c->tile_table = n->tile_table;
     n->tile_table = tt;
-    reload_tiles(c->tile_table, s->backends, s->n_backends);
+    if (reload_tiles(r) < 0)
+        r->failed++;
     c->log_level = n->log_level;
     log_set_level((enum log_level)n->log_level);
     c->batching = n->batching;

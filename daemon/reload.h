@@ -16,7 +16,8 @@
  *
  * Batching limits, quotas, allowed_dirs and log_level take effect at once;
  * the token-tile table (tile_table) is read again, for the layers loaded
- * from then on (layers already loaded keep their tiles);
+ * from then on (layers already loaded keep their tiles; a table that
+ * cannot be used keeps the one in use);
  * runtime_dir, backend, cpu_threads, device, spin_us and max_message_bytes
  * need a restart (a warning says so). A new setting is applied here too, or
  * listed among those that need a restart. Reload loads run on the loader thread, like
@@ -58,12 +59,14 @@ int reload_load_initial(struct reload *r, char *err, size_t errlen);
 void reload_start(struct reload *r, reload_done_fn done, void *data);
 bool reload_running(const struct reload *r);
 
-/* Read the token-tile table at path ("": none) and give it to every
- * backend that chooses tiles (set_tiles), for the MoE layers made from then
- * on; logs what it found. No file means no table; a malformed file is
- * logged with its line and no table is used: the kernels' heuristic picks,
- * and the daemon serves on. At start and on every reload. */
-void reload_tiles(const char *path, struct backend *const *backends, int n);
+/* Read the token-tile table, the configuration's tile_table ("": none),
+ * and give it to every backend that chooses tiles (set_tiles), for the MoE
+ * layers made from then on; logs what it found. At start, before any layer
+ * is made, and on every reload. No file means no table: the kernels'
+ * heuristic picks. A file that cannot be used (malformed: the log names
+ * its line) keeps the table in use, if one is, and the daemon serves on;
+ * the reload counts it as failed. 0, or -errno for such a file. */
+int reload_tiles(struct reload *r);
 
 /* --check-config: every configured layer's file lies under the allowed
  * directories, is a readable safetensors file and holds the tensors its

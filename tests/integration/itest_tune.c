@@ -182,10 +182,24 @@ TEST(a_bad_table_does_not_stop_the_daemon)
     kill(d.pid, SIGHUP);
     snprintf(want, sizeof(want), "tile table %s: 2 entries", table);
     CHECK_MSG(log_waits_for(&d, want), "no \"%s\" in %s", want, d.log);
+    /* A table half-written meanwhile keeps the one in use, and the reload
+     * says it failed. */
+    write_file(table, "NVIDIA H200\tbf16\t4096\t14336\t8\t2\t1:16\nOther\tfp16\t64\n");
+    kill(d.pid, SIGHUP);
+    CHECK(log_waits_for(&d, "tiles.tsv:2: 3 fields; want 7 separated by tabs: card, dtype, hidden, "
+                            "intermediate, experts, topk, rules; keeping the table in use (2 "
+                            "entries)"));
+    CHECK(log_waits_for(&d, "reload: 0 layers loaded, 0 unloaded, 0 kept, 1 failed"));
     unlink(table);
     kill(d.pid, SIGHUP);
     snprintf(want, sizeof(want), "no tile table at %s", table);
     CHECK_MSG(log_waits_for(&d, want), "no \"%s\" in %s", want, d.log);
+    /* With no table in use, a malformed one leaves the heuristic. */
+    write_file(table, "Other\tfp16\t64\n");
+    kill(d.pid, SIGHUP);
+    CHECK(log_waits_for(&d, "tiles.tsv:1: 3 fields; want 7 separated by tabs: card, dtype, hidden, "
+                            "intermediate, experts, topk, rules; token tiles from the kernels' "
+                            "heuristic"));
     itest_daemon_stop(&d);
     itest_rmdir(dir);
 }
