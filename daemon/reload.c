@@ -344,13 +344,14 @@ static void finish(struct reload *r)
 static void submit_load(struct reload *r, const struct layer_conf *lc, const struct stat *st)
 {
     char why[512] = "";
-    if (load_section(r, lc, true, st, why, sizeof(why)) < 0) {
-        log_err("reload: not loading layer '%s': %s", lc->name, why);
-        r->failed++;
-        return;
-    }
+    /* A load refused here is counted with those that fail on the loader
+     * (restore_begin): a layer just unloaded for it serves again from
+     * its former section either way. */
     snprintf(r->loading[r->n_loading++], sizeof(r->loading[0]), "%s", lc->name);
-    log_info("reload: loading layer '%s' from %s", lc->name, lc->path);
+    if (load_section(r, lc, true, st, why, sizeof(why)) < 0)
+        log_err("reload: not loading layer '%s': %s", lc->name, why);
+    else
+        log_info("reload: loading layer '%s' from %s", lc->name, lc->path);
 }
 
 /* ---- the plan: what a reload does with each layer ---------------------------
