@@ -139,24 +139,32 @@ static moek_dtype wire_to_moek(int d)
          : d == MOE__DTYPE__DTYPE_FP16 ? MOEK_DTYPE_FP16 : MOEK_DTYPE_FP32;
 }
 
+static int read_tensor(const struct st_file *f, const struct st_tensor *t, void *dst, char *err,
+                       size_t errlen)
+{
+    int rc = st_read(f, t, dst);
+    if (rc == -ECANCELED)
+        return errf(err, errlen, rc, "tensor %s: not read, since moed is stopping", t->name);
+    if (rc < 0)
+        return errf(err, errlen, -EIO, "tensor %s: file is truncated", t->name);
+    return 0;
+}
+
 /* Read tensor t (already shape-checked, numel elements) into dst as dtype. */
 static int read_as(const struct st_file *f, const struct st_tensor *t, int dtype,
                    void *dst, uint64_t numel, char *err, size_t errlen)
 {
     int src = st_to_wire(t->dtype);
-    if (src == dtype) {
-        if (st_read(f, t, dst) < 0)
-            return errf(err, errlen, -EIO, "tensor %s: file is truncated", t->name);
-        return 0;
-    }
+    if (src == dtype)
+        return read_tensor(f, t, dst, err, errlen);
     void *tmp = malloc(t->nbytes ? t->nbytes : 1);
     float *f32 = malloc(numel * sizeof(float) + 1);
     int rc = 0;
     if (!tmp || !f32)
         rc = -ENOMEM;
-    else if (st_read(f, t, tmp) < 0)
-        rc = errf(err, errlen, -EIO, "tensor %s: file is truncated", t->name);
-    else {
+    else
+        rc = read_tensor(f, t, tmp, err, errlen);
+    if (!rc) {
         moek_to_f32(wire_to_moek(src), tmp, f32, numel);
         moek_from_f32(wire_to_moek(dtype), f32, dst, numel);
     }

@@ -9,12 +9,15 @@
 #include <errno.h>
 #include <getopt.h>
 #include <limits.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
@@ -29,6 +32,7 @@
 #include "daemon/loop.h"
 #include "daemon/notify.h"
 #include "daemon/reload.h"
+#include "daemon/safetensors.h"
 #include "daemon/server.h"
 #include "daemon/tiles.h"
 #include "daemon/tune.h"
@@ -427,6 +431,9 @@ static void on_signal(void *data, int fd, uint32_t events)
                 return;
             }
             log_notice("stopping: draining %u pending requests", server_pending(d->server));
+            /* A load under way ends at its next read: its layer would go
+             * with the daemon anyway. */
+            st_cancel_reads();
             notify_stopping(d->server);
             d->stopping = true;
             d->server->draining = true;
@@ -442,6 +449,66 @@ static void on_signal(void *data, int fd, uint32_t events)
             notify_reload(d->server, d->reload);
         }
     }
+}
+
+/* ---- a stop while the configured layers load ------------------------------
+ *
+ * The configured layers load before the loop runs, so a SIGTERM or SIGINT
+ * meanwhile would wait until every layer was in. While the load lasts, a
+ * thread takes those two signals instead and cancels the reads
+ * (st_cancel_reads): the load ends within a part of ST_READ_PART bytes, and
+ * moed exits without serving. SIGHUP waits for the loop. */
+struct load_watch {
+    pthread_t thread;
+    int sigfd, endfd; /* SIGTERM and SIGINT; the load's end */
+    atomic_int signo;
+};
+
+static void *load_watch_main(void *arg)
+{
+    struct load_watch *w = arg;
+    struct pollfd p[2] = {{.fd = w->sigfd, .events = POLLIN}, {.fd = w->endfd, .events = POLLIN}};
+    struct signalfd_siginfo si;
+    while (!p[1].revents) {
+        if (poll(p, 2, -1) < 0 && errno != EINTR)
+            break;
+        if (p[0].revents && read(w->sigfd, &si, sizeof(si)) == sizeof(si)) {
+            atomic_store(&w->signo, (int)si.ssi_signo);
+            st_cancel_reads();
+            log_notice("stopping: the configured layers' load ends at its next read");
+            break;
+        }
+    }
+    return NULL;
+}
+
+static int load_watch_start(struct load_watch *w)
+{
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    *w = (struct load_watch){.sigfd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC),
+                             .endfd = eventfd(0, EFD_CLOEXEC)};
+    int rc = w->sigfd < 0 || w->endfd < 0 ? -errno : -pthread_create(&w->thread, NULL,
+                                                                        load_watch_main, w);
+    if (rc) {
+        close_fd(&w->sigfd);
+        close_fd(&w->endfd);
+    }
+    return rc;
+}
+
+/* The load is over: the signal that came meanwhile, or 0. */
+static int load_watch_end(struct load_watch *w)
+{
+    uint64_t one = 1;
+    if (write(w->endfd, &one, sizeof(one)) != sizeof(one))
+        log_err("cannot end the load's signal watch: %s", strerror(errno));
+    pthread_join(w->thread, NULL);
+    close_fd(&w->sigfd);
+    close_fd(&w->endfd);
+    return atomic_load(&w->signo);
 }
 
 static void signals_set(sigset_t *set)
@@ -755,7 +822,19 @@ int main(int argc, char **argv)
         log_info("demo layers 'demo' (E=8 k=2 H=256 I=512 bf16) and 'demo-gemm' "
                  "(B [8, 512, 256] bf16) from %s", path);
     }
-    if ((rc = reload_load_initial(d.reload, err, sizeof(err))) < 0) {
+    struct load_watch lw;
+    int watch = load_watch_start(&lw);
+    if (watch < 0)
+        log_warn("cannot watch for a stop during the load (%s): a stop waits for its end",
+                 strerror(-watch));
+    rc = reload_load_initial(d.reload, err, sizeof(err));
+    int sig = watch < 0 ? 0 : load_watch_end(&lw);
+    if (sig) {
+        log_notice("stopped before serving: %s came while the configured layers loaded",
+                   sig == SIGTERM ? "SIGTERM" : "SIGINT");
+        return 0;
+    }
+    if (rc < 0) {
         log_err("cannot load %s", err);
         return 1;
     }

@@ -281,6 +281,12 @@ int reload_load_initial(struct reload *r, char *err, size_t errlen)
         return 0;
     notify_loading_begin(CLOCK_PROCESS_CPUTIME_ID); /* the loop is not serving yet */
     for (const struct layer_conf *lc = s->cfg->layers; lc; lc = lc->next) {
+        if (st_reads_cancelled()) {
+            snprintf(err, errlen, "layer '%s' and those after it: not loaded, since moed is "
+                     "stopping", lc->name);
+            rc = -ECANCELED;
+            break;
+        }
         notify_loading_layer(lc->name, ++i, n);
         struct stat st;
         bool have_st = stat(lc->path, &st) == 0;

@@ -50,7 +50,8 @@ void reload_free(struct reload **r);
 
 /* Load s->cfg->layers synchronously (start-up, before READY=1), extending
  * the start-up timeout as it goes. 0, or the first failure with err naming
- * the layer and the reason. */
+ * the layer and the reason; -ECANCELED once moed is stopping
+ * (st_cancel_reads). */
 int reload_load_initial(struct reload *r, char *err, size_t errlen);
 
 /* Begin a reload; done(data, failed) follows on the loop thread, maybe

@@ -232,6 +232,17 @@ out:
 }
 
 static atomic_uint_fast64_t bytes_read_total;
+static atomic_bool reads_cancelled;
+
+void st_cancel_reads(void)
+{
+    atomic_store(&reads_cancelled, true);
+}
+
+bool st_reads_cancelled(void)
+{
+    return atomic_load(&reads_cancelled);
+}
 
 uint64_t st_bytes_read(void)
 {
@@ -245,7 +256,7 @@ static int pread_full(int fd, void *dst, uint64_t n, uint64_t off)
 {
     uint8_t *p = dst;
     while (n > 0) {
-        size_t chunk = n > (64u << 20) ? (64u << 20) : (size_t)n;
+        size_t chunk = n > ST_READ_PART ? ST_READ_PART : (size_t)n;
         ssize_t r = pread(fd, p, chunk, (off_t)off);
         if (r < 0) {
             if (errno == EINTR)
@@ -339,7 +350,22 @@ const struct st_tensor *st_find(const struct st_file *f, const char *name)
 
 int st_read(const struct st_file *f, const struct st_tensor *t, void *dst)
 {
-    return pread_full(f->fd, dst, t->nbytes, t->offset);
+    uint8_t *p = dst;
+    uint64_t n = t->nbytes, off = t->offset;
+    /* In parts, so that a stop (st_cancel_reads) ends a read of gigabytes
+     * early too. */
+    do {
+        if (st_reads_cancelled())
+            return -ECANCELED;
+        uint64_t part = n > ST_READ_PART ? ST_READ_PART : n;
+        int rc = pread_full(f->fd, p, part, off);
+        if (rc)
+            return rc;
+        p += part;
+        off += part;
+        n -= part;
+    } while (n > 0);
+    return 0;
 }
 
 int st_write_check(const char *path)

@@ -10,6 +10,7 @@
 #ifndef MOED_SAFETENSORS_H
 #define MOED_SAFETENSORS_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -61,8 +62,15 @@ void st_header_done(struct st_file *f);
 
 const struct st_tensor *st_find(const struct st_file *f, const char *name);
 
-/* Read the tensor's bytes into dst (t->nbytes). 0, -EIO (short file). */
+/* Read the tensor's bytes into dst (t->nbytes), in parts of at most
+ * ST_READ_PART bytes. 0, -EIO (short file), -ECANCELED (st_cancel_reads). */
+#define ST_READ_PART (64u << 20)
 int st_read(const struct st_file *f, const struct st_tensor *t, void *dst);
+/* moed is stopping: every tensor read fails from now on with -ECANCELED,
+ * one under way before its next part, so a load in progress ends within a
+ * part instead of holding up the stop. Any thread; there is no way back. */
+void st_cancel_reads(void);
+bool st_reads_cancelled(void);
 /* Bytes read from weight files by this process so far (any thread): what
  * the start-up timeout's keeper counts as a load's progress (notify.c). */
 uint64_t st_bytes_read(void);

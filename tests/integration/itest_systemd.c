@@ -1361,6 +1361,56 @@ TEST(reload_parses_headers_off_the_loop)
 }
 
 /*
+ * SIGTERM while the configured layers load (before READY=1) stops the load
+ * at its next read: moed exits 0 at once, without READY=1 and with most
+ * layers never loaded. Before, the signal waited until every layer was in.
+ */
+TEST(a_stop_during_the_initial_load_ends_it)
+{
+    enum { N = 120 };
+    uint64_t seed = test_seed();
+    char wdir[] = "/tmp/moed-sdl.XXXXXX", conf[128], fa[128];
+    work_dir(wdir, conf, fa);
+    struct itest_layer L = layer_def("l", 8, 2, 256, 512);
+    layer_file(&L, fa, "m.", &seed);
+    size_t len = 64 + N * 96;
+    char *text = malloc(len), *at = text;
+    CHECK(text != NULL);
+    at += snprintf(at, len, "[daemon]\nallowed_dirs = %s\n[limits]\nmax_layers = %d\n", wdir, N);
+    for (int i = 0; i < N; i++)
+        at += snprintf(at, len - (size_t)(at - text), "[layer l%d]\nfile = %s\nprefix = m.\ntopk = 2\n",
+                       i, fa);
+    write_file(conf, "%s", text);
+    free(text);
+    struct nlisten *nl = nl_open();
+    struct itest_daemon d;
+    sd_start(&d, nl, NULL, "--config", conf, NULL);
+    free(wait_log(d.log, "layer 'l2' loaded", 20000));
+    uint64_t t0 = now_ms();
+    kill(d.pid, SIGTERM);
+    int st = wait_exit(d.pid, 20000);
+    uint64_t took = now_ms() - t0;
+    nl_pump(nl, 100);
+    char *log = read_file(d.log);
+    CHECK(log != NULL);
+    int loaded = 0;
+    for (const char *p = log; (p = strstr(p, " loaded: ")) != NULL; p++)
+        loaded++;
+    fprintf(stderr, "  stopped %llu ms after SIGTERM, %d of %d layers loaded\n",
+            (unsigned long long)took, loaded, N);
+    CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status %#x", st);
+    CHECK_MSG(loaded < N / 2, "%d of %d layers loaded after SIGTERM", loaded, N);
+    CHECK_STR_CONTAINS(log, "stopped before serving: SIGTERM came while the configured layers "
+                            "loaded");
+    CHECK_MSG(nl_find(nl, 0, "READY=1") < 0, "READY=1 after a stop during the load");
+    free(log);
+    nl_close(nl);
+    itest_layer_free(&L);
+    itest_rmdir(d.dir);
+    itest_rmdir(wdir);
+}
+
+/*
  * "A hung device must stop the pings": one batch that runs much longer than
  * WATCHDOG_USEC (a CPU layer, one big request, one thread) leaves a gap in
  * the pings as long as the batch; they resume when it completes. The batch
@@ -2086,6 +2136,7 @@ int main(int argc, char **argv)
         TEST_CASE_TIMEOUT(reload_parses_headers_off_the_loop, 120),
         TEST_CASE(demo_weights_stay_loadable_after_a_reload),
         TEST_CASE_TIMEOUT(a_reload_does_not_use_up_clients_loads, 120),
+        TEST_CASE_TIMEOUT(a_stop_during_the_initial_load_ends_it, 90),
         TEST_CASE_TIMEOUT(watchdog_pings_stop_while_one_batch_runs_too_long, 90),
         TEST_CASE_TIMEOUT(socket_activation_passes_both_named_sockets, 30),
         TEST_CASE_TIMEOUT(socket_activation_session_only_binds_zmq_itself, 30),

@@ -599,6 +599,45 @@ TEST(read_after_truncation)
     CHECK_NO_LEAKS();
 }
 
+/* A tensor larger than ST_READ_PART reads back whole across the parts, and
+ * counts in st_bytes_read; once reads are cancelled, st_read refuses with
+ * -ECANCELED and writes nothing, while headers still open. */
+TEST(reads_in_parts_until_cancelled)
+{
+    uint64_t s = test_seed();
+    const char *dir = tmp_dir();
+    char path[256], err[256];
+    snprintf(path, sizeof(path), "%s/big.safetensors", dir);
+    const uint64_t n = ST_READ_PART / 4 + 1000;
+    float *a = malloc(n * 4), *back = malloc(n * 4);
+    CHECK(a && back);
+    for (uint64_t i = 0; i < n; i++)
+        a[i] = test_randf(&s);
+    struct st_out t = {.name = "a", .dtype = ST_F32, .ndim = 1, .shape = {n}, .data = a};
+    CHECK_EQ_INT(st_write(path, &t, 1), 0);
+    struct st_file *f = NULL;
+    CHECK_EQ_INT(st_open(path, &f, err, sizeof(err)), 0);
+    const struct st_tensor *ta = st_find(f, "a");
+    CHECK(ta != NULL);
+    memset(back, 0xa5, n * 4);
+    uint64_t was = st_bytes_read();
+    CHECK_EQ_INT(st_read(f, ta, back), 0);
+    CHECK(memcmp(back, a, n * 4) == 0);
+    CHECK_EQ_INT((long long)(st_bytes_read() - was), (long long)(n * 4));
+    st_cancel_reads();
+    CHECK(st_reads_cancelled());
+    memset(back, 0xa5, n * 4);
+    CHECK_EQ_INT(st_read(f, ta, back), -ECANCELED);
+    CHECK(back[0] != a[0] && back[n - 1] != a[n - 1]);
+    st_close(&f);
+    CHECK_EQ_INT(st_open(path, &f, err, sizeof(err)), 0);
+    st_close(&f);
+    free(a);
+    free(back);
+    tmp_cleanup();
+    CHECK_NO_LEAKS();
+}
+
 /* st_write() writes only where a regular file is, or can be made: never
  * over a directory or a device (its rename would put a file in the
  * device's place), never into a directory that is not there. */
@@ -652,6 +691,7 @@ int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
         TEST_CASE(roundtrip_every_dtype),
+        TEST_CASE(reads_in_parts_until_cancelled),
         TEST_CASE(dtype_table),
         TEST_CASE(header_valid_and_metadata_ignored),
         TEST_CASE(reject_not_json),
