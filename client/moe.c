@@ -1253,17 +1253,47 @@ static int call(moe_client *c, Moe__Request *req, Moe__Reply **out)
     return call_filled(c, req, NULL, NULL, out);
 }
 
-int moe_hello(moe_client *c, moe_server_info *info)
+static int hello(moe_client *c, Moe__Reply **rep)
 {
-    if (!c)
-        return null_arg("the client");
     Moe__Request req = MOE__REQUEST__INIT;
     Moe__Hello h = MOE__HELLO__INIT;
     h.protocol_version = MOE_PROTOCOL_VERSION;
     req.body_case = MOE__REQUEST__BODY_HELLO;
     req.hello = &h;
+    return call(c, &req, rep);
+}
+
+int moe_devices(moe_client *c, moe_device_info *out, int max)
+{
+    if (!c)
+        return null_arg("the client");
+    if (max < 0 || (max > 0 && !out))
+        return seterr(-EINVAL, "moe_devices: room for %d devices%s", max,
+                      max < 0 ? "" : " at NULL");
     Moe__Reply *rep = NULL;
-    int rc = call(c, &req, &rep);
+    int rc = hello(c, &rep);
+    if (rc)
+        return rc;
+    int n = 0;
+    if (rep->body_case == MOE__REPLY__BODY_HELLO) {
+        Moe__HelloReply *hr = rep->hello;
+        n = hr->n_devices > INT_MAX ? INT_MAX : (int)hr->n_devices;
+        for (int i = 0; i < n && i < max; i++) {
+            out[i] = (moe_device_info){.memory_bytes = hr->devices[i]->memory_bytes,
+                                       .compute_units = hr->devices[i]->compute_units};
+            snprintf(out[i].name, sizeof(out[i].name), "%s", hr->devices[i]->name);
+        }
+    }
+    moe__reply__free_unpacked(rep, NULL);
+    return n;
+}
+
+int moe_hello(moe_client *c, moe_server_info *info)
+{
+    if (!c)
+        return null_arg("the client");
+    Moe__Reply *rep = NULL;
+    int rc = hello(c, &rep);
     if (rc)
         return rc;
     if (info && rep->body_case == MOE__REPLY__BODY_HELLO) {
@@ -1272,7 +1302,7 @@ int moe_hello(moe_client *c, moe_server_info *info)
         info->protocol_version = hr->protocol_version;
         snprintf(info->server_version, sizeof(info->server_version), "%s", hr->server_version);
         snprintf(info->backend, sizeof(info->backend), "%s", hr->backend);
-        for (size_t i = 0; i < hr->n_devices && i < 8; i++) {
+        for (size_t i = 0; i < hr->n_devices && i < sizeof(info->devices) / sizeof(info->devices[0]); i++) {
             snprintf(info->devices[i].name, sizeof(info->devices[i].name), "%s", hr->devices[i]->name);
             info->devices[i].memory_bytes = hr->devices[i]->memory_bytes;
             info->devices[i].compute_units = hr->devices[i]->compute_units;

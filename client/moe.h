@@ -196,7 +196,7 @@ typedef struct moe_server_info {
     uint32_t protocol_version;
     char server_version[32];
     char backend[16];
-    int n_devices;
+    int n_devices; /* up to 8: moe_devices() lists every one */
     struct {
         char name[96];
         uint64_t memory_bytes;
@@ -209,6 +209,18 @@ typedef struct moe_server_info {
 
 /* One round trip (Hello). info may be NULL. */
 int moe_hello(moe_client *c, moe_server_info *info);
+
+typedef struct moe_device_info {
+    char name[96];
+    uint64_t memory_bytes;
+    uint32_t compute_units;
+} moe_device_info;
+
+/* Every device the daemon serves on (one round trip, Hello; a daemon may
+ * have up to 16, moe_server_info holds 8): out[0..max) filled, and the
+ * number the daemon has returned, which may be above max (the rest are
+ * left out); or -errno. out may be NULL with max 0, to count them. */
+int moe_devices(moe_client *c, moe_device_info *out, int max);
 
 /* ---- regions ----------------------------------------------------------- */
 

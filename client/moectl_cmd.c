@@ -331,15 +331,16 @@ int cmd_info(const char *rt, int argc, char **argv)
     if (!cl)
         return 1;
     moe_server_info info;
-    int rc = moe_hello(cl, &info);
+    moe_device_info dev[64];
+    int rc = moe_hello(cl, &info), n = rc ? rc : moe_devices(cl, dev, 64);
     moe_disconnect(&cl);
-    if (rc)
-        return moectl_fail("info", rc);
+    if (rc || n < 0)
+        return moectl_fail("info", rc ? rc : n);
     printf("moed %s, protocol %u, backend %s\n", info.server_version, info.protocol_version,
            info.backend);
-    for (int i = 0; i < info.n_devices; i++)
-        printf("device %d: %s, %.1f GiB, %u compute units\n", i, info.devices[i].name,
-               (double)info.devices[i].memory_bytes / (1ull << 30), info.devices[i].compute_units);
+    for (int i = 0; i < n && i < 64; i++)
+        printf("device %d: %s, %.1f GiB, %u compute units\n", i, dev[i].name,
+               (double)dev[i].memory_bytes / (1ull << 30), dev[i].compute_units);
     printf("max batch tokens %u, max message %llu bytes\n", info.max_batch_tokens,
            (unsigned long long)info.max_message_bytes);
     printf("capabilities: %s\n", info.capabilities);

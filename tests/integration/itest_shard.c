@@ -56,6 +56,40 @@ static void forward_matches(moe_client *c, struct itest_layer *L, struct itest_l
     moe_region_free(c, &f.r);
 }
 
+/* A daemon of more devices than moe_server_info holds (8): moe_devices
+ * lists every one, and tells how many there are past the room it was
+ * given; moectl info prints them all. */
+TEST(every_device_is_listed)
+{
+    if (itest_on_gpu())
+        TEST_SKIP("needs 12 of the CPU backend's virtual devices");
+    struct itest_daemon d;
+    itest_daemon_start(&d, "--virtual-devices", "12", NULL);
+    moe_client *c = itest_connect(&d, "devices");
+    moe_server_info info;
+    CHECK(moe_hello(c, &info) == 0);
+    CHECK_EQ_INT(info.n_devices, 8);
+    CHECK_EQ_INT(moe_devices(c, NULL, 0), 12);
+    moe_device_info dev[16];
+    memset(dev, 0x5a, sizeof(dev));
+    CHECK_EQ_INT(moe_devices(c, dev, 4), 12);
+    CHECK(dev[3].name[0] != 0x5a && dev[4].name[0] == 0x5a);
+    CHECK_EQ_INT(moe_devices(c, dev, 16), 12);
+    for (int i = 0; i < 12; i++)
+        CHECK_MSG(!strcmp(dev[i].name, dev[0].name) && dev[i].compute_units > 0,
+                  "device %d: '%s', %u compute units", i, dev[i].name, dev[i].compute_units);
+    CHECK(dev[12].name[0] == 0x5a);
+    CHECK_EQ_INT(moe_devices(c, NULL, 1), -EINVAL);
+    CHECK_EQ_INT(moe_devices(c, dev, -1), -EINVAL);
+    CHECK_EQ_INT(moe_devices(NULL, dev, 1), -EINVAL);
+    moe_disconnect(&c);
+    char out[8192];
+    CHECK_EQ_INT(itest_run_cmd(true, out, sizeof(out), "%s/moectl -r %s info", itest_build(),
+                               d.dir), 0);
+    CHECK_STR_CONTAINS(out, "device 11: ");
+    itest_daemon_stop(&d);
+}
+
 TEST(sharded_layers_match_one_device)
 {
     uint64_t seed = test_seed();
@@ -245,6 +279,7 @@ TEST(sharded_layer_serves_concurrent_clients)
 int main(int argc, char **argv)
 {
     return test_main(argc, argv, (struct test_case[]){
+        TEST_CASE(every_device_is_listed),
         TEST_CASE(sharded_layers_match_one_device),
         TEST_CASE(bad_placements_are_refused),
         TEST_CASE(sharded_layer_serves_concurrent_clients),
