@@ -682,6 +682,10 @@ cudaError_t moek_launch_relist(const moek_align_args &aa, cudaStream_t stream,
  * compute capability (10 x major + minor). Only a cap of 16 probes the
  * non-portable size. */
 int moek_route_cluster_cap(int experts, int cc, int cap);
+/* The cluster cap for a route over route_experts of a layer whose cap
+ * (moek_route_cluster_cap) was found for cap_experts: a shard's layer
+ * routes over the whole layer's experts. */
+int moek_route_cluster_use(int cap, int cap_experts, int route_experts);
 
 /* gemm_wgmma.cu / gemm_simt.cu */
 cudaError_t moek_gemm_wgmma_prepare(moek_dtype dt);

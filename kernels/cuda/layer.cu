@@ -994,7 +994,7 @@ int moek_cuda_fused_moe(moek_cuda_moe_layer *L, moek_cuda_workspace *ws,
     aa.sms = L->sms;
     aa.split_min_kb = L->split_min_kb;
     aa.tiny = L->tiny;
-    aa.route_cl = L->route_cl;
+    aa.route_cl = moek_route_cluster_use(L->route_cl, E, ra.experts);
     aa.d[0] = {g1.n_tiles, g1.kblocks, 0};
     aa.d[1] = {g2.n_tiles, g2.kblocks,
                cl2 || slots || g2.stream_k || moek_wtiles(bn2) > 1 ? 0 : 1};

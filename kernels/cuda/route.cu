@@ -1018,6 +1018,15 @@ int moek_route_cluster_cap(int experts, int cc, int cap)
     return 1;
 }
 
+int moek_route_cluster_use(int cap, int cap_experts, int route_experts)
+{
+    /* Only the cap's kernel was allowed the non-portable 16; a shard's
+     * route over all E experts may take another (logits per lane). */
+    return cap > 8 && logits_per_lane(cap_experts) != logits_per_lane(route_experts)
+               ? 8
+               : cap;
+}
+
 cudaError_t moek_launch_route(const moek_route_args &ra,
                               const moek_align_args &aa, int *counts_dev,
                               cudaStream_t stream, bool pdl)

@@ -1582,6 +1582,84 @@ TEST(moe_shards)
     run_shards(MOEK_CUDA_ROUTE_GIVEN, &rng);
 }
 
+/* MOEK_CUDA_ROUTE_CLUSTER=16 with a layer spread over shards: a shard of 5
+ * experts found its routing cluster for one logit a lane, while it routes
+ * over all 40 experts (two a lane), whose kernel was never allowed the
+ * non-portable 16 CTAs; its route keeps to 8 (moek_route_cluster_use).
+ * T = 300 would take 16 CTAs. The shards, the first made and run before
+ * the second (whose 35 experts do allow two a lane 16), sum to the whole
+ * layer, made first under the default cap. */
+TEST(a_shard_routes_within_its_cluster_cap)
+{
+    need_gpu();
+    uint64_t rng = test_seed();
+    const moek_moe_shape s = {40, 2, 256, 512};
+    const int E = s.experts, H = s.hidden, T = 300, cut = 5;
+    const size_t ih = (size_t)s.intermediate * H, xb = (size_t)T * H * 2;
+    const uint64_t seed = test_rand(&rng);
+    void *w[3];
+    for (int i = 0; i < 3; i++) {
+        w[i] = dmalloc(E * ih * 2);
+        CK(moek_cuda_fill_uniform(w[i], MOEK_DTYPE_BF16, E * ih, seed + i, i < 2 ? 0.0625f : 0.044f,
+                                  NULL));
+    }
+    void *dx = dmalloc(xb), *dl = dmalloc(sizeof(float) * T * E), *dout = dmalloc(xb);
+    CK(moek_cuda_fill_uniform(dx, MOEK_DTYPE_BF16, (size_t)T * H, seed + 3, 1.0f, NULL));
+    CK(moek_cuda_fill_uniform(dl, MOEK_DTYPE_FP32, (size_t)T * E, seed + 4, 3.0f, NULL));
+    moek_cuda_routing rt = {MOEK_CUDA_ROUTE_LOGITS, dl, MOEK_SCORING_SOFTMAX, true, NULL, NULL,
+                            NULL, 0};
+    moek_cuda_moe_layer *whole = NULL, *part[2] = {NULL, NULL};
+    CK(moek_cuda_moe_layer_new_from_device(&s, MOEK_DTYPE_BF16, w[0], w[1], w[2], 0, &whole));
+    moek_cuda_workspace *ws = NULL;
+    CK(moek_cuda_workspace_new(0, moek_cuda_moe_workspace_size(whole, T), &ws));
+    uint16_t *want = xmalloc(xb), *got = xmalloc(xb);
+    CK(moek_cuda_memset(dout, 0xff, xb));
+    CK(moek_cuda_fused_moe(whole, ws, dx, &rt, T, dout, NULL));
+    CK(moek_cuda_copy_to_host(want, dout, xb));
+    float *wf = xmalloc(sizeof(float) * T * H), *tmp = xmalloc(sizeof(float) * T * H),
+          *acc = calloc((size_t)T * H, sizeof(float));
+    CHECK(acc != NULL);
+    moek_to_f32(MOEK_DTYPE_BF16, want, wf, (size_t)T * H);
+    char *keep = env_set("MOEK_CUDA_ROUTE_CLUSTER", "16");
+    for (int p = 0; p < 2; p++) {
+        moek_moe_shape sp = s;
+        sp.experts = p ? E - cut : cut;
+        const size_t off = p ? cut * ih * 2 : 0;
+        CK(moek_cuda_moe_layer_new_from_device(&sp, MOEK_DTYPE_BF16, (char *)w[0] + off,
+                                               (char *)w[1] + off, (char *)w[2] + off, 0,
+                                               &part[p]));
+        int32_t remap[40];
+        for (int e = 0; e < E; e++)
+            remap[e] = (e < cut) == (p == 0) ? e - (p ? cut : 0) : -1;
+        int32_t *dr = dmalloc(sizeof remap);
+        CK(moek_cuda_copy_to_device(dr, remap, sizeof remap));
+        moek_cuda_routing r = rt;
+        r.remap_dev = dr;
+        r.route_experts = E;
+        CK(moek_cuda_memset(dout, 0xff, xb));
+        CK(moek_cuda_fused_moe(part[p], ws, dx, &r, T, dout, NULL));
+        CK(moek_cuda_copy_to_host(got, dout, xb));
+        moek_to_f32(MOEK_DTYPE_BF16, got, tmp, (size_t)T * H);
+        for (size_t i = 0; i < (size_t)T * H; i++)
+            acc[i] += tmp[i];
+        moek_cuda_free(dr);
+    }
+    env_restore("MOEK_CUDA_ROUTE_CLUSTER", keep);
+    double err = moek_rel_error(acc, wf, (size_t)T * H);
+    fprintf(stderr, "  shards of 5 and 35 experts against the whole: rel err %.2e\n", err);
+    CHECK_MSG(err < 1e-2, "shards summed: rel err %g", err);
+    free(want); free(got); free(wf); free(tmp); free(acc);
+    for (int p = 0; p < 2; p++)
+        moek_cuda_moe_layer_free(part[p]);
+    moek_cuda_moe_layer_free(whole);
+    moek_cuda_workspace_free(ws);
+    for (int i = 0; i < 3; i++)
+        moek_cuda_free(w[i]);
+    moek_cuda_free(dx);
+    moek_cuda_free(dl);
+    moek_cuda_free(dout);
+}
+
 /* A forward of T tokens on a layer of shape s (made with MOEK_CUDA_NO_DEP=1
  * unless dep), captured once in a CUDA graph and replayed over new inputs. */
 static void graph_replay(moek_moe_shape s, int T, bool dep, uint64_t *rngp)
@@ -1974,6 +2052,7 @@ int main(int argc, char **argv)
                          TEST_CASE_TIMEOUT(moe_autotune, 120),
                          TEST_CASE_TIMEOUT(moe_graph_replay, 120),
                          TEST_CASE_TIMEOUT(moe_shards, 120),
+                         TEST_CASE(a_shard_routes_within_its_cluster_cap),
                          TEST_CASE_TIMEOUT(grouped_gemm, 300),
                          TEST_CASE_TIMEOUT(moe_qwen3, 300),
                          TEST_CASE_TIMEOUT(moe_mixtral, 300),
