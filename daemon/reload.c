@@ -77,6 +77,7 @@ struct reload {
     bool unread;              /* the configuration could not be read: nothing changed */
     bool tiles_in_use;        /* a tile table was read (reload_tiles) */
     size_t tiles_entries;     /* and has this many entries */
+    bool tiles_bad;           /* this reload's table could not be used */
 };
 
 int reload_new(struct server *s, reload_read_fn read, void *read_data, struct reload **out)
@@ -223,19 +224,21 @@ int reload_tiles(struct reload *r)
         log_warn("tile table: %s; %s", err, keep);
     else
         log_info("tile table %s: %zu entr%s", path, t.n, t.n == 1 ? "y" : "ies");
-    bool bad = rc && rc != -ENOENT;
+    bool bad = rc && rc != -ENOENT, taken = true;
     if (!(bad && r->tiles_in_use)) {
         for (int i = 0; i < s->n_backends; i++) {
             struct backend *b = s->backends[i];
-            if (b->ops->set_tiles && b->ops->set_tiles(b, rc ? NULL : &t) < 0)
+            if (b->ops->set_tiles && b->ops->set_tiles(b, rc ? NULL : &t) < 0) {
                 log_warn("device %d: cannot take the tile table (out of memory); token tiles "
                          "from the kernels' heuristic", i);
+                taken = false;
+            }
         }
-        r->tiles_in_use = rc == 0;
-        r->tiles_entries = rc == 0 ? t.n : 0;
+        r->tiles_in_use = rc == 0 && taken;
+        r->tiles_entries = r->tiles_in_use ? t.n : 0;
     }
     tiles_done(&t);
-    return bad ? rc : 0;
+    return bad && chooses ? rc : 0;
 }
 
 /* ---- configured layers ----------------------------------------------------- */
@@ -333,6 +336,8 @@ static void finish(struct reload *r)
     else
         log_notice("reload: %u layers loaded, %u unloaded, %u kept, %u failed", r->loaded,
                    r->unloaded, r->kept, r->failed);
+    if (r->tiles_bad)
+        log_notice("reload: the tile table could not be used (see above)");
     if (r->again && !r->s->draining) {
         log_info("reload: reading the configuration again, as asked meanwhile");
         reload_begin(r);
@@ -341,7 +346,7 @@ static void finish(struct reload *r)
     r->phase = IDLE;
     r->again = false;
     if (r->done)
-        r->done(r->done_data, r->failed);
+        r->done(r->done_data, r->failed + r->tiles_bad);
 }
 
 /* Queue a section's load on the loader thread, st its file's identity
@@ -695,6 +700,8 @@ static void restore_begin(struct reload *r)
 {
     struct server *s = r->s;
     unsigned n = r->n_loading;
+    /* A stop cancels the loads (st_cancel_reads): a restore would fail too. */
+    bool stopping = s->draining || st_reads_cancelled();
     struct plan *p = calloc(1, sizeof(*p));
     if (p && !(p->stats = calloc(n + 1, sizeof(*p->stats)))) {
         free(p);
@@ -708,7 +715,10 @@ static void restore_begin(struct reload *r)
         }
         r->failed++; /* layer.c logged why */
         const struct former *fo = former_of(r, r->loading[i]);
-        if (fo && p)
+        if (fo && stopping)
+            log_notice("reload: layer '%s' is not loaded again from its former section: moed "
+                       "is stopping", fo->lc->name);
+        else if (fo && p)
             p->stats[p->n_stats++] = (struct plan_stat){.lc = fo->lc, .fo = fo};
         else if (fo)
             log_err("reload: layer '%s' is not loaded: out of memory", fo->lc->name);
@@ -778,7 +788,7 @@ static void reload_begin(struct reload *r)
     char err[512] = "";
     r->again = false;
     r->loaded = r->unloaded = r->kept = r->failed = r->restored = 0;
-    r->unread = false;
+    r->unread = r->tiles_bad = false;
     r->phase = WAIT_LOADER; /* running from here on */
     if (r->have_next)
         config_done(n);
@@ -805,8 +815,7 @@ static void reload_begin(struct reload *r)
     char *tt = c->tile_table;
     c->tile_table = n->tile_table;
     n->tile_table = tt;
-    if (reload_tiles(r) < 0)
-        r->failed++;
+    r->tiles_bad = reload_tiles(r) < 0;
     c->log_level = n->log_level;
     log_set_level((enum log_level)n->log_level);
     c->batching = n->batching;

@@ -39,7 +39,8 @@ struct server;
  * err saying why. */
 typedef int (*reload_read_fn)(void *data, struct config *out, char *err, size_t errlen);
 /* A reload has finished, on the loop thread; failed counts sections that
- * could not be applied (the log says why). */
+ * could not be applied, and a tile table that could not be used (the log
+ * says why). */
 typedef void (*reload_done_fn)(void *data, unsigned failed);
 
 /* Caller owns the result; release with reload_free() before s is freed
@@ -65,8 +66,9 @@ bool reload_running(const struct reload *r);
  * layers made from then on; logs what it found. At start, before any layer
  * is made, and on every reload. No file means no table: the kernels'
  * heuristic picks. A file that cannot be used (malformed: the log names
- * its line) keeps the table in use, if one is, and the daemon serves on;
- * the reload counts it as failed. 0, or -errno for such a file. */
+ * its line) keeps the table in use, if one is, and the daemon serves on.
+ * 0, or -errno for such a file where a backend chooses tiles (a reload
+ * with errors). */
 int reload_tiles(struct reload *r);
 
 /* --check-config: every configured layer's file lies under the allowed
