@@ -457,7 +457,8 @@ static void on_signal(void *data, int fd, uint32_t events)
  * meanwhile would wait until every layer was in. While the load lasts, a
  * thread takes those two signals instead and cancels the reads
  * (st_cancel_reads): the load ends within a part of ST_READ_PART bytes, and
- * moed exits without serving. SIGHUP waits for the loop. */
+ * moed exits without serving; a second signal exits at once. SIGHUP waits
+ * for the loop. */
 struct load_watch {
     pthread_t thread;
     int sigfd, endfd; /* SIGTERM and SIGINT; the load's end */
@@ -469,15 +470,24 @@ static void *load_watch_main(void *arg)
     struct load_watch *w = arg;
     struct pollfd p[2] = {{.fd = w->sigfd, .events = POLLIN}, {.fd = w->endfd, .events = POLLIN}};
     struct signalfd_siginfo si;
-    while (!p[1].revents) {
-        if (poll(p, 2, -1) < 0 && errno != EINTR)
-            break;
-        if (p[0].revents && read(w->sigfd, &si, sizeof(si)) == sizeof(si)) {
-            atomic_store(&w->signo, (int)si.ssi_signo);
-            st_cancel_reads();
-            log_notice("stopping: the configured layers' load ends at its next read");
+    for (;;) {
+        if (poll(p, 2, -1) < 0) {
+            if (errno == EINTR)
+                continue;
             break;
         }
+        if (p[1].revents)
+            break;
+        if (read(w->sigfd, &si, sizeof(si)) != sizeof(si))
+            continue;
+        if (atomic_load(&w->signo)) {
+            /* The load may be stuck where no read comes (an upload). */
+            log_notice("second signal: stopping at once");
+            _exit(0);
+        }
+        atomic_store(&w->signo, (int)si.ssi_signo);
+        st_cancel_reads();
+        log_notice("stopping: the configured layers' load ends at its next read");
     }
     return NULL;
 }
@@ -830,6 +840,8 @@ int main(int argc, char **argv)
     rc = reload_load_initial(d.reload, err, sizeof(err));
     int sig = watch < 0 ? 0 : load_watch_end(&lw);
     if (sig) {
+        if (rc < 0 && rc != -ECANCELED)
+            log_err("cannot load %s", err);
         log_notice("stopped before serving: %s came while the configured layers loaded",
                    sig == SIGTERM ? "SIGTERM" : "SIGINT");
         return 0;

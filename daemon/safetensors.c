@@ -234,6 +234,13 @@ out:
 static atomic_uint_fast64_t bytes_read_total;
 static atomic_bool reads_cancelled;
 
+static void (*part_hook)(void);
+
+void st_set_part_hook(void (*fn)(void))
+{
+    part_hook = fn;
+}
+
 void st_cancel_reads(void)
 {
     atomic_store(&reads_cancelled, true);
@@ -361,6 +368,8 @@ int st_read(const struct st_file *f, const struct st_tensor *t, void *dst)
         int rc = pread_full(f->fd, p, part, off);
         if (rc)
             return rc;
+        if (part_hook)
+            part_hook();
         p += part;
         off += part;
         n -= part;

@@ -71,6 +71,8 @@ int st_read(const struct st_file *f, const struct st_tensor *t, void *dst);
  * part instead of holding up the stop. Any thread; there is no way back. */
 void st_cancel_reads(void);
 bool st_reads_cancelled(void);
+/* For tests: fn runs after each part of a tensor read (NULL: nothing). */
+void st_set_part_hook(void (*fn)(void));
 /* Bytes read from weight files by this process so far (any thread): what
  * the start-up timeout's keeper counts as a load's progress (notify.c). */
 uint64_t st_bytes_read(void);

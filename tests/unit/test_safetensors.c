@@ -599,9 +599,16 @@ TEST(read_after_truncation)
     CHECK_NO_LEAKS();
 }
 
+/* A stop that comes after a read's first part (st_set_part_hook). */
+static void cancel_after_a_part(void)
+{
+    st_cancel_reads();
+}
+
 /* A tensor larger than ST_READ_PART reads back whole across the parts, and
- * counts in st_bytes_read; once reads are cancelled, st_read refuses with
- * -ECANCELED and writes nothing, while headers still open. */
+ * counts in st_bytes_read; a stop during a read ends it after the part
+ * under way, and once reads are cancelled st_read refuses with -ECANCELED
+ * and writes nothing, while headers still open. */
 TEST(reads_in_parts_until_cancelled)
 {
     uint64_t s = test_seed();
@@ -624,8 +631,15 @@ TEST(reads_in_parts_until_cancelled)
     CHECK_EQ_INT(st_read(f, ta, back), 0);
     CHECK(memcmp(back, a, n * 4) == 0);
     CHECK_EQ_INT((long long)(st_bytes_read() - was), (long long)(n * 4));
-    st_cancel_reads();
+    memset(back, 0xa5, n * 4);
+    was = st_bytes_read();
+    CHECK(!st_reads_cancelled());
+    st_set_part_hook(cancel_after_a_part);
+    CHECK_EQ_INT(st_read(f, ta, back), -ECANCELED);
+    st_set_part_hook(NULL);
     CHECK(st_reads_cancelled());
+    CHECK_EQ_INT((long long)(st_bytes_read() - was), (long long)ST_READ_PART);
+    CHECK(memcmp(back, a, ST_READ_PART) == 0 && back[n - 1] != a[n - 1]);
     memset(back, 0xa5, n * 4);
     CHECK_EQ_INT(st_read(f, ta, back), -ECANCELED);
     CHECK(back[0] != a[0] && back[n - 1] != a[n - 1]);
