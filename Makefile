@@ -158,9 +158,9 @@ $(BUILD)/libmoe.a: $(CLIENT_O) $(PROTO_O)
 	@echo "  AR      $@"
 	$(Q)ar rcs $@ $^
 
-$(BUILD)/libmoe.so: $(CLIENT_O) $(PROTO_O)
+$(BUILD)/libmoe.so: $(CLIENT_O) $(PROTO_O) client/libmoe.map
 	@echo "  LINK    $@"
-	$(Q)$(CC) $(LDFLAGS) -shared -Wl,-soname,libmoe.so.0 -Wl,--version-script=client/libmoe.map -o $@ $^ -lzmq -lprotobuf-c
+	$(Q)$(CC) $(LDFLAGS) -shared -Wl,-soname,libmoe.so.0 -Wl,--version-script=client/libmoe.map -o $@ $(filter %.o,$^) -lzmq -lprotobuf-c
 
 $(BUILD)/libmoe.pc: client/libmoe.pc.in
 	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' $< > $@

@@ -217,9 +217,10 @@ typedef struct moe_device_info {
 } moe_device_info;
 
 /* Every device the daemon serves on (one round trip, Hello; a daemon may
- * have up to 16, moe_server_info holds 8): out[0..max) filled, and the
- * number the daemon has returned, which may be above max (the rest are
- * left out); or -errno. out may be NULL with max 0, to count them. */
+ * have up to 16, moe_server_info holds 8): returns how many it has, n, or
+ * -errno, and fills out[0 .. min(n, max)); past max the rest are left out.
+ * out may be NULL with max 0, to count them. Symbol version LIBMOE_0.1:
+ * a program that calls it does not start against an older libmoe.so.0. */
 int moe_devices(moe_client *c, moe_device_info *out, int max);
 
 /* ---- regions ----------------------------------------------------------- */

@@ -645,7 +645,8 @@ struct moek_align_args {
     int split_min_kb; /* K blocks an item of a split GEMM keeps at least */
     bool tiny;        /* the one-warp plan for T k <= 32 may be used */
     int route_cl;     /* most CTAs of route_align_small's cluster (1, 2, 4,
-                         8 or 16: moek_route_cluster_cap) */
+                         8 or 16: moek_route_cluster_cap, then
+                         moek_route_cluster_use for the route's experts) */
     moek_gemm_dims d[2];
     int ngemm;
     /* outputs */
