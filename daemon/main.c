@@ -569,6 +569,21 @@ static void raise_nofile(void)
                   (unsigned long long)was);
 }
 
+/* What main made for serving, in reverse. */
+static void daemon_free(struct daemon *d)
+{
+    loop_unwatch(d->loop, &d->tick);
+    loop_unwatch(d->loop, &d->sig_watch);
+    reload_free(&d->reload);
+    server_free(&d->server);
+    for (int i = 0; i < d->n_backends; i++)
+        backend_free(&d->backends[i]);
+    d->backend = NULL;
+    loop_free(&d->loop);
+    close_fd(&d->sigfd);
+    config_done(&d->cfg);
+}
+
 int main(int argc, char **argv)
 {
     enum { OPT_CHECK = 256, OPT_MBT, OPT_MDU, OPT_MST, OPT_RWU, OPT_SPIN, OPT_VDEV, OPT_NOBATCH,
@@ -844,6 +859,7 @@ int main(int argc, char **argv)
             log_err("cannot load %s", err);
         log_notice("stopped before serving: %s came while the configured layers loaded",
                    sig == SIGTERM ? "SIGTERM" : "SIGINT");
+        daemon_free(&d);
         return 0;
     }
     if (rc < 0) {
@@ -878,15 +894,6 @@ int main(int argc, char **argv)
      * most 1 s). */
     server_close_zmq(d.server, 1000);
     log_info("stopped");
-    loop_unwatch(d.loop, &d.tick);
-    loop_unwatch(d.loop, &d.sig_watch);
-    reload_free(&d.reload);
-    server_free(&d.server);
-    for (int i = 0; i < d.n_backends; i++)
-        backend_free(&d.backends[i]);
-    d.backend = NULL;
-    loop_free(&d.loop);
-    close_fd(&d.sigfd);
-    config_done(&d.cfg);
+    daemon_free(&d);
     return rc < 0 ? 1 : 0;
 }
