@@ -256,13 +256,16 @@ uint64_t st_bytes_read(void)
     return atomic_load_explicit(&bytes_read_total, memory_order_relaxed);
 }
 
-/* In parts of at most 64 MiB, each counted as it completes: a large
- * tensor's read shows progress long before its end, even from slow
- * storage. */
-static int pread_full(int fd, void *dst, uint64_t n, uint64_t off)
+/* In parts of at most ST_READ_PART bytes, each counted as it completes: a
+ * large tensor's read shows progress long before its end, even from slow
+ * storage. A tensor's read (cancellable) also ends before its next part
+ * once a stop cancels the reads. */
+static int pread_full(int fd, void *dst, uint64_t n, uint64_t off, bool cancellable)
 {
     uint8_t *p = dst;
     while (n > 0) {
+        if (cancellable && st_reads_cancelled())
+            return -ECANCELED;
         size_t chunk = n > ST_READ_PART ? ST_READ_PART : (size_t)n;
         ssize_t r = pread(fd, p, chunk, (off_t)off);
         if (r < 0) {
@@ -273,6 +276,8 @@ static int pread_full(int fd, void *dst, uint64_t n, uint64_t off)
         if (r == 0)
             return -EIO;
         atomic_fetch_add_explicit(&bytes_read_total, (uint_fast64_t)r, memory_order_relaxed);
+        if (cancellable && part_hook)
+            part_hook();
         p += r;
         n -= (uint64_t)r;
         off += (uint64_t)r;
@@ -295,7 +300,7 @@ int st_open_fd(int fd, struct st_file **out, char *err, size_t errlen)
         return st_fail(err, errlen, "not a regular file");
     }
     uint64_t size = (uint64_t)st.st_size;
-    if (size < 8 || pread_full(fd, lenbuf, 8, 0) < 0) {
+    if (size < 8 || pread_full(fd, lenbuf, 8, 0, false) < 0) {
         close(fd);
         return st_fail(err, errlen, "file of %llu bytes is too short for a safetensors header",
                        (unsigned long long)size);
@@ -310,7 +315,7 @@ int st_open_fd(int fd, struct st_file **out, char *err, size_t errlen)
     }
     char *json = malloc(hlen ? hlen : 1);
     struct st_file *f = calloc(1, sizeof(*f));
-    int rc = (!json || !f) ? -ENOMEM : pread_full(fd, json, hlen, 8);
+    int rc = (!json || !f) ? -ENOMEM : pread_full(fd, json, hlen, 8, false);
     if (rc == -EIO)
         rc = st_fail(err, errlen, "file is truncated inside its header");
     if (rc == 0)
@@ -357,24 +362,7 @@ const struct st_tensor *st_find(const struct st_file *f, const char *name)
 
 int st_read(const struct st_file *f, const struct st_tensor *t, void *dst)
 {
-    uint8_t *p = dst;
-    uint64_t n = t->nbytes, off = t->offset;
-    /* In parts, so that a stop (st_cancel_reads) ends a read of gigabytes
-     * early too. */
-    do {
-        if (st_reads_cancelled())
-            return -ECANCELED;
-        uint64_t part = n > ST_READ_PART ? ST_READ_PART : n;
-        int rc = pread_full(f->fd, p, part, off);
-        if (rc)
-            return rc;
-        if (part_hook)
-            part_hook();
-        p += part;
-        off += part;
-        n -= part;
-    } while (n > 0);
-    return 0;
+    return pread_full(f->fd, dst, t->nbytes, t->offset, true);
 }
 
 int st_write_check(const char *path)
