@@ -75,8 +75,7 @@ struct reload {
     bool orphan;              /* reload_free ran meanwhile: the plan frees it */
     unsigned loaded, unloaded, kept, failed, restored;
     bool unread;              /* the configuration could not be read: nothing changed */
-    bool tiles_in_use;        /* a tile table was read (reload_tiles) */
-    size_t tiles_entries;     /* and has this many entries */
+    size_t tiles_in_use;      /* the tile table's entries the backends hold (0: none) */
     bool tiles_bad;           /* this reload's table could not be used */
 };
 
@@ -210,8 +209,8 @@ int reload_tiles(struct reload *r)
      * half-written, and the layers loaded meanwhile deserve the tiles the
      * others have. */
     if (r->tiles_in_use)
-        snprintf(keep, sizeof(keep), "keeping the table in use (%zu entr%s)", r->tiles_entries,
-                 r->tiles_entries == 1 ? "y" : "ies");
+        snprintf(keep, sizeof(keep), "keeping the table in use (%zu entr%s)", r->tiles_in_use,
+                 r->tiles_in_use == 1 ? "y" : "ies");
     if (!path[0])
         log_debug("no tile table (tile_table is empty): token tiles from the kernels' heuristic");
     else if ((rc = tiles_read(&t, path, err, sizeof(err))) == -ENOENT)
@@ -234,8 +233,7 @@ int reload_tiles(struct reload *r)
                 taken = false;
             }
         }
-        r->tiles_in_use = rc == 0 && taken;
-        r->tiles_entries = r->tiles_in_use ? t.n : 0;
+        r->tiles_in_use = rc == 0 && taken ? t.n : 0;
     }
     tiles_done(&t);
     return bad && chooses ? rc : 0;
@@ -284,12 +282,6 @@ int reload_load_initial(struct reload *r, char *err, size_t errlen)
         return 0;
     notify_loading_begin(CLOCK_PROCESS_CPUTIME_ID); /* the loop is not serving yet */
     for (const struct layer_conf *lc = s->cfg->layers; lc; lc = lc->next) {
-        if (st_reads_cancelled()) {
-            snprintf(err, errlen, "layer '%s' and those after it: not loaded, since moed is "
-                     "stopping", lc->name);
-            rc = -ECANCELED;
-            break;
-        }
         notify_loading_layer(lc->name, ++i, n);
         struct stat st;
         bool have_st = stat(lc->path, &st) == 0;
@@ -701,7 +693,7 @@ static void restore_begin(struct reload *r)
     struct server *s = r->s;
     unsigned n = r->n_loading;
     /* A stop cancels the loads (st_cancel_reads): a restore would fail too. */
-    bool stopping = s->draining || st_reads_cancelled();
+    bool stopping = st_reads_cancelled();
     struct plan *p = calloc(1, sizeof(*p));
     if (p && !(p->stats = calloc(n + 1, sizeof(*p->stats)))) {
         free(p);
