@@ -1263,6 +1263,12 @@ static int hello(moe_client *c, Moe__Reply **rep)
     return call(c, &req, rep);
 }
 
+static void device_info(const Moe__DeviceInfo *d, moe_device_info *out)
+{
+    *out = (moe_device_info){.memory_bytes = d->memory_bytes, .compute_units = d->compute_units};
+    snprintf(out->name, sizeof(out->name), "%s", d->name);
+}
+
 int moe_devices(moe_client *c, moe_device_info *out, int max)
 {
     if (!c)
@@ -1278,11 +1284,8 @@ int moe_devices(moe_client *c, moe_device_info *out, int max)
     if (rep->body_case == MOE__REPLY__BODY_HELLO) {
         Moe__HelloReply *hr = rep->hello;
         n = hr->n_devices > INT_MAX ? INT_MAX : (int)hr->n_devices;
-        for (int i = 0; i < n && i < max; i++) {
-            out[i] = (moe_device_info){.memory_bytes = hr->devices[i]->memory_bytes,
-                                       .compute_units = hr->devices[i]->compute_units};
-            snprintf(out[i].name, sizeof(out[i].name), "%s", hr->devices[i]->name);
-        }
+        for (int i = 0; i < n && i < max; i++)
+            device_info(hr->devices[i], &out[i]);
     }
     moe__reply__free_unpacked(rep, NULL);
     return n;
@@ -1302,12 +1305,8 @@ int moe_hello(moe_client *c, moe_server_info *info)
         info->protocol_version = hr->protocol_version;
         snprintf(info->server_version, sizeof(info->server_version), "%s", hr->server_version);
         snprintf(info->backend, sizeof(info->backend), "%s", hr->backend);
-        for (size_t i = 0; i < hr->n_devices && i < sizeof(info->devices) / sizeof(info->devices[0]); i++) {
-            snprintf(info->devices[i].name, sizeof(info->devices[i].name), "%s", hr->devices[i]->name);
-            info->devices[i].memory_bytes = hr->devices[i]->memory_bytes;
-            info->devices[i].compute_units = hr->devices[i]->compute_units;
-            info->n_devices++;
-        }
+        for (size_t i = 0; i < hr->n_devices && i < sizeof(info->devices) / sizeof(info->devices[0]); i++)
+            device_info(hr->devices[i], &info->devices[info->n_devices++]);
         info->max_message_bytes = hr->max_message_bytes;
         info->max_batch_tokens = hr->max_batch_tokens;
         size_t o = 0;

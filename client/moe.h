@@ -192,16 +192,18 @@ void moe_set_spin_us(moe_client *c, unsigned spin_us);
  * finds them awake instead of waking them. Default 0: off. */
 void moe_set_spin_ahead_us(moe_client *c, unsigned ahead_us);
 
+typedef struct moe_device_info {
+    char name[96];
+    uint64_t memory_bytes;
+    uint32_t compute_units;
+} moe_device_info;
+
 typedef struct moe_server_info {
     uint32_t protocol_version;
     char server_version[32];
     char backend[16];
     int n_devices; /* up to 8: moe_devices() lists every one */
-    struct {
-        char name[96];
-        uint64_t memory_bytes;
-        uint32_t compute_units;
-    } devices[8];
+    moe_device_info devices[8];
     uint64_t max_message_bytes;
     uint32_t max_batch_tokens;
     char capabilities[512]; /* comma separated */
@@ -209,12 +211,6 @@ typedef struct moe_server_info {
 
 /* One round trip (Hello). info may be NULL. */
 int moe_hello(moe_client *c, moe_server_info *info);
-
-typedef struct moe_device_info {
-    char name[96];
-    uint64_t memory_bytes;
-    uint32_t compute_units;
-} moe_device_info;
 
 /* Every device the daemon serves on (one round trip, Hello; a daemon may
  * have up to 16, moe_server_info holds 8): returns how many it has, n, or
